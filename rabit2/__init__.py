@@ -1,0 +1,64 @@
+"""rabit2: fault-tolerant allreduce/broadcast for Python.
+
+The API follows rabit (``init``, ``allreduce``, ``broadcast``, ``checkpoint``, ...) and also
+answers to the ``xgboost.collective`` spellings.  See ``docs/user-guide.md``.
+"""
+
+from rabit2 import errors
+from rabit2.api import (
+    CommunicatorContext,
+    agree,
+    allgather,
+    allreduce,
+    broadcast,
+    checkpoint,
+    communicator_print,
+    finalize,
+    get_processor_name,
+    get_rank,
+    get_world_size,
+    init,
+    is_distributed,
+    lazy_checkpoint,
+    load_checkpoint,
+    signal_error,
+    tracker_print,
+    version_number,
+)
+from rabit2.core.ops import Op
+from rabit2.errors import RabitError
+
+MAX = Op.MAX
+MIN = Op.MIN
+SUM = Op.SUM
+BITOR = Op.BITOR
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BITOR",
+    "MAX",
+    "MIN",
+    "SUM",
+    "CommunicatorContext",
+    "Op",
+    "RabitError",
+    "agree",
+    "allgather",
+    "allreduce",
+    "broadcast",
+    "checkpoint",
+    "communicator_print",
+    "errors",
+    "finalize",
+    "get_processor_name",
+    "get_rank",
+    "get_world_size",
+    "init",
+    "is_distributed",
+    "lazy_checkpoint",
+    "load_checkpoint",
+    "signal_error",
+    "tracker_print",
+    "version_number",
+]

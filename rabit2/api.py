@@ -1,0 +1,442 @@
+"""The blocking, rabit-compatible API over the engine's loop thread.
+
+One communicator per process (as in rabit): :func:`init` creates it, :func:`finalize` ends
+it.  Without a tracker in the configuration the process runs alone (rank 0 of 1) and every
+collective is a local no-op, so the same program runs on a laptop and in a job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import signal
+import socket
+import struct
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
+
+from rabit2.config import Config, load_config
+from rabit2.core.agent import Call
+from rabit2.core.framing import CollectiveKind
+from rabit2.core.ops import Op, check_op_dtype, dtype_code, dtype_from_code
+from rabit2.errors import MismatchError, NotInitializedError, RabitError
+
+logger = logging.getLogger("rabit2")
+
+# broadcast sends a fixed descriptor first, then the payload (rabit sends a length first)
+_DESC = struct.Struct("<BBBxIQ8Q")  # kind, dtype code, ndim, pad, reserved, nbytes, shape[8]
+_DESC_PICKLE, _DESC_ARRAY = 1, 2
+_MAX_NDIM = 8
+
+
+class _State:
+    """The process-wide communicator (rabit has exactly one per process)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.config: Config | None = None
+        self.engine: Any = None  # rabit2.io.engine.Engine when distributed
+        self.rank = 0
+        self.world = 1
+        self.version = 0
+        self.seqno = 0
+        self.global_model: bytes | None = None
+        self.lazy_model: Any = None
+        self.local_model: bytes | None = None
+
+
+_state = _State()
+
+
+def _require() -> _State:
+    if _state.config is None:
+        raise NotInitializedError("call rabit2.init() first")
+    return _state
+
+
+# ----------------------------------------------------------------------------- lifecycle
+
+
+def init(args: Iterable[str | bytes] | None = None, **kwargs: Any) -> None:
+    """Join the job (or start single-process mode when no tracker is configured).
+
+    ``args`` are rabit-style ``"k=v"`` strings (e.g. ``sys.argv``; other strings are
+    ignored); ``kwargs`` are xgboost.collective-style keyword parameters.  Environment
+    variables set by ``rabit2-submit`` are read first.  Raises ``ValueError`` for unknown or
+    malformed parameters and :class:`~rabit2.errors.RabitError` if the job cannot be joined
+    within the connect deadline.  A second call while initialised is ignored with a warning,
+    as in rabit.
+    """
+    with _state.lock:
+        if _state.config is not None:
+            logger.warning("rabit2.init() called twice; ignoring the second call")
+            return
+        config = load_config(args, kwargs)
+        logging.getLogger("rabit2").setLevel(config.log_level.upper())
+        _state.version = _state.seqno = 0
+        _state.global_model = _state.local_model = _state.lazy_model = None
+        if config.distributed:
+            from rabit2.io.engine import Engine  # noqa: PLC0415 - keeps single mode light
+
+            engine = Engine(config)
+            engine.start()
+            assert engine.assignment is not None
+            _state.engine = engine
+            _state.rank = engine.assignment.rank
+            _state.world = engine.assignment.world_size
+        else:
+            _state.engine = None
+            _state.rank, _state.world = 0, 1
+        _state.config = config
+
+
+def finalize() -> None:
+    """Leave the job: tell the tracker, close every link.  Safe to call when not initialised."""
+    with _state.lock:
+        engine, _state.engine, _state.config = _state.engine, None, None
+        if engine is not None:
+            engine.finalize()
+
+
+def get_rank() -> int:
+    """This process's rank (0 when not initialised, as in rabit)."""
+    return _state.rank if _state.config is not None else 0
+
+
+def get_world_size() -> int:
+    """The number of workers (1 when not initialised, as in rabit)."""
+    return _state.world if _state.config is not None else 1
+
+
+def is_distributed() -> bool:
+    return _state.engine is not None
+
+
+def get_processor_name() -> str:
+    return socket.gethostname()
+
+
+def tracker_print(msg: Any) -> None:
+    """Print ``msg`` on the tracker's console (locally when not distributed)."""
+    text = str(msg)
+    engine = _state.engine
+    if engine is None:
+        print(text, flush=True)
+    else:
+        engine.tracker_print(text)
+
+
+def signal_error(msg: str = "signal_error() called") -> None:
+    """Ask the tracker to abort the job: every other worker raises ``JobAbortedError``."""
+    engine = _state.engine
+    if engine is not None:
+        engine.signal_error(msg)
+
+
+# ----------------------------------------------------------------------------- fault hooks
+
+
+def _mock_hit(kind: str) -> None:
+    """rabit's mock engine: ``mock=rank,version,seqno,trial`` kills us at that call."""
+    cfg = _state.config
+    if cfg is None or not cfg.mock:
+        return
+    key = (_state.rank, _state.version, _state.seqno, cfg.num_attempt)
+    for spec in cfg.mock:
+        if (spec.rank, spec.version, spec.seqno, spec.trial) == key and spec.after_bytes < 0:
+            logger.error("[%d]@@@Hit Mock Error:%s at %s", _state.rank, kind, key)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _run(call: Call) -> None:
+    state = _require()
+    if state.engine is None:
+        return
+    _mock_hit(call.kind.name.lower())
+    state.engine.run_call(call)
+    state.seqno += 1
+
+
+# ----------------------------------------------------------------------------- allreduce
+
+
+def _flat_bytes(arr: np.ndarray) -> memoryview:
+    return memoryview(arr.reshape(-1).view(np.uint8))
+
+
+def allreduce(data: Any, op: Any, prepare_fun: Callable[[Any], None] | None = None) -> Any:
+    """Reduce ``data`` element-wise across all ranks; every rank gets the same bytes.
+
+    ``data``: a numpy array of int8..uint64 or float16/32/64, any shape (or a cupy array
+    with the ``gpu`` extra: it is staged through host memory).  A C-contiguous writable
+    array is reduced in place; otherwise a contiguous copy is reduced and written back when
+    ``data`` is writable.  The result (same shape and dtype, never promoted) is returned.
+    ``prepare_fun(data)``, if given, is called right before the data is needed, as in rabit.
+
+    Raises ``TypeError`` (not an array, unsupported dtype, bitwise op on floats) or
+    ``ValueError`` (unknown op) before anything is sent; ``MismatchError`` on every rank
+    when ranks disagree on size, dtype or op; other ``RabitError`` s when the job fails.
+    """
+    if _is_cupy(data):
+        return _allreduce_cupy(data, op, prepare_fun)
+    if not isinstance(data, np.ndarray):
+        raise TypeError(f"allreduce takes a numpy array, got {type(data).__name__}")
+    opv, dtype = check_op_dtype(op, data.dtype)
+    state = _require()
+    if prepare_fun is not None:
+        prepare_fun(data)
+    if state.engine is None or data.size == 0 and state.world == 1:
+        return data
+    inplace = data.flags.c_contiguous and data.flags.writeable
+    work = data if inplace else np.ascontiguousarray(data).copy()
+    buf = _flat_bytes(work)
+    kind = state.engine.agent.choose_allreduce(len(buf), dtype.itemsize)
+    _run(Call(kind, buf, dtype, opv))
+    if not inplace and data.flags.writeable:
+        data[...] = work
+        return data
+    return work
+
+
+def _is_cupy(data: Any) -> bool:
+    return hasattr(data, "__cuda_array_interface__") and type(data).__module__.startswith("cupy")
+
+
+def _allreduce_cupy(data: Any, op: Any, prepare_fun: Callable[[Any], None] | None) -> Any:
+    import cupy  # noqa: PLC0415 - optional dependency (rabit2[gpu])
+
+    if prepare_fun is not None:
+        prepare_fun(data)
+    host = cupy.asnumpy(data)
+    allreduce(host, op)
+    data[...] = cupy.asarray(host)
+    return data
+
+
+# ----------------------------------------------------------------------------- broadcast
+
+
+def _bcast_bytes(buf: memoryview, root: int) -> None:
+    _run(Call(CollectiveKind.BROADCAST, buf, root=root))
+
+
+def broadcast(data: Any, root: int) -> Any:
+    """Send ``data`` from ``root`` to every rank and return it.
+
+    A numpy array (C-contiguous after conversion, ndim <= 8) travels as raw bytes; anything
+    else is pickled.  Non-root ranks may pass ``None``; a non-root that passes a writable
+    C-contiguous array of the root's dtype and shape receives straight into it.  Raises
+    ``ValueError`` for a root outside ``[0, world)`` and ``TypeError`` if the root's object
+    cannot be pickled, before anything is sent.
+    """
+    state = _require()
+    if not isinstance(root, (int, np.integer)) or not 0 <= int(root) < state.world:
+        raise ValueError(f"root must be a rank in [0, {state.world}), got {root!r}")
+    root = int(root)
+    if state.engine is None:
+        return data
+    desc = bytearray(_DESC.size)
+    payload: memoryview | None = None
+    array: np.ndarray | None = None
+    if state.rank == root:
+        if isinstance(data, np.ndarray) and data.ndim <= _MAX_NDIM and _supported(data.dtype):
+            array = np.ascontiguousarray(data)
+            payload = _flat_bytes(array)
+            shape = list(array.shape) + [0] * (_MAX_NDIM - array.ndim)
+            _DESC.pack_into(desc, 0, _DESC_ARRAY, dtype_code(array.dtype), array.ndim, 0,
+                            len(payload), *shape)
+        else:
+            try:
+                blob = pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:
+                raise TypeError(f"broadcast: cannot pickle {type(data).__name__}: {exc}") from exc
+            payload = memoryview(blob)
+            _DESC.pack_into(desc, 0, _DESC_PICKLE, 0, 0, 0, len(blob), *([0] * _MAX_NDIM))
+    _bcast_bytes(memoryview(desc), root)
+    kind, code, ndim, _, nbytes, *shape = _DESC.unpack(desc)
+    if state.rank == root:
+        assert payload is not None
+        _bcast_bytes(payload, root)
+        return data
+    if kind == _DESC_ARRAY:
+        dtype = dtype_from_code(code)
+        dims = tuple(shape[:ndim])
+        if (isinstance(data, np.ndarray) and data.dtype == dtype and data.shape == dims
+                and data.flags.c_contiguous and data.flags.writeable):
+            out = data
+        else:
+            out = np.empty(dims, dtype=dtype)
+        _bcast_bytes(_flat_bytes(out), root)
+        return out
+    if kind != _DESC_PICKLE:
+        raise MismatchError(f"broadcast descriptor of unknown kind {kind}")
+    blob_buf = bytearray(nbytes)
+    _bcast_bytes(memoryview(blob_buf), root)
+    return pickle.loads(blob_buf)
+
+
+def _supported(dtype: np.dtype) -> bool:
+    try:
+        dtype_code(dtype)
+    except TypeError:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- allgather
+
+
+_GATHER_INFO = 4  # uint64 per rank: nbytes, dtype code, rows, hash of trailing shape
+
+
+def allgather(data: Any) -> np.ndarray:
+    """Concatenate every rank's array along axis 0, in rank order, on every rank.
+
+    Ranks may contribute different numbers of rows; dtype and trailing shape must agree
+    (``MismatchError`` on every rank otherwise).  Raises ``TypeError`` for a non-array or an
+    unsupported dtype before anything is sent.
+    """
+    if not isinstance(data, np.ndarray):
+        raise TypeError(f"allgather takes a numpy array, got {type(data).__name__}")
+    code = dtype_code(data.dtype)
+    state = _require()
+    arr = np.ascontiguousarray(data).reshape(data.shape if data.ndim else (1,))
+    if state.engine is None:
+        return arr.copy()
+    trailing = hash(tuple(arr.shape[1:])) & (2**63 - 1)
+    info = np.zeros(state.world * _GATHER_INFO, dtype=np.uint64)
+    mine = slice(state.rank * _GATHER_INFO, (state.rank + 1) * _GATHER_INFO)
+    info[mine] = (arr.nbytes, code, arr.shape[0], trailing)
+    blocks = tuple((r * _GATHER_INFO * 8, (r + 1) * _GATHER_INFO * 8) for r in range(state.world))
+    _run(Call(CollectiveKind.ALLGATHER, _flat_bytes(info), blocks=blocks))
+    table = info.reshape(state.world, _GATHER_INFO)
+    if len({(int(c), int(t)) for _, c, _, t in table}) != 1:
+        raise MismatchError(
+            "allgather: ranks passed different dtypes or trailing shapes: "
+            + ", ".join(f"rank {r}: dtype#{int(c)}" for r, (_, c, _, _) in enumerate(table))
+        )
+    sizes = [int(n) for n in table[:, 0]]
+    offsets = np.cumsum([0, *sizes])
+    rows = int(table[:, 2].sum())
+    out = np.empty((rows, *arr.shape[1:]), dtype=arr.dtype)
+    flat = _flat_bytes(out)
+    flat[offsets[state.rank] : offsets[state.rank + 1]] = _flat_bytes(arr)
+    gblocks = tuple((int(offsets[r]), int(offsets[r + 1])) for r in range(state.world))
+    _run(Call(CollectiveKind.ALLGATHER, flat, blocks=gblocks))
+    return out
+
+
+def agree(flag: bool) -> bool:
+    """True on every rank iff every rank passed a true ``flag`` (a logical AND)."""
+    value = np.array([1 if flag else 0], dtype=np.uint8)
+    allreduce(value, Op.MIN)
+    return bool(value[0])
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint(global_model: Any, local_model: Any = None) -> None:
+    """Record the model state after an iteration; the version number goes up by one.
+
+    Models are pickled and kept in memory (nothing touches disk).  Collective calls after
+    this point are numbered from zero again (their identity is (version, seqno)).
+    """
+    state = _require()
+    state.global_model = pickle.dumps(global_model, protocol=pickle.HIGHEST_PROTOCOL)
+    state.lazy_model = None
+    state.local_model = (
+        None if local_model is None else pickle.dumps(local_model, pickle.HIGHEST_PROTOCOL)
+    )
+    _advance_version(state)
+
+
+def lazy_checkpoint(global_model: Any) -> None:
+    """Like :func:`checkpoint` without pickling now: the model must not change until the
+    next checkpoint (it is serialised only if a restarted peer needs it)."""
+    state = _require()
+    state.lazy_model = global_model
+    state.global_model = None
+    state.local_model = None
+    _advance_version(state)
+
+
+def _advance_version(state: _State) -> None:
+    _mock_hit("checkpoint")
+    if state.engine is not None:
+        state.version = state.engine.checkpoint()
+    else:
+        state.version += 1
+    state.seqno = 0
+
+
+def load_checkpoint(with_local: bool = False) -> tuple[Any, ...]:
+    """Return ``(version, global_model)`` (or with ``local_model`` too); ``(0, None)`` on a
+    fresh start."""
+    state = _require()
+    if state.version == 0:
+        return (0, None, None) if with_local else (0, None)
+    if state.lazy_model is not None:
+        model = state.lazy_model
+    else:
+        model = None if state.global_model is None else pickle.loads(state.global_model)
+    if with_local:
+        local = None if state.local_model is None else pickle.loads(state.local_model)
+        return state.version, model, local
+    return state.version, model
+
+
+def version_number() -> int:
+    """How many checkpoints this job has taken."""
+    return _state.version if _state.config is not None else 0
+
+
+# ----------------------------------------------------------------------------- xgboost names
+
+
+def communicator_print(msg: Any) -> None:
+    """xgboost.collective spelling of :func:`tracker_print`."""
+    tracker_print(msg)
+
+
+class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext"]):
+    """``with CommunicatorContext(**args):`` = ``init(**args)`` ... ``finalize()``."""
+
+    def __init__(self, **args: Any) -> None:
+        self.args = args
+
+    def __enter__(self) -> CommunicatorContext:
+        init(**self.args)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        finalize()
+
+
+__all__ = [
+    "CommunicatorContext",
+    "Op",
+    "agree",
+    "allgather",
+    "allreduce",
+    "broadcast",
+    "checkpoint",
+    "communicator_print",
+    "finalize",
+    "get_processor_name",
+    "get_rank",
+    "get_world_size",
+    "init",
+    "is_distributed",
+    "lazy_checkpoint",
+    "load_checkpoint",
+    "signal_error",
+    "tracker_print",
+    "version_number",
+]
+

@@ -1,0 +1,213 @@
+"""Worker configuration: environment, rabit-style ``k=v`` arguments and keyword arguments.
+
+Precedence, lowest first (as in classic rabit): built-in defaults, environment variables,
+``k=v`` strings given to :func:`rabit2.init`, keyword arguments.  Keys are case-insensitive;
+``dmlc_*`` (xgboost.collective 2.x+) and ``rabit_*`` spellings are both accepted.
+
+Unknown ``rabit_*``/``dmlc_*``/``rabit2_*`` keys raise ``ValueError`` so that a typo does not
+silently change nothing; strings that are not ``k=v`` are ignored, as rabit ignores them
+(this lets a program pass ``sys.argv`` straight through).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+DEFAULT_RING_MINCOUNT = 32768
+DEFAULT_TREE_MINSIZE = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MockSpec:
+    """``mock=rank,version,seqno,trial``: kill this process at that call on that attempt.
+
+    ``after_bytes`` (the optional fifth field) delays the kill until that many payload bytes
+    of the call have been received, to die in the middle of a transfer.
+    """
+
+    rank: int
+    version: int
+    seqno: int
+    trial: int
+    after_bytes: int = -1
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Config:
+    tracker_uri: str | None = None
+    tracker_port: int = 9091
+    task_id: str = "NULL"
+    num_attempt: int = 0
+    world_size: int = -1
+    secret: bytes = b""
+    timeout_sec: float = 1800.0
+    connect_timeout_sec: float = 30.0
+    connect_retry: int = 5
+    heartbeat_sec: float = 1.0
+    reduce_ring_mincount: int = DEFAULT_RING_MINCOUNT
+    tree_reduce_minsize: int = DEFAULT_TREE_MINSIZE
+    loop: str = "uvloop"
+    log_level: str = "WARNING"
+    mock: tuple[MockSpec, ...] = ()
+
+    @property
+    def distributed(self) -> bool:
+        return self.tracker_uri not in (None, "", "NULL")
+
+
+# canonical field <- accepted spellings (lower case)
+_ALIASES: dict[str, str] = {
+    "dmlc_tracker_uri": "tracker_uri",
+    "rabit_tracker_uri": "tracker_uri",
+    "dmlc_tracker_port": "tracker_port",
+    "rabit_tracker_port": "tracker_port",
+    "dmlc_task_id": "task_id",
+    "rabit_task_id": "task_id",
+    "dmlc_num_attempt": "num_attempt",
+    "rabit_num_trial": "num_attempt",
+    "dmlc_num_worker": "world_size",
+    "rabit_world_size": "world_size",
+    "rabit2_secret": "secret",
+    "rabit_timeout_sec": "timeout_sec",
+    "dmlc_timeout": "timeout_sec",
+    "rabit2_timeout_sec": "timeout_sec",
+    "rabit2_connect_timeout_sec": "connect_timeout_sec",
+    "dmlc_worker_connect_retry": "connect_retry",
+    "dmlc_retry": "connect_retry",
+    "rabit2_heartbeat_sec": "heartbeat_sec",
+    "rabit_reduce_ring_mincount": "reduce_ring_mincount",
+    "rabit_tree_reduce_minsize": "tree_reduce_minsize",
+    "rabit2_loop": "loop",
+    "rabit2_log_level": "log_level",
+    "mock": "mock",
+}
+# accepted for compatibility, no effect in rabit2 (documented in docs/user-guide.md)
+_IGNORED = {
+    "rabit_enable_tcp_no_delay",  # TCP_NODELAY is always on
+    "rabit_timeout",  # deadlines are always on
+    "rabit_reduce_buffer",
+    "rabit_debug",
+    "rabit_bootstrap_cache",
+    "rabit_global_replica",
+    "rabit_local_replica",
+    "rabit_hadoop_mode",
+    "dmlc_communicator",
+    "xgboost_communicator",
+    "dmlc_role",
+    "dmlc_nccl_path",
+    "dmlc_num_server",
+    "dmlc_job_cluster",
+    "report_stats",
+    "force_local",
+}
+_ENV_KEYS = (
+    "DMLC_TRACKER_URI",
+    "DMLC_TRACKER_PORT",
+    "DMLC_TASK_ID",
+    "DMLC_NUM_ATTEMPT",
+    "DMLC_NUM_WORKER",
+    "DMLC_WORKER_CONNECT_RETRY",
+    "RABIT2_SECRET",
+    "RABIT2_TIMEOUT_SEC",
+    "RABIT2_CONNECT_TIMEOUT_SEC",
+    "RABIT2_HEARTBEAT_SEC",
+    "RABIT2_LOOP",
+    "RABIT2_LOG_LEVEL",
+)
+_PREFIXES = ("rabit_", "dmlc_", "rabit2_")
+
+
+def _parse_mock(value: str) -> MockSpec:
+    parts = [p.strip() for p in value.split(",")]
+    if len(parts) not in (4, 5):
+        raise ValueError(f"mock={value!r}: expected rank,version,seqno,trial[,after_bytes]")
+    try:
+        nums = [int(p) for p in parts]
+    except ValueError:
+        raise ValueError(f"mock={value!r}: fields must be integers") from None
+    return MockSpec(*nums)
+
+
+def _convert(field: str, value: Any) -> Any:
+    if field == "secret":
+        if isinstance(value, bytes):
+            return value
+        text = str(value)
+        try:
+            return bytes.fromhex(text)
+        except ValueError:
+            return text.encode()
+    if field in ("tracker_port", "num_attempt", "world_size", "connect_retry",
+                 "reduce_ring_mincount", "tree_reduce_minsize"):
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{field}: expected an integer, got {value!r}") from None
+    if field in ("timeout_sec", "connect_timeout_sec", "heartbeat_sec"):
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{field}: expected seconds, got {value!r}") from None
+        if seconds <= 0:
+            raise ValueError(f"{field}: must be positive, got {value!r}")
+        return seconds
+    if field == "loop":
+        text = str(value).lower()
+        if text not in ("uvloop", "asyncio"):
+            raise ValueError(f"loop: expected 'uvloop' or 'asyncio', got {value!r}")
+        return text
+    if field == "tracker_uri":
+        text = str(value)
+        return None if text in ("", "NULL") else text
+    return str(value)
+
+
+def load_config(
+    args: Iterable[str | bytes] | None = None,
+    kwargs: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Build a :class:`Config`.  Raises ``ValueError`` for unknown keys or bad values."""
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    mocks: list[MockSpec] = []
+
+    def apply(key: str, value: Any) -> None:
+        lower = key.lower()
+        if lower in _IGNORED:
+            return
+        field = _ALIASES.get(lower)
+        if field is None:
+            if lower in {f.name for f in dataclasses.fields(Config)}:
+                field = lower
+            elif lower.startswith(_PREFIXES):
+                raise ValueError(f"unknown rabit2 parameter {key!r}")
+            else:
+                return
+        if field == "mock":
+            mocks.append(_parse_mock(str(value)))
+            return
+        values[field] = _convert(field, value)
+
+    for key in _ENV_KEYS:
+        if key in env:
+            apply(key, env[key])
+    for arg in args or ():
+        text = arg.decode() if isinstance(arg, bytes) else str(arg)
+        key, sep, value = text.partition("=")
+        if sep and key:
+            apply(key.strip(), value.strip())
+    for key, value in (kwargs or {}).items():
+        if key.lower() == "mock" and isinstance(value, (list, tuple)):
+            for item in value:
+                apply(key, item)
+        else:
+            apply(key, value)
+    if values.get("reduce_ring_mincount", 1) < 0:
+        raise ValueError("rabit_reduce_ring_mincount must be >= 0")
+    if values.get("tree_reduce_minsize", 1) <= 0:
+        raise ValueError("rabit_tree_reduce_minsize must be > 0")
+    return Config(**values, mock=tuple(mocks))

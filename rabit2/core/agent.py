@@ -1,0 +1,572 @@
+"""The Rabit-style agent: one rank's sans-I/O core.
+
+The I/O layer owns sockets and a loop; it feeds the agent events and executes the commands the
+agent returns.  Received bytes go straight where the agent says (:meth:`Agent.recv_buffer`
+returns a view of the destination: a frame header buffer, the user's array or a link's
+scratch), so the hot path copies nothing.
+
+    event (call, bytes arrived, link closed, tick)  ->  Agent.handle  ->  [Command, ...]
+
+Every state change goes through :func:`rabit2.core.fsm.transition`.  Time is an argument
+(``now``, seconds on any monotonic clock); the agent never reads a clock.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import numpy as np
+
+from rabit2.core import fsm
+from rabit2.core.framing import (
+    HEADER_SIZE,
+    NONE_U8,
+    NONE_U16,
+    CallDescriptor,
+    CollectiveKind,
+    FrameHeader,
+    FrameKind,
+    decode_error,
+    encode_error,
+    pack_header,
+    parse_header,
+)
+from rabit2.core.ops import Op, dtype_code
+from rabit2.core.schedule import (
+    Plan,
+    RingAllgather,
+    RingAllreduce,
+    Stream,
+    TreeAllreduce,
+    TreeBroadcast,
+)
+from rabit2.core.topology import broadcast_route, topology
+from rabit2.errors import (
+    CollectiveTimeoutError,
+    JobAbortedError,
+    MismatchError,
+    PeerLostError,
+    ProtocolError,
+    RabitError,
+)
+
+State, Event = fsm.State, fsm.Event
+
+_ERROR_CLASSES: dict[str, type[RabitError]] = {
+    "mismatch": MismatchError,
+    "peer_lost": PeerLostError,
+    "protocol": ProtocolError,
+    "timeout": CollectiveTimeoutError,
+    "aborted": JobAbortedError,
+}
+_ERROR_NAMES = {cls: name for name, cls in _ERROR_CLASSES.items()}
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Send:
+    """Write these buffers, in order, to the link to ``peer`` (header first)."""
+
+    peer: int
+    buffers: list[bytes | memoryview]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PauseReading:
+    peer: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResumeReading:
+    peer: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CallComplete:
+    """The current call finished on this rank; ``call_id`` = (version, seqno)."""
+
+    call_id: tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CallFailed:
+    call_id: tuple[int, int] | None
+    error: RabitError
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CloseLink:
+    peer: int
+    reason: str
+
+
+Command = Send | PauseReading | ResumeReading | CallComplete | CallFailed | CloseLink
+
+
+# ----------------------------------------------------------------------------- calls
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Call:
+    """A collective as the API hands it to the agent (already validated)."""
+
+    kind: CollectiveKind
+    buf: memoryview  # flat, writable, C-contiguous bytes
+    dtype: np.dtype | None = None
+    op: Op | None = None
+    root: int = -1
+    blocks: tuple[tuple[int, int], ...] = ()  # allgather: byte range of each rank's block
+
+
+_CALL_EVENTS = {
+    CollectiveKind.ALLREDUCE_TREE: Event.CALL_ALLREDUCE,
+    CollectiveKind.ALLREDUCE_RING: Event.CALL_ALLREDUCE,
+    CollectiveKind.BROADCAST: Event.CALL_BROADCAST,
+    CollectiveKind.ALLGATHER: Event.CALL_ALLGATHER,
+}
+
+
+class _Mode(enum.Enum):
+    HEADER = 1
+    PAYLOAD = 2
+    ERROR_PAYLOAD = 3
+    HELD = 4  # a header of a later call was read; the link is paused until that call starts
+
+
+class _Link:
+    """Receive-side framing state of one peer link."""
+
+    __slots__ = ("error_buf", "filled", "frame", "header", "header_view", "mode", "pos",
+                 "remaining", "scratch")
+
+    def __init__(self) -> None:
+        self.header = bytearray(HEADER_SIZE)
+        self.header_view = memoryview(self.header)
+        self.mode = _Mode.HEADER
+        self.filled = 0
+        self.frame: FrameHeader | None = None
+        self.pos = 0  # stream position of the next payload byte
+        self.remaining = 0  # payload bytes left in the current frame
+        self.error_buf = bytearray()
+        self.scratch = np.empty(0, dtype=np.uint8)
+
+
+class _Active:
+    """Bookkeeping of the call in progress."""
+
+    __slots__ = ("call", "call_id", "desc", "frames_seen", "plan", "sent", "started_empty")
+
+    def __init__(self, call: Call, call_id: tuple[int, int], desc: CallDescriptor,
+                 plan: Plan) -> None:
+        self.call, self.call_id, self.desc, self.plan = call, call_id, desc, plan
+        self.sent = dict.fromkeys(plan.out_streams, 0)
+        self.frames_seen = dict.fromkeys(plan.in_streams, 0)
+        self.started_empty: set[int] = set()
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AgentStats:
+    """A frozen snapshot of counters, for humans and tests."""
+
+    state: str
+    calls_completed: int
+    bytes_sent: int
+    bytes_received: int
+    frames_sent: int
+    frames_received: int
+
+
+class Agent:
+    """One rank's agent.  Not thread-safe: the I/O layer calls it from its loop thread only."""
+
+    def __init__(
+        self,
+        *,
+        ring_mincount: int = 32768,
+        tree_chunk: int = 1 << 20,
+        timeout: float = 1800.0,
+    ) -> None:
+        self.state = State.IDLE
+        self.rank = 0
+        self.world = 1
+        self.ring_mincount = ring_mincount
+        self.tree_chunk = tree_chunk
+        self.timeout = timeout
+        self.version = 0
+        self.seqno = 0
+        self.links: dict[int, _Link] = {}
+        self.dead_links: dict[int, str] = {}
+        self.active: _Active | None = None
+        self.error: RabitError | None = None
+        self.last_progress = 0.0
+        self._calls_completed = 0
+        self._bytes_sent = 0
+        self._bytes_received = 0
+        self._frames_sent = 0
+        self._frames_received = 0
+
+    # ------------------------------------------------------------------ lifecycle events
+
+    def _go(self, event: fsm.Event) -> None:
+        self.state = fsm.transition(self.state, event)
+
+    def start(self) -> None:
+        self._go(Event.START)
+
+    def connect_tracker(self, rank: int, world: int) -> None:
+        """The tracker assigned our rank: the topology and the set of links follow."""
+        if not 0 <= rank < world:
+            raise ProtocolError(f"tracker assigned rank {rank} of {world}")
+        self._go(Event.CONNECT_TRACKER)
+        self.rank, self.world = rank, world
+        self.links = {p: _Link() for p in topology(rank, world).neighbors}
+
+    def connect_peers(self) -> None:
+        self._go(Event.CONNECT_PEERS)
+
+    def accept_peers(self, now: float) -> None:
+        self._go(Event.ACCEPT_PEERS)
+        self.last_progress = now
+
+    def bootstrap_failed(self, error: RabitError) -> None:
+        self._go(Event.OP_FAILED)
+        self.error = error
+
+    def shutdown(self) -> None:
+        self._go(Event.SHUTDOWN)
+
+    # ------------------------------------------------------------------ receive side
+
+    def recv_buffer(self, peer: int) -> memoryview:
+        """Where the next bytes from ``peer`` must land (never empty)."""
+        link = self.links[peer]
+        mode = link.mode
+        if mode is _Mode.PAYLOAD:
+            active = self.active
+            assert active is not None
+            return active.plan.in_streams[peer].view(link.pos, link.remaining)
+        if mode is _Mode.ERROR_PAYLOAD:
+            return memoryview(link.error_buf)[link.filled :]
+        # HEADER; HELD only if the loop delivers bytes it read before the pause took effect,
+        # which would be a protocol breach caught in on_bytes
+        return link.header_view[link.filled :]
+
+    def on_bytes(self, peer: int, nbytes: int, now: float) -> list[Command]:
+        """``nbytes`` landed in the buffer returned by the last :meth:`recv_buffer`."""
+        self._go(Event.READABLE)
+        if self.state in (State.FAILED, State.TASK_COMPLETE):
+            return []
+        link = self.links[peer]
+        self._bytes_received += nbytes
+        cmds: list[Command] = []
+        try:
+            if link.mode is _Mode.PAYLOAD:
+                self.last_progress = now
+                link.pos += nbytes
+                link.remaining -= nbytes
+                active = self.active
+                assert active is not None
+                active.plan.on_received(peer, link.pos)
+                if link.remaining == 0:
+                    link.mode = _Mode.HEADER
+                    link.filled = 0
+                self._pump(active, cmds)
+                self._maybe_complete(active, cmds)
+            elif link.mode is _Mode.HEADER:
+                link.filled += nbytes
+                if link.filled == HEADER_SIZE:
+                    link.filled = 0
+                    frame = parse_header(link.header_view)
+                    self._frames_received += 1
+                    self._dispatch_header(peer, link, frame, now, cmds)
+            elif link.mode is _Mode.ERROR_PAYLOAD:
+                link.filled += nbytes
+                if link.filled == len(link.error_buf):
+                    link.mode, link.filled = _Mode.HEADER, 0
+                    error_type, reason, origin = decode_error(link.error_buf)
+                    self._remote_error(peer, error_type, reason, origin, cmds)
+            else:
+                raise ProtocolError(f"bytes from rank {peer} while its link is held")
+        except ProtocolError as exc:
+            self._fail(exc, cmds, source=peer, close=peer)
+        except MismatchError as exc:
+            self._fail(exc, cmds, source=peer)
+        return cmds
+
+    def _dispatch_header(self, peer: int, link: _Link, frame: FrameHeader, now: float,
+                         cmds: list[Command]) -> None:
+        if frame.kind is FrameKind.ERROR:
+            link.error_buf = bytearray(frame.length)
+            link.mode = _Mode.ERROR_PAYLOAD if frame.length else _Mode.HEADER
+            if not frame.length:
+                raise ProtocolError(f"empty error frame from rank {peer}")
+            return
+        active = self.active
+        current = active.call_id if active is not None else (self.version, self.seqno)
+        if frame.call_id > current or active is None:
+            if frame.call_id < current:
+                raise ProtocolError(
+                    f"rank {peer} sent a frame of call {frame.call_id}, already finished here"
+                )
+            link.mode, link.frame = _Mode.HELD, frame
+            cmds.append(PauseReading(peer))
+            return
+        if frame.call_id < current:
+            raise ProtocolError(f"rank {peer} sent a frame of finished call {frame.call_id}")
+        self._accept_frame(peer, link, frame, active, now, cmds)
+
+    def _accept_frame(self, peer: int, link: _Link, frame: FrameHeader, active: _Active,
+                      now: float, cmds: list[Command]) -> None:
+        if frame.call != active.desc:
+            raise MismatchError(
+                f"collective mismatch at call {active.call_id}: rank {self.rank} called "
+                f"{active.desc.describe()} but rank {peer} called {frame.call.describe()}"
+            )
+        stream = active.plan.in_streams.get(peer)
+        if stream is None:
+            raise ProtocolError(f"rank {peer} sent data on a link call {frame.call_id} does not use")
+        if frame.offset != link.pos:
+            raise ProtocolError(
+                f"rank {peer} sent offset {frame.offset}, expected {link.pos}"
+            )
+        if frame.length > stream.length - link.pos:
+            raise ProtocolError(
+                f"rank {peer} sent {frame.length} B at offset {frame.offset} of a "
+                f"{stream.length} B stream"
+            )
+        active.frames_seen[peer] += 1
+        self.last_progress = now
+        if frame.length:
+            link.mode, link.remaining = _Mode.PAYLOAD, frame.length
+        else:
+            link.mode = _Mode.HEADER
+            self._maybe_complete(active, cmds)
+
+    # ------------------------------------------------------------------ calls
+
+    def descriptor(self, call: Call) -> CallDescriptor:
+        dtype = dtype_code(call.dtype) if call.dtype is not None else NONE_U8
+        op = int(call.op) if call.op is not None else NONE_U8
+        root = call.root if call.kind is CollectiveKind.BROADCAST else NONE_U16
+        return CallDescriptor(call.kind, dtype, op, root, len(call.buf))
+
+    def choose_allreduce(self, nbytes: int, itemsize: int) -> CollectiveKind:
+        """Tree for small calls, ring above ``rabit_reduce_ring_mincount`` elements (rabit)."""
+        if self.world > 1 and nbytes // itemsize > self.ring_mincount:
+            return CollectiveKind.ALLREDUCE_RING
+        return CollectiveKind.ALLREDUCE_TREE
+
+    def begin(self, call: Call, now: float) -> list[Command]:
+        """Start a collective.  Raises the recorded error if the agent has failed."""
+        if self.state is State.FAILED:
+            assert self.error is not None
+            raise self.error
+        self._go(_CALL_EVENTS[call.kind])
+        call_id = (self.version, self.seqno)
+        self.seqno += 1
+        plan = self._plan(call)
+        active = _Active(call, call_id, self.descriptor(call), plan)
+        self.active = active
+        self.last_progress = now
+        cmds: list[Command] = []
+        for peer in self.dead_links:
+            if peer in plan.in_streams or peer in plan.out_streams:
+                self._fail(self._lost(peer), cmds, source=peer)
+                return cmds
+        # frames of this call that arrived early were held: replay their headers now
+        for peer, link in self.links.items():
+            link.pos = link.remaining = 0
+            if link.mode is _Mode.HELD:
+                assert link.frame is not None
+                if link.frame.call_id == call_id:
+                    link.mode = _Mode.HEADER
+                    try:
+                        self._accept_frame(peer, link, link.frame, active, now, cmds)
+                    except (MismatchError, ProtocolError) as exc:
+                        self._fail(exc, cmds, source=peer)
+                        return cmds
+                    cmds.append(ResumeReading(peer))
+                elif link.frame.call_id < call_id:
+                    self._fail(ProtocolError(f"stale frame from rank {peer}"), cmds, close=peer)
+                    return cmds
+        self._pump(active, cmds)
+        self._maybe_complete(active, cmds)
+        return cmds
+
+    def _plan(self, call: Call) -> Plan:
+        kind = call.kind
+        if self.world == 1:
+            return TreeBroadcast(call.buf, -1, ())  # no links: every call is already complete
+        if kind in (CollectiveKind.ALLREDUCE_TREE, CollectiveKind.ALLREDUCE_RING):
+            assert call.dtype is not None and call.op is not None
+            if kind is CollectiveKind.ALLREDUCE_RING:
+                return RingAllreduce(call.buf, call.dtype, call.op, self.rank, self.world,
+                                     self._scratch)
+            topo = topology(self.rank, self.world)
+            return TreeAllreduce(call.buf, call.dtype, call.op, topo.parent, topo.children,
+                                 self._scratch, self.tree_chunk)
+        if kind is CollectiveKind.BROADCAST:
+            in_link, out_links = broadcast_route(self.rank, call.root, self.world)
+            return TreeBroadcast(call.buf, in_link, out_links)
+        return RingAllgather(call.buf, call.blocks, self.rank, self.world)
+
+    def _scratch(self, peer: int, nbytes: int) -> memoryview:
+        link = self.links[peer]
+        if link.scratch.nbytes < nbytes:
+            link.scratch = np.empty(nbytes, dtype=np.uint8)
+        return memoryview(link.scratch)[:nbytes]
+
+    def _pump(self, active: _Active, cmds: list[Command]) -> None:
+        """Send every out-stream byte that has become ready."""
+        plan = active.plan
+        desc = active.desc
+        version, seqno = active.call_id
+        for peer, stream in plan.out_streams.items():
+            sent = active.sent[peer]
+            if stream.length == 0:
+                if peer not in active.started_empty:
+                    active.started_empty.add(peer)
+                    header = pack_header(FrameKind.DATA, desc, version, seqno, 0, 0)
+                    cmds.append(Send(peer, [header]))
+                    self._frames_sent += 1
+                continue
+            ready = plan.out_ready(peer)
+            if ready > sent:
+                header = pack_header(FrameKind.DATA, desc, version, seqno, sent, ready - sent)
+                cmds.append(Send(peer, [header, *stream.views(sent, ready)]))
+                active.sent[peer] = ready
+                self._bytes_sent += ready - sent
+                self._frames_sent += 1
+
+    def _maybe_complete(self, active: _Active, cmds: list[Command]) -> None:
+        plan = active.plan
+        if not plan.receiving_done():
+            return
+        if any(n == 0 for n in active.frames_seen.values()):
+            return
+        for peer, stream in plan.out_streams.items():
+            if active.sent[peer] != stream.length:
+                return
+            if stream.length == 0 and peer not in active.started_empty:
+                return
+        self.active = None
+        self._calls_completed += 1
+        self._go(Event.OP_COMPLETE)
+        cmds.append(CallComplete(active.call_id))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def checkpoint(self) -> int:
+        """Start a new version: sequence numbers restart at zero (rabit's call identity)."""
+        if self.active is not None:
+            raise RabitError("checkpoint inside a collective")
+        self.version += 1
+        self.seqno = 0
+        return self.version
+
+    # ------------------------------------------------------------------ failures
+
+    def on_hangup(self, peer: int, reason: str, now: float) -> list[Command]:
+        """The link to ``peer`` closed or failed."""
+        del now
+        self._go(Event.HANGUP)
+        cmds: list[Command] = []
+        if peer in self.dead_links or self.state in (State.FAILED, State.TASK_COMPLETE):
+            return cmds
+        self.dead_links[peer] = reason
+        # a peer that finished its last call closes its links; that is only an error if
+        # the call in progress still needs that link
+        if self.active is not None and self._needs(self.active, peer):
+            self._fail(self._lost(peer), cmds, source=peer)
+        return cmds
+
+    def _lost(self, peer: int) -> PeerLostError:
+        return PeerLostError(
+            f"rank {self.rank}: link to rank {peer} lost ({self.dead_links[peer]})"
+        )
+
+    @staticmethod
+    def _needs(active: _Active, peer: int) -> bool:
+        plan = active.plan
+        stream = plan.in_streams.get(peer)
+        if stream is not None and (
+            plan.received[peer] < stream.length or active.frames_seen[peer] == 0
+        ):
+            return True
+        out = plan.out_streams.get(peer)
+        return out is not None and (
+            active.sent[peer] < out.length or (out.length == 0 and peer not in active.started_empty)
+        )
+
+    def on_tick(self, now: float) -> list[Command]:
+        """Check the progress deadline: no byte moved for ``timeout`` seconds fails the call."""
+        self._go(Event.TIMEOUT)
+        cmds: list[Command] = []
+        if self.active is not None and now - self.last_progress > self.timeout:
+            self._fail(
+                CollectiveTimeoutError(
+                    f"rank {self.rank}: no progress in call {self.active.call_id} for "
+                    f"{self.timeout:g} s"
+                ),
+                cmds,
+            )
+        return cmds
+
+    def abort(self, reason: str) -> list[Command]:
+        """The tracker aborted the job."""
+        cmds: list[Command] = []
+        if self.state in (State.FAILED, State.TASK_COMPLETE):
+            return cmds
+        if self.state is State.IDLE:
+            self.error = JobAbortedError(reason)
+            return cmds
+        self._fail(JobAbortedError(reason), cmds, flood=False)
+        return cmds
+
+    def _remote_error(self, peer: int, error_type: str, reason: str, origin: int,
+                      cmds: list[Command]) -> None:
+        self._go(Event.PRIORITY)
+        if self.error is not None:
+            return
+        error = _ERROR_CLASSES[error_type](f"{reason} (reported by rank {origin})")
+        self._record_failure(error, cmds, source=peer, origin=origin, reason=reason)
+
+    def _fail(self, error: RabitError, cmds: list[Command], *, source: int = -1,
+              close: int = -1, flood: bool = True) -> None:
+        if self.state not in (State.FAILED, State.TASK_COMPLETE):
+            self._go(Event.OP_FAILED if self.state is not State.READY else Event.PRIORITY)
+        if close >= 0:
+            cmds.append(CloseLink(close, str(error)))
+        if self.error is not None:
+            return
+        self._record_failure(error, cmds, source=source, origin=self.rank, reason=str(error),
+                             flood=flood)
+
+    def _record_failure(self, error: RabitError, cmds: list[Command], *, source: int,
+                        origin: int, reason: str, flood: bool = True) -> None:
+        self.error = error
+        call_id = self.active.call_id if self.active is not None else None
+        if flood:
+            self._flood_raw(_ERROR_NAMES.get(type(error), "protocol"), reason, origin, cmds,
+                            source)
+        self.active = None
+        cmds.append(CallFailed(call_id, error))
+
+    def _flood_raw(self, error_type: str, reason: str, origin: int, cmds: list[Command],
+                   source: int) -> None:
+        """Tell every other neighbour, so that every rank fails with the same error type."""
+        payload = encode_error(error_type, reason, origin)
+        desc = CallDescriptor(CollectiveKind.BROADCAST, NONE_U8, NONE_U8, NONE_U16, 0)
+        header = pack_header(FrameKind.ERROR, desc, self.version, self.seqno, 0, len(payload))
+        for peer in self.links:
+            if peer != source:
+                cmds.append(Send(peer, [header, payload]))
+
+    # ------------------------------------------------------------------ introspection
+
+    def statistics(self) -> AgentStats:
+        return AgentStats(self.state.value, self._calls_completed, self._bytes_sent,
+                          self._bytes_received, self._frames_sent, self._frames_received)
+

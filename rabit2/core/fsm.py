@@ -1,0 +1,187 @@
+"""The agent's state machine.  Everything that changes an agent's state lives in this table.
+
+The table is data: ``TRANSITIONS[(state, event)] -> next state``.  A pair that is not in the
+table is an error (:class:`InvalidTransition`), never a silent no-op.  ``docs/state-machine.md``
+is generated from this table by :func:`render_markdown` (a test fails when it is stale).
+
+Function-call events come from the API and the bootstrap code (``START``, ``CONNECT_TRACKER``,
+``CONNECT_PEERS``, ``ACCEPT_PEERS``, ``CALL_*``, ``SHUTDOWN``); network events come from the
+links (``READABLE``, ``WRITABLE``, ``PRIORITY`` for an out-of-band error notice from a peer,
+``ERROR``, ``HANGUP``); ``OP_COMPLETE``, ``OP_FAILED`` and ``TIMEOUT`` are raised by the agent
+itself when a schedule finishes, cannot finish, or stops making progress.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from types import MappingProxyType
+
+from rabit2.errors import RabitError
+
+
+class State(enum.Enum):
+    IDLE = "idle"
+    CONNECTING_TRACKER = "connecting-tracker"
+    CONNECTING_PEERS = "connecting-peers"
+    ACCEPTING_PEERS = "accepting-peers"
+    READY = "ready"
+    ALLREDUCE = "allreduce"
+    BROADCAST = "broadcast"
+    ALLGATHER = "allgather"
+    PEER_ERROR = "peer-error"
+    FAILED = "failed"
+    TASK_COMPLETE = "task-complete"
+
+
+class Event(enum.Enum):
+    START = "start"
+    CONNECT_TRACKER = "connect-tracker"
+    CONNECT_PEERS = "connect-peers"
+    ACCEPT_PEERS = "accept-peers"
+    CALL_ALLREDUCE = "call-allreduce"
+    CALL_BROADCAST = "call-broadcast"
+    CALL_ALLGATHER = "call-allgather"
+    SHUTDOWN = "shutdown"
+    READABLE = "readable"
+    WRITABLE = "writable"
+    PRIORITY = "priority"
+    ERROR = "error"
+    HANGUP = "hang-up"
+    OP_COMPLETE = "op-complete"
+    OP_FAILED = "op-failed"
+    TIMEOUT = "timeout"
+
+
+class InvalidTransition(RabitError):
+    """An event arrived in a state that has no transition for it (a bug or a protocol breach)."""
+
+
+S, E = State, Event
+_NETWORK = (E.READABLE, E.WRITABLE)
+_IN_CALL = (S.ALLREDUCE, S.BROADCAST, S.ALLGATHER)
+
+_table: dict[tuple[State, Event], State] = {
+    # bootstrap
+    (S.IDLE, E.START): S.CONNECTING_TRACKER,
+    (S.IDLE, E.SHUTDOWN): S.TASK_COMPLETE,
+    (S.CONNECTING_TRACKER, E.CONNECT_TRACKER): S.CONNECTING_PEERS,
+    (S.CONNECTING_TRACKER, E.OP_FAILED): S.FAILED,
+    (S.CONNECTING_TRACKER, E.SHUTDOWN): S.TASK_COMPLETE,
+    (S.CONNECTING_PEERS, E.CONNECT_PEERS): S.ACCEPTING_PEERS,
+    (S.CONNECTING_PEERS, E.OP_FAILED): S.FAILED,
+    (S.CONNECTING_PEERS, E.SHUTDOWN): S.TASK_COMPLETE,
+    (S.ACCEPTING_PEERS, E.ACCEPT_PEERS): S.READY,
+    (S.ACCEPTING_PEERS, E.OP_FAILED): S.FAILED,
+    (S.ACCEPTING_PEERS, E.SHUTDOWN): S.TASK_COMPLETE,
+    (S.READY, E.CALL_ALLREDUCE): S.ALLREDUCE,
+    (S.READY, E.CALL_BROADCAST): S.BROADCAST,
+    (S.READY, E.CALL_ALLGATHER): S.ALLGATHER,
+    (S.READY, E.READABLE): S.READY,
+    (S.READY, E.WRITABLE): S.READY,
+    # a link that closes between calls is remembered; the next call that needs it fails
+    (S.READY, E.HANGUP): S.READY,
+    (S.READY, E.ERROR): S.READY,
+    (S.READY, E.PRIORITY): S.FAILED,
+    (S.READY, E.TIMEOUT): S.READY,
+    (S.READY, E.SHUTDOWN): S.TASK_COMPLETE,
+    # reserved for lazy recovery (issue 3): a call blocked on one crashed input
+    (S.PEER_ERROR, E.READABLE): S.PEER_ERROR,
+    (S.PEER_ERROR, E.WRITABLE): S.PEER_ERROR,
+    (S.PEER_ERROR, E.HANGUP): S.PEER_ERROR,
+    (S.PEER_ERROR, E.ERROR): S.PEER_ERROR,
+    (S.PEER_ERROR, E.PRIORITY): S.PEER_ERROR,
+    (S.PEER_ERROR, E.TIMEOUT): S.PEER_ERROR,
+    (S.PEER_ERROR, E.OP_FAILED): S.FAILED,
+    (S.PEER_ERROR, E.SHUTDOWN): S.TASK_COMPLETE,
+    # after a failure every call raises the recorded error; network noise is ignored
+    (S.FAILED, E.READABLE): S.FAILED,
+    (S.FAILED, E.WRITABLE): S.FAILED,
+    (S.FAILED, E.HANGUP): S.FAILED,
+    (S.FAILED, E.ERROR): S.FAILED,
+    (S.FAILED, E.PRIORITY): S.FAILED,
+    (S.FAILED, E.TIMEOUT): S.FAILED,
+    (S.FAILED, E.OP_FAILED): S.FAILED,
+    (S.FAILED, E.SHUTDOWN): S.TASK_COMPLETE,
+    # peers close their links once they are done
+    (S.TASK_COMPLETE, E.READABLE): S.TASK_COMPLETE,
+    (S.TASK_COMPLETE, E.WRITABLE): S.TASK_COMPLETE,
+    (S.TASK_COMPLETE, E.HANGUP): S.TASK_COMPLETE,
+    (S.TASK_COMPLETE, E.ERROR): S.TASK_COMPLETE,
+    (S.TASK_COMPLETE, E.SHUTDOWN): S.TASK_COMPLETE,
+    (S.TASK_COMPLETE, E.TIMEOUT): S.TASK_COMPLETE,
+}
+# a neighbour that finished wiring may start its first call while we are still wiring: the
+# agent holds its frames (pauses that link) until our call starts
+for _state in (S.CONNECTING_PEERS, S.ACCEPTING_PEERS):
+    _table.update(
+        {
+            (_state, E.READABLE): _state,
+            (_state, E.WRITABLE): _state,
+            (_state, E.HANGUP): _state,
+            (_state, E.ERROR): _state,
+            (_state, E.PRIORITY): S.FAILED,
+        }
+    )
+for _state in _IN_CALL:
+    _table.update(
+        {
+            (_state, E.READABLE): _state,
+            (_state, E.WRITABLE): _state,
+            (_state, E.TIMEOUT): _state,  # a tick: the agent checks its progress deadline
+            (_state, E.OP_COMPLETE): S.READY,
+            (_state, E.OP_FAILED): S.FAILED,
+            (_state, E.PRIORITY): S.FAILED,
+            # a closed link fails the call only if the call still needs it (agent decides)
+            (_state, E.HANGUP): _state,
+            (_state, E.ERROR): _state,
+        }
+    )
+
+TRANSITIONS: Mapping[tuple[State, Event], State] = MappingProxyType(_table)
+del _table
+
+
+def transition(state: State, event: Event) -> State:
+    """The next state, or :class:`InvalidTransition` for a pair the table does not list."""
+    try:
+        return TRANSITIONS[(state, event)]
+    except KeyError:
+        raise InvalidTransition(f"event {event.value!r} is not valid in state {state.value!r}") from None
+
+
+def render_markdown() -> str:
+    """The transition table as markdown, the body of ``docs/state-machine.md``."""
+    lines = [
+        "# Agent state machine",
+        "",
+        "Generated from `rabit2/core/fsm.py` by `python -m rabit2.core.fsm > docs/state-machine.md`;",
+        "`tests/test_fsm.py` fails when this file is stale. Every (state, event) pair that is not",
+        "listed is an error (`InvalidTransition`).",
+        "",
+        "## Transitions",
+        "",
+        "| state | event | next state |",
+        "| --- | --- | --- |",
+    ]
+    for state in State:
+        for event in Event:
+            nxt = TRANSITIONS.get((state, event))
+            if nxt is not None:
+                lines.append(f"| {state.value} | {event.value} | {nxt.value} |")
+    lines += ["", "## Matrix", "", "Rows are states, columns events; `.` marks an invalid pair.", ""]
+    header = "| state | " + " | ".join(e.value for e in Event) + " |"
+    lines += [header, "| --- |" + " --- |" * len(Event)]
+    for state in State:
+        cells = [TRANSITIONS[(state, e)].value if (state, e) in TRANSITIONS else "." for e in Event]
+        lines.append(f"| {state.value} | " + " | ".join(cells) + " |")
+    lines += ["", "## Diagram", "", "```mermaid", "stateDiagram-v2"]
+    for (state, event), nxt in TRANSITIONS.items():
+        if state is not nxt:
+            lines.append(f"    {state.name} --> {nxt.name}: {event.value}")
+    lines += ["```", ""]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(render_markdown(), end="")

@@ -1,0 +1,336 @@
+"""Collective schedules as plans advanced by monotone byte counters.
+
+A plan describes, for one rank and one call, a byte *stream* per directed link: what arrives
+from each in-link (and where it lands) and what leaves on each out-link (and from where).
+The driver tells the plan how far each in-stream has arrived (:meth:`Plan.on_received`); the
+plan reduces what it can and answers how far each out-stream may be sent
+(:meth:`Plan.out_ready`).  Nothing here blocks, reads a clock or touches a socket, so many
+plans can be run against each other in one process (``tests/test_schedule.py``).
+
+Counters only grow.  For the tree allreduce at a node (after rabit's allreduce_base):
+
+    received_from_child[c] >= reduced >= sent_up >= received_from_parent >= sent_down[c]
+
+The last ``>=`` holds by causality: the parent sends final byte ``x`` only after it received
+our byte ``x``, so receiving the final result into the same buffer we send from never
+overwrites a byte that is still to be sent.  The same argument holds for the ring's allgather
+phase.  Per-link byte counts for every schedule are in ``docs/algorithms.md``.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from rabit2.core.ops import Op, reduce_bytes
+
+ScratchFn = Callable[[int, int], memoryview]
+"""``scratch(peer, nbytes)``: a writable byte buffer owned by the link to ``peer``."""
+
+MIN_RING_REDUCE = 64 * 1024  # below this a numpy call costs more than it saves in pipelining
+
+
+class Stream:
+    """A directed link's bytes for one call: a concatenation of contiguous pieces."""
+
+    __slots__ = ("_last", "length", "pieces", "starts")
+
+    def __init__(self, pieces: Sequence[memoryview]) -> None:
+        self.pieces = [p for p in pieces if len(p)]
+        self.starts: list[int] = []
+        total = 0
+        for piece in self.pieces:
+            self.starts.append(total)
+            total += len(piece)
+        self.length = total
+        self._last = 0
+
+    def _index(self, pos: int) -> int:
+        last = self._last
+        if last < len(self.starts) and self.starts[last] <= pos < self.starts[last] + len(
+            self.pieces[last]
+        ):
+            return last
+        self._last = bisect.bisect_right(self.starts, pos) - 1
+        return self._last
+
+    def view(self, pos: int, max_len: int) -> memoryview:
+        """The contiguous destination at stream position ``pos`` (at most ``max_len`` bytes)."""
+        i = self._index(pos)
+        local = pos - self.starts[i]
+        return self.pieces[i][local : local + max_len]
+
+    def views(self, start: int, end: int) -> list[memoryview]:
+        """The source pieces covering ``[start, end)``."""
+        out: list[memoryview] = []
+        pos = start
+        while pos < end:
+            i = self._index(pos)
+            local = pos - self.starts[i]
+            piece = self.pieces[i]
+            take = min(end - pos, len(piece) - local)
+            out.append(piece[local : local + take])
+            pos += take
+        return out
+
+
+EMPTY = Stream(())
+
+
+class Plan:
+    """Base of every schedule: streams per link plus the counters that gate them."""
+
+    def __init__(self) -> None:
+        self.in_streams: dict[int, Stream] = {}
+        self.out_streams: dict[int, Stream] = {}
+        self.received: dict[int, int] = {}
+
+    def _set_streams(self, ins: dict[int, Stream], outs: dict[int, Stream]) -> None:
+        self.in_streams = ins
+        self.out_streams = outs
+        self.received = dict.fromkeys(ins, 0)
+
+    def on_received(self, peer: int, pos: int) -> None:
+        """``pos`` bytes of ``peer``'s in-stream have arrived (monotone)."""
+        self.received[peer] = pos
+
+    def out_ready(self, peer: int) -> int:  # pragma: no cover - every plan overrides
+        raise NotImplementedError
+
+    def receiving_done(self) -> bool:
+        return all(self.received[p] == s.length for p, s in self.in_streams.items())
+
+    def check_invariants(self) -> None:
+        for peer, stream in self.in_streams.items():
+            assert 0 <= self.received[peer] <= stream.length, (peer, self.received[peer])
+        for peer, stream in self.out_streams.items():
+            assert 0 <= self.out_ready(peer) <= stream.length, (peer, self.out_ready(peer))
+
+
+class TreeAllreduce(Plan):
+    """Reduce up the tree into ``buf`` and broadcast the result down, pipelined in chunks.
+
+    Each child's bytes land in that link's scratch; whenever every child has delivered a
+    prefix of at least ``chunk`` more bytes (or everything), that prefix is reduced into
+    ``buf`` and becomes sendable to the parent.  The root's reduced prefix is final; a
+    non-root receives the final bytes from its parent straight into ``buf``.
+    """
+
+    def __init__(
+        self,
+        buf: memoryview,
+        dtype: np.dtype,
+        op: Op,
+        parent: int,
+        children: Sequence[int],
+        scratch: ScratchFn,
+        chunk: int,
+    ) -> None:
+        super().__init__()
+        self.buf, self.dtype, self.op = buf, dtype, op
+        self.parent, self.children = parent, tuple(children)
+        n = len(buf)
+        itemsize = dtype.itemsize
+        self.chunk = max(itemsize, chunk - chunk % itemsize)
+        self.scratch = {c: scratch(c, n) for c in self.children}
+        ins = {c: Stream([self.scratch[c]]) for c in self.children}
+        outs = {c: Stream([buf]) for c in self.children}
+        if parent >= 0:
+            ins[parent] = Stream([buf])
+            outs[parent] = Stream([buf])
+        self._set_streams(ins, outs)
+        self.reduced = 0 if self.children else n
+
+    def on_received(self, peer: int, pos: int) -> None:
+        self.received[peer] = pos
+        if peer != self.parent:
+            self._reduce()
+
+    def _reduce(self) -> None:
+        n = len(self.buf)
+        avail = min(self.received[c] for c in self.children)
+        avail -= avail % self.dtype.itemsize
+        if avail - self.reduced < self.chunk and avail != n:
+            return
+        if avail <= self.reduced:
+            return
+        lo = self.reduced
+        dst = self.buf[lo:avail]
+        for c in self.children:
+            reduce_bytes(self.op, self.dtype, dst, self.scratch[c][lo:avail])
+        self.reduced = avail
+
+    def out_ready(self, peer: int) -> int:
+        if peer == self.parent:
+            return self.reduced
+        if self.parent < 0:
+            return self.reduced
+        return self.received[self.parent]
+
+    def check_invariants(self) -> None:
+        super().check_invariants()
+        if self.children:
+            assert self.reduced <= min(self.received[c] for c in self.children)
+        if self.parent >= 0:
+            assert self.received[self.parent] <= self.reduced
+
+
+def ring_segments(nbytes: int, itemsize: int, world: int) -> list[tuple[int, int]]:
+    """Byte ranges of the ring segments: segment ``k`` is reduced by rank ``k``.
+
+    ``ceil(count / world)`` elements each; trailing segments are empty when count < world.
+    """
+    count = nbytes // itemsize
+    step = -(-count // world) if count else 0
+    segs = []
+    for k in range(world):
+        lo = min(k * step, count) * itemsize
+        hi = min((k + 1) * step, count) * itemsize
+        segs.append((lo, hi))
+    return segs
+
+
+class _RingChain(Plan):
+    """A ring pass where out-piece ``j`` (``j >= 1``) forwards in-piece ``j - 1``.
+
+    Data flows from rank ``r + 1`` to rank ``r`` (receive from ``ring_next``, send to
+    ``ring_prev``), as in classic rabit.  In-pieces flagged ``reduce`` land in scratch and are
+    reduced into their place in ``buf``; the others land in ``buf`` directly.  An out byte is
+    ready once the in byte it forwards has been processed (received, and reduced if needed).
+    """
+
+    def __init__(
+        self,
+        buf: memoryview,
+        prev: int,
+        nxt: int,
+        in_pieces: Sequence[tuple[memoryview, memoryview | None]],
+        out_pieces: Sequence[memoryview],
+        dtype: np.dtype | None = None,
+        op: Op | None = None,
+    ) -> None:
+        super().__init__()
+        self.buf, self.dtype, self.op = buf, dtype, op
+        self.prev, self.next = prev, nxt
+        # (landing view, reduce target or None) for every non-empty piece, in stream order
+        self._ins = [(land, target) for land, target in in_pieces if len(land)]
+        self._in_starts: list[int] = []
+        total = 0
+        for land, _ in self._ins:
+            self._in_starts.append(total)
+            total += len(land)
+        self._first_out = len(out_pieces[0]) if out_pieces else 0
+        self._set_streams(
+            {nxt: Stream([land for land, _ in self._ins])},
+            {prev: Stream(out_pieces)},
+        )
+        self.processed = 0
+        self._piece = 0  # index of the in-piece that holds ``processed``
+
+    def on_received(self, peer: int, pos: int) -> None:
+        self.received[peer] = pos
+        itemsize = self.dtype.itemsize if self.dtype is not None else 1
+        while self._piece < len(self._ins):
+            land, target = self._ins[self._piece]
+            start = self._in_starts[self._piece]
+            end = start + len(land)
+            upto = min(pos, end)
+            if target is None:
+                self.processed = upto
+            else:
+                upto -= (upto - start) % itemsize
+                if upto - self.processed < MIN_RING_REDUCE and upto != end:
+                    return
+                if upto > self.processed:
+                    lo, hi = self.processed - start, upto - start
+                    assert self.op is not None and self.dtype is not None
+                    reduce_bytes(self.op, self.dtype, target[lo:hi], land[lo:hi])
+                    self.processed = upto
+            if upto < end:
+                return
+            self._piece += 1
+
+    def out_ready(self, peer: int) -> int:
+        return min(self.out_streams[self.prev].length, self._first_out + self.processed)
+
+    def check_invariants(self) -> None:
+        super().check_invariants()
+        assert self.processed <= self.received[self.next]
+
+
+class RingAllreduce(_RingChain):
+    """Reduce-scatter then allgather around the ring (each link carries 2(n-1)/n of the data)."""
+
+    def __init__(
+        self,
+        buf: memoryview,
+        dtype: np.dtype,
+        op: Op,
+        rank: int,
+        world: int,
+        scratch: ScratchFn,
+    ) -> None:
+        segs = ring_segments(len(buf), dtype.itemsize, world)
+        prev, nxt = (rank - 1) % world, (rank + 1) % world
+
+        def seg(k: int) -> memoryview:
+            lo, hi = segs[k % world]
+            return buf[lo:hi]
+
+        rs_in = [(rank + 2 + t) % world for t in range(world - 1)]
+        rs_bytes = sum(segs[k][1] - segs[k][0] for k in rs_in)
+        landing = scratch(nxt, rs_bytes)
+        in_pieces: list[tuple[memoryview, memoryview | None]] = []
+        off = 0
+        for k in rs_in:
+            size = segs[k][1] - segs[k][0]
+            in_pieces.append((landing[off : off + size], seg(k)))
+            off += size
+        in_pieces += [(seg(rank + 1 + t), None) for t in range(world - 1)]
+        out_pieces = [seg(rank + 1 + t) for t in range(world - 1)]
+        out_pieces += [seg(rank + t) for t in range(world - 1)]
+        super().__init__(buf, prev, nxt, in_pieces, out_pieces, dtype, op)
+
+
+class RingAllgather(_RingChain):
+    """Every rank's block (``blocks[k]`` = byte range of rank k in ``buf``) reaches every rank."""
+
+    def __init__(
+        self, buf: memoryview, blocks: Sequence[tuple[int, int]], rank: int, world: int
+    ) -> None:
+        prev, nxt = (rank - 1) % world, (rank + 1) % world
+
+        def block(k: int) -> memoryview:
+            lo, hi = blocks[k % world]
+            return buf[lo:hi]
+
+        in_pieces: list[tuple[memoryview, memoryview | None]] = [
+            (block(rank + 1 + t), None) for t in range(world - 1)
+        ]
+        out_pieces = [block(rank + t) for t in range(world - 1)]
+        super().__init__(buf, prev, nxt, in_pieces, out_pieces)
+
+
+class TreeBroadcast(Plan):
+    """Pipelined flood from ``root`` over the tree: forward each byte as it arrives.
+
+    Every non-root also sends an empty stream towards the root (its in-link), so that two
+    ranks that disagree about the root exchange at least one frame and detect it.
+    """
+
+    def __init__(self, buf: memoryview, in_link: int, out_links: Sequence[int]) -> None:
+        super().__init__()
+        self.buf, self.in_link, self.out_links = buf, in_link, tuple(out_links)
+        ins: dict[int, Stream] = {p: EMPTY for p in self.out_links}
+        outs: dict[int, Stream] = {p: Stream([buf]) for p in self.out_links}
+        if in_link >= 0:
+            ins[in_link] = Stream([buf])
+            outs[in_link] = EMPTY
+        self._set_streams(ins, outs)
+
+    def out_ready(self, peer: int) -> int:
+        if peer == self.in_link:
+            return 0
+        return len(self.buf) if self.in_link < 0 else self.received[self.in_link]

@@ -1,0 +1,420 @@
+"""The I/O driver: one background event loop per worker, TCP links, and the agent on top.
+
+The loop (uvloop where available, plain asyncio when ``RABIT2_LOOP=asyncio``) runs in a
+daemon thread for the life of the worker.  API threads hand it calls with
+:meth:`Engine.run_call`; the loop feeds the :class:`~rabit2.core.agent.Agent` events and
+executes the commands it returns.
+
+Links are :class:`asyncio.BufferedProtocol` s: ``get_buffer`` returns the view the agent
+names (the frame header buffer, the user's array or a link's scratch), so received bytes are
+never copied in Python.  Sends are ``writelines([header, view, ...])`` of views of the user's
+array; a call is reported complete only after every link's write buffer has drained, so the
+caller can reuse its array the moment ``run_call`` returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import socket
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar, cast
+
+from rabit2.config import Config
+from rabit2.core.agent import (
+    Agent,
+    Call,
+    CallComplete,
+    CallFailed,
+    CloseLink,
+    Command,
+    PauseReading,
+    ResumeReading,
+    Send,
+)
+from rabit2.core.topology import topology
+from rabit2.errors import (
+    CollectiveTimeoutError,
+    PeerLostError,
+    ProtocolError,
+    RabitError,
+    TrackerError,
+)
+from rabit2.io.handshake import connect_authenticated, server_handshake, tune_socket
+from rabit2.io.tracker_client import Assignment, TrackerClient
+
+logger = logging.getLogger("rabit2.engine")
+T = TypeVar("T")
+
+
+def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
+    """uvloop unless ``kind == "asyncio"`` or uvloop is not installed (e.g. Windows)."""
+    if kind == "uvloop":
+        try:
+            import uvloop  # noqa: PLC0415 - optional at import time by design
+        except ImportError:
+            logger.info("uvloop not installed; using the asyncio loop")
+        else:
+            return uvloop.new_event_loop()
+    return asyncio.new_event_loop()
+
+
+class LoopThread:
+    """An event loop running forever in a daemon thread."""
+
+    def __init__(self, kind: str) -> None:
+        self.loop = new_event_loop(kind)
+        self.is_uvloop = type(self.loop).__module__.startswith("uvloop")
+        self._thread = threading.Thread(target=self._run, name="rabit2-loop", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
+        """Run ``coro`` on the loop and wait for it; ``CollectiveTimeoutError`` past ``timeout``."""
+        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return fut.result(timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise CollectiveTimeoutError(f"operation did not finish within {timeout:g} s") from None
+
+    def stop(self) -> None:
+        if self.loop.is_closed():
+            return
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+class PeerLink(asyncio.BufferedProtocol):
+    """One authenticated TCP link to a neighbour; every callback goes to the engine."""
+
+    def __init__(self, engine: Engine, peer: int) -> None:
+        self.engine = engine
+        self.peer = peer
+        self.transport: asyncio.Transport | None = None
+        self.write_blocked = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement the interface without subclassing asyncio.Transport
+        self.transport = cast(asyncio.Transport, transport)
+        # report "buffer non-empty" / "drained" exactly, so a call completes only once every
+        # byte it handed to this transport has been copied into the kernel
+        self.transport.set_write_buffer_limits(high=0, low=0)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.engine.agent.recv_buffer(self.peer)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.engine.on_bytes(self.peer, nbytes)
+
+    def eof_received(self) -> bool:
+        self.engine.on_hangup(self.peer, "connection closed by peer")
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.engine.on_hangup(self.peer, f"connection lost: {exc}" if exc else "connection closed")
+
+    def pause_writing(self) -> None:
+        self.write_blocked = True
+
+    def resume_writing(self) -> None:
+        self.write_blocked = False
+        self.engine.on_drained()
+
+
+class Engine:
+    """A worker's connection to the job: tracker client, peer links, agent, loop thread."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.agent = Agent(
+            ring_mincount=config.reduce_ring_mincount,
+            tree_chunk=config.tree_reduce_minsize,
+            timeout=config.timeout_sec,
+        )
+        self.loop_thread = LoopThread(config.loop)
+        self.loop = self.loop_thread.loop
+        self.links: dict[int, PeerLink] = {}
+        self.tracker: TrackerClient | None = None
+        self.assignment: Assignment | None = None
+        self._pending: concurrent.futures.Future[None] | None = None
+        self._completed = False  # the agent finished the call; waiting for writes to drain
+        self._accepted: dict[int, PeerLink] = {}
+        self._all_accepted: asyncio.Event | None = None
+        self._server: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._tick_handle: asyncio.TimerHandle | None = None
+        self._writelines = self.loop_thread.is_uvloop
+
+    # ------------------------------------------------------------------ bootstrap
+
+    def start(self) -> None:
+        """Connect to the tracker, get a rank, wire up the links.  Blocks; bounded."""
+        budget = self.config.connect_timeout_sec * max(1, self.config.connect_retry) + (
+            self.config.timeout_sec
+        )
+        try:
+            self.loop_thread.run(self._bootstrap(), budget)
+        except BaseException:
+            self.close()
+            raise
+
+    async def _bootstrap(self) -> None:
+        cfg = self.config
+        self.agent.start()
+        loop = asyncio.get_running_loop()
+        self._all_accepted = asyncio.Event()
+        try:
+            self._server = self._listen(cfg)
+            self._accept_task = loop.create_task(self._accept_loop(self._server))
+            self.tracker = await TrackerClient.connect(cfg, self._server.getsockname()[1])
+            self.tracker.on_abort = self._on_abort
+            assignment = await self.tracker.wait_assignment(cfg.timeout_sec)
+            self.assignment = assignment
+            self.agent.connect_tracker(assignment.rank, assignment.world_size)
+            topo = topology(assignment.rank, assignment.world_size)
+            if (topo.parent, topo.ring_prev, topo.ring_next) != (
+                assignment.parent, assignment.ring_prev, assignment.ring_next
+            ):
+                raise ProtocolError("the tracker's topology differs from rabit2.core.topology")
+            lower = [p for p in topo.neighbors if p < assignment.rank]
+            higher = {p for p in topo.neighbors if p > assignment.rank}
+            self._expect_accept = higher
+            await asyncio.gather(*(self._dial(p, assignment) for p in lower))
+            self.agent.connect_peers()
+            if len(self._accepted) < len(higher):
+                await asyncio.wait_for(self._all_accepted.wait(), cfg.timeout_sec)
+            self.agent.accept_peers(loop.time())
+        except TimeoutError:
+            raise CollectiveTimeoutError("peers did not connect in time") from None
+        finally:
+            if self._accept_task is not None:
+                self._accept_task.cancel()
+            if self._server is not None:
+                self._server.close()
+        self._schedule_tick()
+
+    def _listen(self, cfg: Config) -> socket.socket:
+        """Listen on the interface that routes to the tracker (no packet is sent to find it)."""
+        host = "127.0.0.1"
+        assert cfg.tracker_uri is not None
+        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect((cfg.tracker_uri, cfg.tracker_port))
+            host = probe.getsockname()[0]
+        server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind((host, 0))
+        server.listen(64)
+        server.setblocking(False)
+        return server
+
+    async def _dial(self, peer: int, assignment: Assignment) -> PeerLink:
+        host, port = assignment.peers[peer]
+        hello = {"rank": assignment.rank, "world": assignment.world_size,
+                 "incarnation": assignment.incarnation}
+        sock, welcome = await connect_authenticated(
+            host, port, self.config.secret, hello, self.config.connect_timeout_sec
+        )
+        if welcome.get("rank") != peer:
+            sock.close()
+            raise ProtocolError(f"dialed rank {peer} at {host}:{port} but rank "
+                                f"{welcome.get('rank')} answered")
+        return await self._adopt(sock, peer)
+
+    async def _adopt(self, sock: socket.socket, peer: int) -> PeerLink:
+        """Hand the handshaken socket to a :class:`PeerLink`; frames may flow at once."""
+        loop = asyncio.get_running_loop()
+        link = PeerLink(self, peer)
+        self.links[peer] = link
+        await loop.create_connection(lambda: link, sock=sock)
+        return link
+
+    async def _accept_loop(self, server: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            sock, addr = await loop.sock_accept(server)
+            sock.setblocking(False)
+            loop.create_task(self._accept_one(sock, addr))
+
+    async def _accept_one(self, sock: socket.socket, addr: Any) -> None:
+        loop = asyncio.get_running_loop()
+        tune_socket(sock)
+        claimed: list[int] = []
+
+        def check(hello: dict[str, Any]) -> dict[str, Any]:
+            rank, world = hello.get("rank"), hello.get("world")
+            assignment = self.assignment
+            if assignment is None:
+                raise ProtocolError("not ready: no rank assigned yet")
+            if world != assignment.world_size:
+                raise ProtocolError(f"world size {world} != {assignment.world_size}")
+            if not isinstance(rank, int) or rank not in self._expect_accept:
+                raise ProtocolError(f"rank {rank} is not a neighbour that dials rank "
+                                    f"{assignment.rank}")
+            if rank in self._accepted:
+                raise ProtocolError(f"rank {rank} is already connected")
+            claimed.append(rank)
+            return {"rank": assignment.rank}
+
+        try:
+            # a neighbour can dial before the tracker's assignment reached us: wait for it
+            if self.assignment is None:
+                await asyncio.sleep(0)
+            deadline = loop.time() + self.config.connect_timeout_sec
+            while self.assignment is None and loop.time() < deadline:
+                await asyncio.sleep(0.01)
+            await server_handshake(loop, sock, self.config.secret, deadline, check)
+        except RabitError as exc:
+            logger.warning("refused a peer connection from %s: %s", addr, exc)
+            return
+        peer = claimed[0]
+        self._accepted[peer] = await self._adopt(sock, peer)
+        if set(self._accepted) >= self._expect_accept and self._all_accepted is not None:
+            self._all_accepted.set()
+
+    # ------------------------------------------------------------------ calls
+
+    def run_call(self, call: Call) -> None:
+        """Run one collective; blocks the calling thread until it finished or failed."""
+        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self.loop.call_soon_threadsafe(self._begin, call, fut)
+        # the agent's progress deadline fails a stuck call; this outer bound only guards
+        # against a dead loop thread
+        fut.result(self.config.timeout_sec * 2 + 60)
+
+    def _begin(self, call: Call, fut: concurrent.futures.Future[None]) -> None:
+        try:
+            cmds = self.agent.begin(call, self.loop.time())
+        except RabitError as exc:
+            fut.set_exception(exc)
+            return
+        self._pending = fut
+        self._completed = False
+        self._execute(cmds)
+
+    def _execute(self, cmds: list[Command]) -> None:
+        for cmd in cmds:
+            if isinstance(cmd, Send):
+                link = self.links.get(cmd.peer)
+                if link is None or link.transport is None or link.transport.is_closing():
+                    continue
+                if self._writelines:
+                    link.transport.writelines(cmd.buffers)
+                else:
+                    # asyncio's writelines joins (copies) everything first on Python 3.11
+                    for buf in cmd.buffers:
+                        link.transport.write(buf)
+            elif isinstance(cmd, CallComplete):
+                self._completed = True
+                self.on_drained()
+            elif isinstance(cmd, CallFailed):
+                fut, self._pending = self._pending, None
+                if fut is not None and not fut.done():
+                    fut.set_exception(cmd.error)
+            elif isinstance(cmd, PauseReading):
+                transport = self.links[cmd.peer].transport
+                if transport is not None:
+                    transport.pause_reading()
+            elif isinstance(cmd, ResumeReading):
+                transport = self.links[cmd.peer].transport
+                if transport is not None:
+                    transport.resume_reading()
+            elif isinstance(cmd, CloseLink):
+                logger.warning("closing link to rank %d: %s", cmd.peer, cmd.reason)
+                transport = self.links[cmd.peer].transport
+                if transport is not None:
+                    transport.abort()
+
+    def on_bytes(self, peer: int, nbytes: int) -> None:
+        self._execute(self.agent.on_bytes(peer, nbytes, self.loop.time()))
+
+    def on_hangup(self, peer: int, reason: str) -> None:
+        self._execute(self.agent.on_hangup(peer, reason, self.loop.time()))
+
+    def on_drained(self) -> None:
+        """Resolve the finished call once no link holds unsent bytes of the caller's array."""
+        if not self._completed or self._pending is None:
+            return
+        if any(link.write_blocked for link in self.links.values()):
+            return
+        fut, self._pending = self._pending, None
+        self._completed = False
+        if not fut.done():
+            fut.set_result(None)
+
+    def _on_abort(self, reason: str) -> None:
+        self._execute(self.agent.abort(f"job aborted by the tracker: {reason}"))
+
+    def _schedule_tick(self) -> None:
+        interval = min(1.0, self.config.timeout_sec / 4)
+        self._tick_handle = self.loop.call_later(interval, self._tick)
+
+    def _tick(self) -> None:
+        self._execute(self.agent.on_tick(self.loop.time()))
+        self._schedule_tick()
+
+    # ------------------------------------------------------------------ tracker services
+
+    def tracker_print(self, msg: str) -> None:
+        if self.tracker is None:
+            raise TrackerError("not connected to a tracker")
+        self.tracker.print(msg)
+
+    def signal_error(self, msg: str) -> None:
+        if self.tracker is not None:
+            self.tracker.signal_error(msg)
+
+    def checkpoint(self) -> int:
+        return self.loop_thread.run(self._checkpoint(), self.config.timeout_sec)
+
+    async def _checkpoint(self) -> int:
+        return self.agent.checkpoint()
+
+    # ------------------------------------------------------------------ shutdown
+
+    def finalize(self) -> None:
+        """Tell the tracker we are done, close every link, stop the loop.  Bounded."""
+        try:
+            self.loop_thread.run(self._finalize(), self.config.connect_timeout_sec + 5)
+        finally:
+            self.close()
+
+    async def _finalize(self) -> None:
+        if self.agent.state.value != "task-complete":
+            self.agent.shutdown()
+        try:
+            if self.tracker is not None:
+                await self.tracker.shutdown(self.config.connect_timeout_sec)
+        except RabitError as exc:
+            logger.warning("tracker shutdown: %s", exc)
+
+    def close(self) -> None:
+        """Release every resource; safe to call twice and from any state."""
+        if self.loop.is_closed():
+            return
+
+        async def _close() -> None:
+            if self._tick_handle is not None:
+                self._tick_handle.cancel()
+            for link in self.links.values():
+                if link.transport is not None:
+                    link.transport.close()
+            if self.tracker is not None:
+                await self.tracker.close()
+
+        with contextlib.suppress(Exception):
+            self.loop_thread.run(_close(), 5)
+        self.loop_thread.stop()
+
+
+def process_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"

@@ -1,0 +1,310 @@
+"""The authenticated connection preamble, for tracker connections and worker<->worker links.
+
+Socket-level on purpose: every read asks for exactly the bytes the protocol expects next, so
+not one byte past the handshake is consumed.  The caller can then hand the raw socket to
+``loop.create_connection(protocol_factory, sock=sock)`` and the first byte its protocol sees is
+the first byte the peer sent after the handshake.
+
+Handshake (``docs/protocol.md``, "Connection preamble and authentication")::
+
+    client -> server  MAGIC (8 bytes)
+    server -> client  challenge{nonce: sn}
+    client -> server  auth{nonce: cn, mac: HMAC(secret, "client" + sn + cn), hello}
+    server -> client  ok{mac: HMAC(secret, "server" + cn + sn), welcome}
+                      or refuse{reason, code}, then close
+
+Every read has an absolute deadline on ``loop.time()``.  On any failure the helpers close the
+socket before the typed error propagates, so a caller never holds a half-authenticated socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from rabit2.core.control import (
+    LENGTH_PREFIX_SIZE,
+    MAGIC,
+    NONCE_SIZE,
+    REFUSE_AUTH,
+    REFUSE_HELLO,
+    auth_mac,
+    check_mac,
+    decode_body,
+    decode_length,
+    encode_frame,
+    new_nonce,
+)
+from rabit2.errors import (
+    AuthenticationError,
+    CollectiveTimeoutError,
+    PeerLostError,
+    ProtocolError,
+    RabitError,
+)
+
+_CLIENT = b"client"
+_SERVER = b"server"
+# Keepalive catches a peer host that vanished (power loss, cable) within ~KEEPIDLE +
+# KEEPINTVL * KEEPCNT seconds; a paused process is not caught by it, heartbeats and progress
+# deadlines do that.
+_KEEPIDLE_SEC = 10
+_KEEPINTVL_SEC = 5
+_KEEPCNT = 3
+
+
+def tune_socket(sock: socket.socket) -> None:
+    """Set TCP_NODELAY and SO_KEEPALIVE (plus keepalive timing where the OS has the knobs)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", _KEEPIDLE_SEC),
+        ("TCP_KEEPINTVL", _KEEPINTVL_SEC),
+        ("TCP_KEEPCNT", _KEEPCNT),
+    ):
+        option = getattr(socket, name, None)
+        if option is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
+def _is_our_timeout(exc: OSError) -> bool:
+    """True for asyncio's deadline expiry, False for a kernel ETIMEDOUT (a dead peer host).
+
+    Both surface as ``TimeoutError``; only the kernel's carries an errno.
+    """
+    return isinstance(exc, TimeoutError) and exc.errno is None
+
+
+def _remaining(loop: asyncio.AbstractEventLoop, deadline: float, what: str) -> float:
+    left = deadline - loop.time()
+    if left <= 0:
+        raise CollectiveTimeoutError(f"deadline passed while waiting for {what}")
+    return left
+
+
+async def sock_read_exact(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int, deadline: float
+) -> bytes:
+    """Read exactly ``n`` bytes from a non-blocking socket before ``deadline`` (loop.time()).
+
+    Raises :class:`CollectiveTimeoutError` at the deadline and :class:`PeerLostError` on EOF
+    or a socket error (a truncated read is an error, never a short result).
+    """
+    buffer = bytearray(n)
+    view = memoryview(buffer)
+    got = 0
+    while got < n:
+        left = _remaining(loop, deadline, f"{n - got} more bytes")
+        try:
+            count = await asyncio.wait_for(loop.sock_recv_into(sock, view[got:]), left)
+        except OSError as exc:
+            if _is_our_timeout(exc):
+                raise CollectiveTimeoutError(
+                    f"no data within the deadline ({got} of {n} bytes received)"
+                ) from None
+            raise PeerLostError(f"connection failed while reading: {exc}") from None
+        if count == 0:
+            raise PeerLostError(f"connection closed by peer ({got} of {n} bytes received)")
+        got += count
+    return bytes(buffer)
+
+
+async def sock_read_frame(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, deadline: float
+) -> dict[str, Any]:
+    """Read one control frame (prefix, then exactly its body) before ``deadline``.
+
+    Raises :class:`ProtocolError` for an oversized or invalid frame, otherwise as
+    :func:`sock_read_exact`.
+    """
+    length = decode_length(await sock_read_exact(loop, sock, LENGTH_PREFIX_SIZE, deadline))
+    return decode_body(await sock_read_exact(loop, sock, length, deadline))
+
+
+async def sock_write_frame(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, msg: dict[str, Any]
+) -> None:
+    """Send one control frame.  Raises :class:`PeerLostError` if the socket fails."""
+    data = encode_frame(msg)
+    try:
+        await loop.sock_sendall(sock, data)
+    except OSError as exc:
+        raise PeerLostError(f"connection failed while writing: {exc}") from None
+
+
+async def _refuse(
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, reason: str, code: str
+) -> None:
+    # Best effort: the peer may already be gone, and the refusal is only a courtesy that
+    # turns a silent close into a readable error on the other side.
+    with contextlib.suppress(RabitError, OSError):
+        await asyncio.wait_for(
+            sock_write_frame(loop, sock, {"t": "refuse", "reason": reason, "code": code}), 1.0
+        )
+
+
+async def server_handshake(
+    loop: asyncio.AbstractEventLoop,
+    sock: socket.socket,
+    secret: bytes,
+    deadline: float,
+    check_hello: Callable[[dict[str, Any]], dict[str, Any]],
+) -> dict[str, Any]:
+    """Run the accepting side of the handshake on a non-blocking socket; return the hello.
+
+    ``check_hello(hello)`` returns the welcome map sent back in ``ok``; it may raise
+    :class:`ProtocolError` to refuse the peer (its message becomes the refusal reason).
+    Raises :class:`AuthenticationError` for a wrong MAC, :class:`ProtocolError` for a wrong
+    magic or a malformed/unexpected frame, :class:`CollectiveTimeoutError` at the deadline and
+    :class:`PeerLostError` on EOF.  On any error the socket is closed before raising; the
+    caller logs the reason.
+    """
+    try:
+        magic = await sock_read_exact(loop, sock, len(MAGIC), deadline)
+        if magic != MAGIC:
+            raise ProtocolError(f"wrong magic {magic!r} (not a rabit2 peer, or another version)")
+        server_nonce = new_nonce()
+        await sock_write_frame(loop, sock, {"t": "challenge", "nonce": server_nonce})
+        auth = await sock_read_frame(loop, sock, deadline)
+        if auth["t"] != "auth":
+            raise ProtocolError(f"expected auth, got {auth['t']}")
+        client_nonce = auth["nonce"]
+        if len(client_nonce) != NONCE_SIZE:
+            raise ProtocolError(f"auth nonce of {len(client_nonce)} bytes, expected {NONCE_SIZE}")
+        if not check_mac(auth_mac(secret, _CLIENT, server_nonce, client_nonce), auth["mac"]):
+            await _refuse(loop, sock, "authentication failed", REFUSE_AUTH)
+            raise AuthenticationError("peer failed authentication (wrong job secret)")
+        try:
+            welcome = check_hello(auth["hello"])
+        except ProtocolError as exc:
+            await _refuse(loop, sock, str(exc), REFUSE_HELLO)
+            raise
+        await sock_write_frame(
+            loop,
+            sock,
+            {
+                "t": "ok",
+                "mac": auth_mac(secret, _SERVER, client_nonce, server_nonce),
+                "welcome": welcome,
+            },
+        )
+        hello: dict[str, Any] = auth["hello"]
+        return hello
+    except BaseException:
+        sock.close()
+        raise
+
+
+async def client_handshake(
+    loop: asyncio.AbstractEventLoop,
+    sock: socket.socket,
+    secret: bytes,
+    hello: dict[str, Any],
+    deadline: float,
+) -> dict[str, Any]:
+    """Run the connecting side of the handshake on a connected non-blocking socket.
+
+    Returns the server's welcome map.  Raises :class:`AuthenticationError` if the server
+    refused our MAC or could not prove it knows the secret, :class:`ProtocolError` if it
+    refused our hello (the reason is in the message) or sent a malformed frame,
+    :class:`CollectiveTimeoutError` at the deadline and :class:`PeerLostError` on EOF.  On any
+    error the socket is closed before raising.
+    """
+    try:
+        try:
+            await loop.sock_sendall(sock, MAGIC)
+        except OSError as exc:
+            raise PeerLostError(f"connection failed while writing: {exc}") from None
+        challenge = await sock_read_frame(loop, sock, deadline)
+        if challenge["t"] != "challenge":
+            raise ProtocolError(f"expected challenge, got {challenge['t']}")
+        server_nonce = challenge["nonce"]
+        if len(server_nonce) != NONCE_SIZE:
+            raise ProtocolError(f"challenge nonce of {len(server_nonce)} bytes")
+        client_nonce = new_nonce()
+        await sock_write_frame(
+            loop,
+            sock,
+            {
+                "t": "auth",
+                "nonce": client_nonce,
+                "mac": auth_mac(secret, _CLIENT, server_nonce, client_nonce),
+                "hello": hello,
+            },
+        )
+        reply = await sock_read_frame(loop, sock, deadline)
+        if reply["t"] == "refuse":
+            if reply["code"] == REFUSE_AUTH:
+                raise AuthenticationError(f"refused: {reply['reason']} (check RABIT2_SECRET)")
+            raise ProtocolError(f"refused: {reply['reason']}")
+        if reply["t"] != "ok":
+            raise ProtocolError(f"expected ok or refuse, got {reply['t']}")
+        if not check_mac(auth_mac(secret, _SERVER, client_nonce, server_nonce), reply["mac"]):
+            raise AuthenticationError("server failed authentication (it does not know the secret)")
+        welcome: dict[str, Any] = reply["welcome"]
+        return welcome
+    except BaseException:
+        sock.close()
+        raise
+
+
+async def connect_authenticated(
+    host: str, port: int, secret: bytes, hello: dict[str, Any], timeout: float
+) -> tuple[socket.socket, dict[str, Any]]:
+    """Connect to ``host:port``, tune the socket and run :func:`client_handshake`.
+
+    Returns the non-blocking socket (TCP_NODELAY and SO_KEEPALIVE set) and the welcome.
+    ``timeout`` bounds name resolution, connect and handshake together.  Raises
+    :class:`PeerLostError` if no address accepts the connection, otherwise as
+    :func:`client_handshake`.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    try:
+        infos = await asyncio.wait_for(
+            loop.getaddrinfo(host, port, type=socket.SOCK_STREAM),
+            _remaining(loop, deadline, f"resolving {host}"),
+        )
+    except OSError as exc:
+        if _is_our_timeout(exc):
+            raise CollectiveTimeoutError(
+                f"resolving {host!r} took longer than {timeout}s"
+            ) from None
+        raise PeerLostError(f"cannot resolve {host!r}: {exc}") from None
+    errors: list[str] = []
+    for family, kind, proto, _, address in infos:
+        sock = socket.socket(family, kind, proto)
+        sock.setblocking(False)
+        try:
+            tune_socket(sock)
+            left = _remaining(loop, deadline, f"connecting to {host}:{port}")
+            await asyncio.wait_for(loop.sock_connect(sock, address), left)
+        except OSError as exc:
+            sock.close()
+            if _is_our_timeout(exc):
+                raise CollectiveTimeoutError(
+                    f"connecting to {host}:{port} took longer than {timeout}s"
+                ) from None
+            errors.append(f"{address}: {exc}")
+            continue
+        except BaseException:
+            sock.close()
+            raise
+        welcome = await client_handshake(loop, sock, secret, hello, deadline)
+        return sock, welcome
+    raise PeerLostError(f"cannot connect to {host}:{port}: {'; '.join(errors) or 'no address'}")
+
+
+__all__ = [
+    "client_handshake",
+    "connect_authenticated",
+    "server_handshake",
+    "sock_read_exact",
+    "sock_read_frame",
+    "sock_write_frame",
+    "tune_socket",
+]

@@ -1,0 +1,406 @@
+"""The worker side of the tracker protocol (``docs/protocol.md``, "Tracker protocol").
+
+A worker holds ONE authenticated connection to the tracker for its whole life: it registers,
+receives its assignment, sends heartbeats and prints over it, and the tracker pushes aborts and
+peer notices down it.  Losing that connection unexpectedly is reported through ``on_abort``,
+never discovered later by a hung collective.
+
+Everything here runs on the worker's event loop; :meth:`TrackerClient.print` and
+:meth:`TrackerClient.signal_error` may also be called from other threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import socket
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rabit2.config import Config
+from rabit2.core.control import FrameDecoder, encode_frame
+from rabit2.errors import (
+    CollectiveTimeoutError,
+    JobAbortedError,
+    PeerLostError,
+    ProtocolError,
+    RabitError,
+    TrackerError,
+)
+from rabit2.io.handshake import connect_authenticated
+
+logger = logging.getLogger("rabit2.tracker_client")
+
+_READ_SIZE = 65536
+# A print is a log line, not a data channel: cap it well below MAX_FRAME so that a huge
+# message is truncated instead of failing the worker.
+_MAX_PRINT_BYTES = 256 * 1024
+_BACKOFF_FIRST_SEC = 0.5
+_BACKOFF_MAX_SEC = 8.0
+_CLOSE_WAIT_SEC = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Assignment:
+    """What the tracker told this worker: its rank, its links and where its neighbours listen."""
+
+    rank: int
+    world_size: int
+    parent: int
+    children: tuple[int, ...]
+    ring_prev: int
+    ring_next: int
+    peers: dict[int, tuple[str, int]]
+    """(host, listen port) of every neighbour: tree parent/children and ring prev/next."""
+    incarnation: int
+    """0 on the first start of this rank; the tracker adds 1 per re-registration."""
+
+
+def _bad(what: str) -> ProtocolError:
+    return ProtocolError(f"assign: {what}")
+
+
+def parse_assignment(msg: dict[str, Any]) -> Assignment:
+    """Validate the contents of an ``assign`` frame.  Raises :class:`ProtocolError`."""
+    world_size = msg["world_size"]
+    if world_size < 1:
+        raise _bad(f"world_size {world_size}")
+
+    def rank_field(value: object, name: str, allow_none: bool = False) -> int:
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise _bad(f"{name} is not an int")
+        if not (-1 if allow_none else 0) <= value < world_size:
+            raise _bad(f"{name} {value} out of range for world size {world_size}")
+        return value
+
+    rank = rank_field(msg["rank"], "rank")
+    children = tuple(rank_field(child, "child") for child in msg["children"])
+    peers: dict[int, tuple[str, int]] = {}
+    for key, address in msg["peers"].items():
+        try:
+            peer = rank_field(int(key), "peer rank")
+        except ValueError:
+            raise _bad(f"peer key {key!r} is not a rank") from None
+        if (
+            not isinstance(address, list)
+            or len(address) != 2
+            or not isinstance(address[0], str)
+            or not isinstance(address[1], int)
+            or isinstance(address[1], bool)
+            or not 0 < address[1] < 65536
+        ):
+            raise _bad(f"peer {peer} address {address!r} is not [host, port]")
+        peers[peer] = (address[0], address[1])
+    if msg["incarnation"] < 0:
+        raise _bad(f"incarnation {msg['incarnation']}")
+    return Assignment(
+        rank=rank,
+        world_size=world_size,
+        parent=rank_field(msg["parent"], "parent", allow_none=True),
+        children=children,
+        ring_prev=rank_field(msg["ring_prev"], "ring_prev"),
+        ring_next=rank_field(msg["ring_next"], "ring_next"),
+        peers=peers,
+        incarnation=msg["incarnation"],
+    )
+
+
+def _truncate(text: str) -> str:
+    data = text.encode("utf-8", errors="replace")
+    if len(data) <= _MAX_PRINT_BYTES:
+        return text
+    return data[:_MAX_PRINT_BYTES].decode("utf-8", errors="ignore") + " ...[truncated]"
+
+
+class TrackerClient:
+    """One worker's persistent, authenticated connection to the tracker.
+
+    Callbacks (set by the engine; called on the loop thread; an exception in one is logged
+    and otherwise ignored so that it cannot kill the connection):
+
+    * ``on_abort(reason)``: the tracker pushed ``abort`` or the connection was lost before
+      :meth:`shutdown`/:meth:`close` (the reason says which).  Called at most once.
+    * ``on_peer_lost(rank, incarnation, reason)`` / ``on_peer_recovered(rank, incarnation,
+      (host, port))``: the tracker's notices about this worker's neighbours.
+    """
+
+    def __init__(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        heartbeat_sec: float,
+    ) -> None:
+        """Internal: use :meth:`connect`."""
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._reader = reader
+        self._writer = writer
+        self._assignment: Assignment | None = None
+        self._failure: RabitError | None = None  # why no assignment can come any more
+        self._lost: TrackerError | None = None  # set once the connection is closed
+        self._assigned = asyncio.Event()  # set on assign or on failure
+        self._bye = asyncio.Event()  # set on bye or when the connection is lost
+        self._bye_received = False
+        self._closing = False  # shutdown/close requested: a lost connection is expected
+        self._abort_reported = False
+        self.on_abort: Callable[[str], None] | None = None
+        self.on_peer_lost: Callable[[int, int, str], None] | None = None
+        self.on_peer_recovered: Callable[[int, int, tuple[str, int]], None] | None = None
+        self._read_task = asyncio.create_task(self._read_loop(), name="rabit2-tracker-reader")
+        self._heartbeat_task = asyncio.create_task(
+            self._heartbeat_loop(heartbeat_sec), name="rabit2-tracker-heartbeat"
+        )
+
+    @classmethod
+    async def connect(cls, config: Config, listen_port: int) -> TrackerClient:
+        """Connect, authenticate and send ``register{task_id, attempt, port, world_size}``.
+
+        Tries ``config.connect_retry`` times (at least once) with exponential backoff, each
+        attempt bounded by ``config.connect_timeout_sec``.  Raises :class:`TrackerError` if no
+        tracker is configured, if every attempt failed, or at once if the tracker refused us
+        (wrong secret, unacceptable hello): retrying cannot fix those.
+        """
+        if not config.distributed or config.tracker_uri is None:
+            raise TrackerError("no tracker configured (set DMLC_TRACKER_URI)")
+        if not 0 < listen_port < 65536:
+            raise ValueError(f"listen_port {listen_port} is not a TCP port")
+        attempts = max(1, config.connect_retry)
+        hello = {"role": "worker", "task_id": config.task_id}
+        failures: list[str] = []
+        for attempt in range(attempts):
+            if attempt:
+                delay = min(_BACKOFF_FIRST_SEC * 2 ** (attempt - 1), _BACKOFF_MAX_SEC)
+                # jitter spreads a whole job's retries so they do not hit the tracker together
+                await asyncio.sleep(delay * random.uniform(0.75, 1.25))
+            try:
+                sock, _ = await connect_authenticated(
+                    config.tracker_uri,
+                    config.tracker_port,
+                    config.secret,
+                    hello,
+                    config.connect_timeout_sec,
+                )
+            except (PeerLostError, CollectiveTimeoutError) as exc:
+                failures.append(str(exc))
+                logger.info("tracker connect attempt %d/%d failed: %s", attempt + 1, attempts, exc)
+                continue
+            except ProtocolError as exc:
+                raise TrackerError(f"tracker refused the connection: {exc}") from exc
+            client = await cls._from_socket(sock, config.heartbeat_sec)
+            client._send(
+                {
+                    "t": "register",
+                    "task_id": config.task_id,
+                    "attempt": config.num_attempt,
+                    "port": listen_port,
+                    "world_size": config.world_size,
+                }
+            )
+            return client
+        raise TrackerError(
+            f"cannot reach the tracker at {config.tracker_uri}:{config.tracker_port} after "
+            f"{attempts} attempts: {failures[-1] if failures else 'no attempt made'}"
+        )
+
+    @classmethod
+    async def _from_socket(cls, sock: socket.socket, heartbeat_sec: float) -> TrackerClient:
+        reader, writer = await asyncio.open_connection(sock=sock)
+        return cls(reader, writer, heartbeat_sec)
+
+    async def wait_assignment(self, timeout: float) -> Assignment:
+        """Wait until the tracker has assigned this worker its rank and links.
+
+        Raises :class:`CollectiveTimeoutError` after ``timeout`` seconds,
+        :class:`JobAbortedError` if the tracker aborted the job, and :class:`TrackerError` if
+        the tracker refused the registration or the connection was lost.
+        """
+        try:
+            await asyncio.wait_for(self._assigned.wait(), timeout)
+        except TimeoutError:
+            raise CollectiveTimeoutError(
+                f"no rank assignment from the tracker within {timeout}s"
+            ) from None
+        if self._assignment is not None:
+            return self._assignment
+        raise self._failure or TrackerError("no assignment")
+
+    def print(self, msg: str) -> None:
+        """Queue ``msg`` for the tracker to print as ``[rank] msg``; never blocks.
+
+        Messages from one worker are printed in call order.  Silently dropped once the
+        connection is gone (the engine learns about that through ``on_abort``).
+        """
+        self._send_from_any_thread({"t": "print", "msg": _truncate(str(msg))})
+
+    def signal_error(self, msg: str) -> None:
+        """Ask the tracker to abort the whole job with ``msg`` as the reason; never blocks."""
+        self._send_from_any_thread({"t": "error", "msg": _truncate(str(msg))})
+
+    async def shutdown(self, timeout: float) -> None:
+        """Tell the tracker this worker finished, wait for its ``bye``, then close.
+
+        The connection is closed when this returns or raises.  Raises
+        :class:`CollectiveTimeoutError` if no ``bye`` arrived within ``timeout`` and
+        :class:`TrackerError` if the connection was already lost or was lost first.  Works
+        after an abort too, so that the tracker learns this worker is done.
+        """
+        try:
+            if self._lost is not None:
+                raise self._lost
+            self._closing = True
+            self._send({"t": "shutdown"})
+            try:
+                await asyncio.wait_for(self._bye.wait(), timeout)
+            except TimeoutError:
+                raise CollectiveTimeoutError(
+                    f"the tracker did not acknowledge shutdown within {timeout}s"
+                ) from None
+            if not self._bye_received:
+                raise self._lost or TrackerError("tracker connection lost before bye")
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Close the connection without the shutdown exchange.  Idempotent; never raises."""
+        self._closing = True
+        self._connection_closed(TrackerError("the tracker client was closed"))
+        tasks = [self._read_task, self._heartbeat_task]
+        for task in tasks:
+            task.cancel()
+        current = asyncio.current_task()
+        await asyncio.gather(*(t for t in tasks if t is not current), return_exceptions=True)
+        self._writer.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._writer.wait_closed(), _CLOSE_WAIT_SEC)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _send_from_any_thread(self, msg: dict[str, Any]) -> None:
+        if threading.get_ident() == self._loop_thread:
+            self._send(msg)
+            return
+        # call_soon_threadsafe is FIFO, so prints from one thread keep their order.
+        with contextlib.suppress(RuntimeError):  # the loop is already closed: drop
+            self._loop.call_soon_threadsafe(self._send, msg)
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        if self._writer.is_closing():
+            logger.debug("dropping %s: tracker connection is closed", msg["t"])
+            return
+        self._writer.write(encode_frame(msg))
+
+    async def _heartbeat_loop(self, interval: float) -> None:
+        while not self._writer.is_closing():
+            await asyncio.sleep(interval)
+            self._send({"t": "heartbeat"})
+
+    async def _read_loop(self) -> None:
+        decoder = FrameDecoder()
+        reason = "the tracker closed the connection"
+        try:
+            while True:
+                data = await self._reader.read(_READ_SIZE)
+                if not data:
+                    break
+                for msg in decoder.feed(data):
+                    self._dispatch(msg)
+        except ProtocolError as exc:
+            reason = f"the tracker sent an invalid message: {exc}"
+        except OSError as exc:
+            reason = f"the tracker connection failed: {exc}"
+        self._connection_closed(TrackerError(f"lost the tracker connection: {reason}"))
+        if not self._closing:
+            self._report_abort(f"lost the tracker connection: {reason}")
+
+    def _dispatch(self, msg: dict[str, Any]) -> None:
+        kind = msg["t"]
+        if kind == "assign":
+            if self._assignment is not None:
+                raise ProtocolError("a second assign on the same registration")
+            self._assignment = parse_assignment(msg)
+            self._assigned.set()
+        elif kind == "abort":
+            self._fail(JobAbortedError(f"the tracker aborted the job: {msg['reason']}"))
+            self._report_abort(f"the tracker aborted the job: {msg['reason']}")
+        elif kind == "bye":
+            self._bye_received = True
+            self._bye.set()
+        elif kind == "refuse":
+            self._fail(TrackerError(f"the tracker refused this worker: {msg['reason']}"))
+        elif kind == "peer_lost":
+            self._call(self.on_peer_lost, msg["rank"], msg["incarnation"], msg["reason"])
+        elif kind == "peer_recovered":
+            address = (msg["host"], msg["port"])
+            self._call(self.on_peer_recovered, msg["rank"], msg["incarnation"], address)
+        else:
+            raise ProtocolError(f"unexpected {kind} from the tracker")
+
+    def _fail(self, error: RabitError) -> None:
+        """Record the first reason no assignment can come and wake its waiter."""
+        if self._failure is None:
+            self._failure = error
+        self._assigned.set()
+
+    def _connection_closed(self, error: TrackerError) -> None:
+        """Close the writer and wake every waiter; the first recorded reason wins."""
+        self._writer.close()
+        if self._lost is None:
+            self._lost = error
+        self._fail(error)
+        self._bye.set()
+
+    def _report_abort(self, reason: str) -> None:
+        if self._abort_reported:
+            return
+        self._abort_reported = True
+        logger.warning("%s", reason)
+        self._call(self.on_abort, reason)
+
+    @staticmethod
+    def _call(callback: Callable[..., None] | None, *args: Any) -> None:
+        if callback is None:
+            return
+        try:
+            callback(*args)
+        except Exception:
+            logger.exception("tracker client callback %r failed", callback)
+
+
+async def query_tracker_status(
+    host: str, port: int, secret: bytes, timeout: float
+) -> dict[str, Any]:
+    """Ask a tracker for its :meth:`tracker.server.Tracker.status` over a monitor connection.
+
+    Raises :class:`TrackerError` if the tracker cannot be reached, refuses us or does not
+    answer within ``timeout`` seconds.
+    """
+    try:
+        sock, _ = await connect_authenticated(host, port, secret, {"role": "monitor"}, timeout)
+    except RabitError as exc:
+        raise TrackerError(f"cannot query the tracker at {host}:{port}: {exc}") from exc
+    reader, writer = await asyncio.open_connection(sock=sock)
+    try:
+        writer.write(encode_frame({"t": "status"}))
+        decoder = FrameDecoder()
+        async with asyncio.timeout(timeout):
+            while True:
+                data = await reader.read(_READ_SIZE)
+                if not data:
+                    raise TrackerError("the tracker closed the status connection")
+                for msg in decoder.feed(data):
+                    if msg["t"] == "status_reply":
+                        status: dict[str, Any] = msg["status"]
+                        return status
+    except TimeoutError:
+        raise TrackerError(f"no status reply from the tracker within {timeout}s") from None
+    except (ProtocolError, OSError) as exc:
+        raise TrackerError(f"status query failed: {exc}") from exc
+    finally:
+        writer.close()
+
+
+__all__ = ["Assignment", "TrackerClient", "parse_assignment", "query_tracker_status"]

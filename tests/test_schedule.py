@@ -1,0 +1,182 @@
+"""Schedules and the agent over the seeded in-memory network, checked against numpy."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rabit2.core.agent import Call
+from rabit2.core.framing import CollectiveKind
+from rabit2.core.ops import SUPPORTED_DTYPES, Op
+from rabit2.core.schedule import ring_segments
+from simnet import SimNet
+
+WORLDS = [1, 2, 3, 4, 5, 7, 8, 16, 17]
+ALGOS = {"tree": CollectiveKind.ALLREDUCE_TREE, "ring": CollectiveKind.ALLREDUCE_RING}
+
+
+def counts(world: int) -> list[int]:
+    return sorted({0, 1, max(world - 1, 0), world, world + 1, 3000})
+
+
+def run_allreduce(world: int, count: int, algo: str, dtype: np.dtype, op: Op, seed: int,
+                  max_piece: int = 4099) -> tuple[list[np.ndarray], list[np.ndarray], SimNet]:
+    rng = np.random.default_rng(seed)
+    if dtype.kind == "f":
+        data = [rng.standard_normal(count).astype(dtype) for _ in range(world)]
+    else:
+        info = np.iinfo(dtype)
+        data = [rng.integers(info.min, info.max, count, dtype=dtype, endpoint=True)
+                for _ in range(world)]
+    bufs = [d.copy() for d in data]
+    net = SimNet(world, seed=seed, max_piece=max_piece, tree_chunk=1024,
+                 ring_mincount=10**12 if algo == "tree" else 0)
+    calls = {r: Call(ALGOS[algo], memoryview(bufs[r]).cast("B"), dtype, op)
+             for r in range(world)}
+    net.run(calls)
+    assert not net.failed, net.failed
+    assert len(net.done) == world
+    return data, bufs, net
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("algo", ["tree", "ring"])
+def test_allreduce_sum_matches_numpy(world: int, algo: str) -> None:
+    for count in counts(world):
+        data, bufs, net = run_allreduce(world, count, algo, np.dtype(np.int64), Op.SUM,
+                                        seed=world * 7919 + count)
+        expect = np.sum(data, axis=0, dtype=np.int64)
+        for r in range(world):
+            assert bufs[r].tobytes() == expect.tobytes(), (r, count)
+        for agent in net.agents.values():
+            assert agent.active is None
+
+
+_NP = {Op.SUM: np.add, Op.PROD: np.multiply, Op.MAX: np.maximum, Op.MIN: np.minimum,
+       Op.BITOR: np.bitwise_or, Op.BITAND: np.bitwise_and, Op.BITXOR: np.bitwise_xor}
+
+
+@pytest.mark.parametrize("dtype", SUPPORTED_DTYPES, ids=str)
+@pytest.mark.parametrize("op", list(Op), ids=lambda o: o.name)
+def test_every_dtype_and_op(dtype: np.dtype, op: Op) -> None:
+    if dtype.kind == "f" and op in (Op.BITOR, Op.BITAND, Op.BITXOR):
+        pytest.skip("bitwise ops are rejected for floats at the API")
+    for world, algo in ((3, "tree"), (4, "ring")):
+        data, bufs, _ = run_allreduce(world, 37, algo, dtype, op, seed=int(op) * 31 + world)
+        # floats: every rank holds the same bytes; integers: equal to numpy whatever the order
+        for r in range(1, world):
+            assert bufs[r].tobytes() == bufs[0].tobytes()
+        if dtype.kind != "f":
+            expect = data[0].copy()
+            for d in data[1:]:
+                _NP[op](expect, d, out=expect, casting="no")
+            assert bufs[0].tobytes() == expect.tobytes()
+        else:
+            expect = data[0].astype(np.float64)
+            for d in data[1:]:
+                expect = _NP[op](expect, d.astype(np.float64))
+            np.testing.assert_allclose(bufs[0].astype(np.float64), expect, rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_broadcast_from_every_root(world: int) -> None:
+    for count in counts(world):
+        for root in range(world):
+            rng = np.random.default_rng(count + root)
+            src = rng.integers(0, 255, count, dtype=np.uint8)
+            bufs = [src.copy() if r == root else np.zeros(count, np.uint8) for r in range(world)]
+            net = SimNet(world, seed=root * 13 + count, max_piece=1500)
+            net.run({r: Call(CollectiveKind.BROADCAST, memoryview(bufs[r]), root=root)
+                     for r in range(world)})
+            assert not net.failed and len(net.done) == world
+            for r in range(world):
+                assert bufs[r].tobytes() == src.tobytes()
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_allgather_variable_blocks(world: int) -> None:
+    sizes = [(r * 5 + 3) % 7 for r in range(world)]
+    offsets = np.cumsum([0, *sizes])
+    blocks = tuple((int(offsets[r]), int(offsets[r + 1])) for r in range(world))
+    full = np.arange(offsets[-1], dtype=np.uint8)
+    bufs = []
+    for lo, hi in blocks:
+        b = np.zeros(offsets[-1], np.uint8)
+        b[lo:hi] = full[lo:hi]
+        bufs.append(b)
+    net = SimNet(world, seed=world)
+    net.run({r: Call(CollectiveKind.ALLGATHER, memoryview(bufs[r]), blocks=blocks)
+             for r in range(world)})
+    assert not net.failed and len(net.done) == world
+    for b in bufs:
+        assert b.tobytes() == full.tobytes()
+
+
+def test_large_ring_and_tree_pipelining() -> None:
+    for algo in ("tree", "ring"):
+        data, bufs, _ = run_allreduce(5, 300_000, algo, np.dtype(np.float32), Op.SUM, seed=5,
+                                      max_piece=1 << 16)
+        for r in range(1, 5):
+            assert bufs[r].tobytes() == bufs[0].tobytes()
+        np.testing.assert_allclose(bufs[0], np.sum(data, axis=0), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("world", [2, 3, 5, 8, 16, 17])
+def test_bytes_per_link_match_docs(world: int) -> None:
+    """docs/algorithms.md: tree moves N each way per tree edge; ring 2(n-1)/n*N one way."""
+    count = 10_000
+    nbytes = count * 8
+    for algo in ("tree", "ring"):
+        _, _, net = run_allreduce(world, count, algo, np.dtype(np.float64), Op.SUM, seed=1)
+        from rabit2.core.framing import HEADER_SIZE  # noqa: PLC0415
+
+        agents = net.agents
+        for (src, dst), sent in net.bytes_on_link.items():
+            payload = sent
+            frames = agents[src].statistics().frames_sent  # upper bound on headers
+            if algo == "tree":
+                linked = dst in agents[src].links and (
+                    dst in _tree_neighbors(src, world))
+                expected = nbytes if linked else 0
+            else:
+                segs = ring_segments(nbytes, 8, world)
+                expected = 0
+                if dst == (src - 1) % world and world > 1:
+                    expected = sum(hi - lo for lo, hi in segs) * 2 - (segs[src][1] - segs[src][0]) - (segs[(src - 1) % world][1] - segs[(src - 1) % world][0])
+                    if world == 2:
+                        expected = nbytes
+            # headers are the only overhead: at most one per frame
+            assert expected <= payload <= expected + frames * HEADER_SIZE, (algo, src, dst)
+
+
+def _tree_neighbors(rank: int, world: int) -> tuple[int, ...]:
+    from rabit2.core.topology import topology  # noqa: PLC0415
+
+    return topology(rank, world).tree_neighbors
+
+
+@pytest.mark.parametrize("world", [2, 3, 5, 8])
+def test_consecutive_calls_with_staggered_starts(world: int) -> None:
+    """Ranks enter each call at different times: early frames are held, never lost."""
+    net = SimNet(world, seed=world, max_piece=999, ring_mincount=64)
+    rng = np.random.default_rng(world)
+    for i, count in enumerate([10, 1000, 0, 77, 5000, 3]):
+        data = [rng.integers(0, 1000, count).astype(np.int32) for _ in range(world)]
+        bufs = [d.copy() for d in data]
+        kind = net.agents[0].choose_allreduce(count * 4, 4)
+        calls = {r: Call(kind, memoryview(bufs[r]).cast("B"), np.dtype(np.int32), Op.SUM)
+                 for r in range(world)}
+        order = list(range(world))
+        net.rng.shuffle(order)
+        net.done.clear()
+        for r in order:  # start one rank, let the network run a while, start the next
+            net.execute(r, net.agents[r].begin(calls[r], net.now))
+            for _ in range(net.rng.randint(0, 50)):
+                net.step()
+        while net.step():
+            pass
+        assert not net.failed, (i, net.failed)
+        assert len(net.done) == world, i
+        expect = np.sum(data, axis=0, dtype=np.int32)
+        for b in bufs:
+            assert b.tobytes() == expect.tobytes()

@@ -1,0 +1,581 @@
+"""Tracker, tracker client and the authenticated handshake, over real loopback sockets.
+
+Every async test runs under both asyncio and uvloop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import socket
+import struct
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import uvloop
+
+from rabit2.config import Config
+from rabit2.core.control import MAGIC, MAX_FRAME, encode_frame
+from rabit2.core.topology import topology
+from rabit2.errors import (
+    AuthenticationError,
+    CollectiveTimeoutError,
+    JobAbortedError,
+    PeerLostError,
+    ProtocolError,
+    TrackerError,
+)
+from rabit2.io.handshake import (
+    client_handshake,
+    connect_authenticated,
+    server_handshake,
+    sock_read_exact,
+    sock_read_frame,
+    sock_write_frame,
+)
+from rabit2.io.tracker_client import Assignment, TrackerClient, query_tracker_status
+from tracker.server import Tracker, TrackerThread, natural_key
+
+pytestmark = pytest.mark.timeout(30)
+
+SECRET = bytes(range(32))
+HOST = "127.0.0.1"
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def event_loop_policy(request: pytest.FixtureRequest) -> asyncio.AbstractEventLoopPolicy:
+    if request.param == "uvloop":
+        return uvloop.EventLoopPolicy()
+    return asyncio.DefaultEventLoopPolicy()
+
+
+class Prints:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def __call__(self, line: str) -> None:
+        self.lines.append(line)
+
+
+@pytest_asyncio.fixture
+async def make_tracker() -> AsyncIterator[Callable[..., Any]]:
+    trackers: list[Tracker] = []
+
+    async def make(n: int, **kwargs: Any) -> Tracker:
+        kwargs.setdefault("secret", SECRET)
+        kwargs.setdefault("print_fn", Prints())
+        tracker = Tracker(n, **kwargs)
+        await tracker.start()
+        trackers.append(tracker)
+        return tracker
+
+    yield make
+    for tracker in trackers:
+        await tracker.close()
+
+
+def config(tracker: Tracker, task_id: str, **kwargs: Any) -> Config:
+    values: dict[str, Any] = {
+        "tracker_uri": HOST,
+        "tracker_port": tracker.port,
+        "task_id": task_id,
+        "secret": SECRET,
+        "heartbeat_sec": 0.2,
+        "connect_retry": 1,
+        "connect_timeout_sec": 5.0,
+    }
+    values.update(kwargs)
+    return Config(**values)
+
+
+async def join_job(tracker: Tracker, task_ids: list[str]) -> list[TrackerClient]:
+    return list(await asyncio.gather(*(
+        TrackerClient.connect(config(tracker, task_id), 20000 + int(natural_key(task_id)[-1][1]))
+        for task_id in task_ids
+    )))
+
+
+async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+def check_consistent(assignments: list[Assignment], ports: dict[int, int]) -> None:
+    """Every assignment matches the topology and names its neighbours' real addresses."""
+    n = len(assignments)
+    assert sorted(a.rank for a in assignments) == list(range(n))
+    for a in assignments:
+        links = topology(a.rank, n)
+        assert (a.world_size, a.parent, a.children, a.ring_prev, a.ring_next) == (
+            n, links.parent, links.children, links.ring_prev, links.ring_next)
+        assert a.peers == {r: (HOST, ports[r]) for r in links.neighbors}
+
+
+# -- handshake ----------------------------------------------------------------------------
+
+
+async def _pair() -> tuple[socket.socket, socket.socket]:
+    left, right = socket.socketpair()
+    left.setblocking(False)
+    right.setblocking(False)
+    return left, right
+
+
+@pytest.mark.asyncio
+async def test_handshake_reads_nothing_past_itself() -> None:
+    loop = asyncio.get_running_loop()
+    client, server = await _pair()
+    deadline = loop.time() + 5
+
+    async def client_side() -> dict[str, Any]:
+        welcome = await client_handshake(loop, client, SECRET, {"rank": 3}, deadline)
+        await loop.sock_sendall(client, b"DATA")  # first bytes after the handshake
+        return welcome
+
+    hello, welcome = await asyncio.gather(
+        server_handshake(loop, server, SECRET, deadline, lambda h: {"seen": h["rank"]}),
+        client_side(),
+    )
+    assert hello["rank"] == 3
+    assert welcome == {"seen": 3}
+    assert await sock_read_exact(loop, server, 4, deadline) == b"DATA"
+    client.close()
+    with pytest.raises(PeerLostError):
+        await sock_read_exact(loop, server, 1, deadline)
+    server.close()
+
+
+@pytest.mark.asyncio
+async def test_wrong_client_secret_refused() -> None:
+    loop = asyncio.get_running_loop()
+    client, server = await _pair()
+    deadline = loop.time() + 5
+    server_result, client_result = await asyncio.gather(
+        server_handshake(loop, server, SECRET, deadline, lambda h: {}),
+        client_handshake(loop, client, b"wrong", {}, deadline),
+        return_exceptions=True,
+    )
+    assert isinstance(server_result, AuthenticationError)
+    assert isinstance(client_result, AuthenticationError)
+    assert client.fileno() == -1 and server.fileno() == -1  # closed on failure
+
+
+@pytest.mark.asyncio
+async def test_impostor_server_detected() -> None:
+    """A server that does not know the secret cannot fake the ok (mutual authentication)."""
+    loop = asyncio.get_running_loop()
+    client, server = await _pair()
+    deadline = loop.time() + 5
+
+    async def impostor() -> None:
+        await sock_read_exact(loop, server, len(MAGIC), deadline)
+        await sock_write_frame(loop, server, {"t": "challenge", "nonce": b"n" * 16})
+        auth = await sock_read_frame(loop, server, deadline)
+        await sock_write_frame(loop, server, {"t": "ok", "mac": auth["mac"], "welcome": {}})
+
+    results = await asyncio.gather(
+        impostor(), client_handshake(loop, client, SECRET, {}, deadline), return_exceptions=True
+    )
+    assert results[0] is None
+    assert isinstance(results[1], AuthenticationError)
+    server.close()
+
+
+@pytest.mark.asyncio
+async def test_handshake_hello_refused_and_deadline() -> None:
+    loop = asyncio.get_running_loop()
+    client, server = await _pair()
+
+    def refuse(hello: dict[str, Any]) -> dict[str, Any]:
+        raise ProtocolError("rank 9 is not in this job")
+
+    results = await asyncio.gather(
+        server_handshake(loop, server, SECRET, loop.time() + 5, refuse),
+        client_handshake(loop, client, SECRET, {}, loop.time() + 5),
+        return_exceptions=True,
+    )
+    assert isinstance(results[0], ProtocolError)
+    assert isinstance(results[1], ProtocolError)
+    assert not isinstance(results[1], AuthenticationError)
+    assert "rank 9" in str(results[1])
+
+    client, server = await _pair()  # a silent client
+    start = loop.time()
+    with pytest.raises(CollectiveTimeoutError):
+        await server_handshake(loop, server, SECRET, loop.time() + 0.3, lambda h: {})
+    assert loop.time() - start < 2
+    client.close()
+
+
+# -- tracker: rendezvous ------------------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_ranks_by_natural_task_order(make_tracker: Callable[..., Any]) -> None:
+    task_ids = ["10", "2", "0", "1", "3"]
+    random.Random(1).shuffle(task_ids)
+    tracker = await make_tracker(5)
+    clients = await join_job(tracker, task_ids)
+    assignments = await asyncio.gather(*(c.wait_assignment(5) for c in clients))
+    rank_of = {task: a.rank for task, a in zip(task_ids, assignments, strict=True)}
+    assert rank_of == {"0": 0, "1": 1, "2": 2, "3": 3, "10": 4}
+    ports = {rank: 20000 + int(task) for task, rank in rank_of.items()}
+    check_consistent(list(assignments), ports)
+    assert all(a.incarnation == 0 for a in assignments)
+    await asyncio.gather(*(c.shutdown(5) for c in clients))
+    result = await tracker.wait_done(5)
+    assert result.success
+    assert result.status["finished"] == 5 and result.status["done"]
+
+
+@pytest.mark.asyncio
+async def test_sortby_arrival_and_status_query(make_tracker: Callable[..., Any]) -> None:
+    tracker = await make_tracker(3, sortby="arrival")
+    clients = []
+    for k, task_id in enumerate(["c", "a", "b"]):
+        clients.append(await TrackerClient.connect(config(tracker, task_id), 21000 + k))
+        await wait_until(lambda k=k: tracker.status()["registered"] == k + 1)
+    status = await query_tracker_status(HOST, tracker.port, SECRET, 5)
+    assert [t["task_id"] for t in status["tasks"]] == ["c", "a", "b"]
+    assert [t["rank"] for t in status["tasks"]] == [0, 1, 2]
+    assignments = [await c.wait_assignment(5) for c in clients]
+    assert [a.rank for a in assignments] == [0, 1, 2]
+    with pytest.raises(TrackerError):
+        await query_tracker_status(HOST, tracker.port, b"wrong", 5)
+    for c in clients:
+        await c.close()
+
+
+@pytest.mark.asyncio
+async def test_restart_gets_old_rank_and_next_incarnation(
+    make_tracker: Callable[..., Any],
+) -> None:
+    lost: list[tuple[str, int | None, str]] = []
+    tracker = await make_tracker(2)
+    tracker.on_worker_lost = lambda task, rank, reason: lost.append((task, rank, reason))
+    survivor, victim = await join_job(tracker, ["0", "1"])
+    notices: list[tuple[str, int, int, object]] = []
+    survivor.on_peer_lost = lambda r, inc, why: notices.append(("lost", r, inc, why))
+    survivor.on_peer_recovered = lambda r, inc, addr: notices.append(("recovered", r, inc, addr))
+    first = await victim.wait_assignment(5)
+    await survivor.wait_assignment(5)
+    await victim.close()  # dies without shutdown
+    await wait_until(lambda: bool(lost))
+    assert lost[0][:2] == ("1", 1)
+    await wait_until(lambda: bool(notices))
+    assert notices[0][:3] == ("lost", 1, 0)
+
+    restarted = await TrackerClient.connect(config(tracker, "1", num_attempt=1), 23456)
+    second = await restarted.wait_assignment(5)
+    assert second.rank == first.rank == 1
+    assert second.incarnation == 1
+    assert second.peers == first.peers
+    await wait_until(lambda: len(notices) == 2)
+    assert notices[1] == ("recovered", 1, 1, (HOST, 23456))
+    status = tracker.status()
+    assert status["tasks"][1]["incarnation"] == 1 and status["tasks"][1]["attempt"] == 1
+    await asyncio.gather(survivor.shutdown(5), restarted.shutdown(5))
+    assert (await tracker.wait_done(5)).success
+
+
+@pytest.mark.asyncio
+async def test_zombie_connection_is_fenced(make_tracker: Callable[..., Any]) -> None:
+    tracker = await make_tracker(1)
+    (old,) = await join_job(tracker, ["0"])
+    reasons: list[str] = []
+    old.on_abort = reasons.append
+    await old.wait_assignment(5)
+    new = await TrackerClient.connect(config(tracker, "0"), 20001)
+    assert (await new.wait_assignment(5)).incarnation == 1
+    await wait_until(lambda: bool(reasons))  # the tracker closed the old process's link
+    assert "lost the tracker connection" in reasons[0]
+    await new.shutdown(5)
+    await old.close()
+
+
+@pytest.mark.asyncio
+async def test_extra_and_mismatched_registrations_refused(
+    make_tracker: Callable[..., Any],
+) -> None:
+    tracker = await make_tracker(1)
+    (member,) = await join_job(tracker, ["0"])
+    await member.wait_assignment(5)
+    stranger = await TrackerClient.connect(config(tracker, "7"), 20007)
+    with pytest.raises(TrackerError, match="already has 1 tasks"):
+        await stranger.wait_assignment(5)
+    wrong_size = await TrackerClient.connect(config(tracker, "0", world_size=4), 20008)
+    with pytest.raises(TrackerError, match="world size"):
+        await wrong_size.wait_assignment(5)
+    for client in (member, stranger, wrong_size):
+        await client.close()
+
+
+# -- tracker: robustness ------------------------------------------------------------------
+
+
+async def _raw_connection(port: int, payload: bytes) -> float:
+    """Send ``payload`` and return how long the tracker took to close the connection."""
+    loop = asyncio.get_running_loop()
+    reader, writer = await asyncio.open_connection(HOST, port)
+    start = loop.time()
+    writer.write(payload)
+    try:
+        async with asyncio.timeout(10):
+            while await reader.read(4096):
+                pass  # the challenge, maybe a refuse; then EOF
+    except ConnectionResetError:
+        pass  # closed while our unread bytes were still queued: a reset, not a FIN
+    writer.close()
+    return loop.time() - start
+
+
+async def _authenticated_garbage(port: int, payload: bytes) -> bool:
+    """Authenticate as a monitor, then send ``payload``; True once the tracker closed us."""
+    loop = asyncio.get_running_loop()
+    sock, _ = await connect_authenticated(HOST, port, SECRET, {"role": "monitor"}, 5)
+    await loop.sock_sendall(sock, payload)
+    try:
+        while await asyncio.wait_for(loop.sock_recv(sock, 4096), 10):
+            pass
+    except ConnectionResetError:
+        pass
+    sock.close()
+    return True
+
+
+@pytest.mark.asyncio
+async def test_bad_connections_do_not_disturb_the_job(
+    make_tracker: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, logger="rabit2.tracker")
+    tracker = await make_tracker(3, handshake_timeout=0.5)
+    bad_secret = config(tracker, "9", secret=b"not the secret")
+    attacks = asyncio.gather(
+        _raw_connection(tracker.port, os.urandom(64)),
+        _raw_connection(tracker.port, b"GET / HTTP/1.1\r\n\r\n"),
+        _raw_connection(tracker.port, MAGIC + struct.pack("<I", 0xFFFFFFFF)),
+        _raw_connection(tracker.port, MAGIC + struct.pack("<I", MAX_FRAME + 1) + b"x" * 100),
+        _raw_connection(tracker.port, b""),  # silent
+        _raw_connection(tracker.port, MAGIC),  # silent after the magic
+        _authenticated_garbage(tracker.port, struct.pack("<I", 1 << 30)),
+        _authenticated_garbage(tracker.port, b"\x03\x00\x00\x00\xc1\xc1\xc1"),
+        _authenticated_garbage(tracker.port, encode_frame({"t": "shutdown"})),
+        TrackerClient.connect(bad_secret, 20009),
+        return_exceptions=True,
+    )
+    clients = await join_job(tracker, ["0", "1", "2"])
+    assignments = await asyncio.gather(*(c.wait_assignment(5) for c in clients))
+    check_consistent(list(assignments), {0: 20000, 1: 20001, 2: 20002})
+    await asyncio.gather(*(c.shutdown(5) for c in clients))
+    assert (await tracker.wait_done(5)).success
+    results = await attacks
+    durations = results[:6]
+    assert all(isinstance(d, float) and d < 3 for d in durations), results
+    assert results[6:9] == [True, True, True]
+    assert isinstance(results[9], TrackerError) and "RABIT2_SECRET" in str(results[9])
+    log = caplog.text
+    for reason in ("wrong magic", "exceeds", "undecodable", "failed authentication",
+                   "deadline", "may only send status"):
+        assert reason in log, reason
+
+
+@pytest.mark.asyncio
+async def test_heartbeat_timeout_means_lost(make_tracker: Callable[..., Any]) -> None:
+    lost: list[str] = []
+    tracker = await make_tracker(1, heartbeat_timeout=0.5)
+    tracker.on_worker_lost = lambda task, rank, reason: lost.append(reason)
+    quiet = await TrackerClient.connect(config(tracker, "0", heartbeat_sec=30.0), 20000)
+    await quiet.wait_assignment(5)
+    await wait_until(lambda: bool(lost), timeout=3)
+    assert "no message" in lost[0]
+    await quiet.close()
+
+    lost.clear()
+    chatty = await TrackerClient.connect(config(tracker, "0", heartbeat_sec=0.1), 20000)
+    await chatty.wait_assignment(5)
+    await asyncio.sleep(1.2)
+    assert lost == []
+    await chatty.shutdown(5)
+
+
+# -- tracker: prints, errors, aborts ------------------------------------------------------
+
+
+@pytest.mark.asyncio
+async def test_print_relay_keeps_order(make_tracker: Callable[..., Any]) -> None:
+    prints = Prints()
+    tracker = await make_tracker(2, print_fn=prints)
+    clients = await join_job(tracker, ["0", "1"])
+    await asyncio.gather(*(c.wait_assignment(5) for c in clients))
+    for i in range(20):
+        clients[1].print(f"line {i}")
+    clients[0].print("x" * (1 << 20))  # truncated, not fatal
+    await asyncio.gather(*(c.shutdown(5) for c in clients))
+    mine = [line for line in prints.lines if line.startswith("[1] ")]
+    assert mine == [f"[1] line {i}" for i in range(20)]
+    assert any(line.startswith("[0] xxx") and line.endswith("[truncated]")
+               for line in prints.lines)
+    assert tracker.status()["prints"] == 21
+
+
+@pytest.mark.asyncio
+async def test_signal_error_aborts_everyone_else(make_tracker: Callable[..., Any]) -> None:
+    tracker = await make_tracker(3)
+    clients = await join_job(tracker, ["0", "1", "2"])
+    await asyncio.gather(*(c.wait_assignment(5) for c in clients))
+    reasons: dict[int, str] = {}
+    for i, client in enumerate(clients):
+        client.on_abort = lambda reason, i=i: reasons.__setitem__(i, reason)
+    clients[2].signal_error("disk full")
+    result = await tracker.wait_done(5)
+    assert not result.success and "disk full" in result.reason
+    await wait_until(lambda: len(reasons) == 2)
+    assert set(reasons) == {0, 1}
+    assert all("rank 2" in r and "disk full" in r for r in reasons.values())
+    for client in clients:
+        await client.shutdown(5)  # still acknowledged after an abort
+
+
+@pytest.mark.asyncio
+async def test_abort_before_assignment_and_late_joiner(make_tracker: Callable[..., Any]) -> None:
+    tracker = await make_tracker(3)
+    early = await join_job(tracker, ["0", "1"])
+    early[0].signal_error("bad input file")
+    with pytest.raises(JobAbortedError, match="bad input file"):
+        await early[1].wait_assignment(5)
+    late = await TrackerClient.connect(config(tracker, "2"), 20002)
+    reasons: list[str] = []
+    late.on_abort = reasons.append
+    await wait_until(lambda: bool(reasons))
+    assert "bad input file" in reasons[0]
+    for client in [*early, late]:
+        await client.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("how", ["abort", "mark_failed"])
+async def test_abort_is_pushed(make_tracker: Callable[..., Any], how: str) -> None:
+    tracker = await make_tracker(2)
+    clients = await join_job(tracker, ["0", "1"])
+    await asyncio.gather(*(c.wait_assignment(5) for c in clients))
+    reasons: list[str] = []
+    for client in clients:
+        client.on_abort = reasons.append
+    if how == "abort":
+        tracker.abort("operator said stop")
+        expected = "operator said stop"
+    else:
+        tracker.mark_failed("1", "exit code 1 after 3 attempts")
+        expected = "rank 1 (task 1) failed for good: exit code 1 after 3 attempts"
+    await wait_until(lambda: len(reasons) == 2)
+    assert all(expected in r for r in reasons)
+    assert not (await tracker.wait_done(1)).success
+    for client in clients:
+        await client.close()
+
+
+@pytest.mark.asyncio
+async def test_tracker_loss_is_reported(make_tracker: Callable[..., Any]) -> None:
+    tracker = await make_tracker(1)
+    (client,) = await join_job(tracker, ["0"])
+    await client.wait_assignment(5)
+    reasons: list[str] = []
+    client.on_abort = reasons.append
+    await tracker.close()
+    await wait_until(lambda: bool(reasons))
+    assert "lost the tracker connection" in reasons[0]
+    with pytest.raises(TrackerError):
+        await client.shutdown(1)
+
+
+@pytest.mark.asyncio
+async def test_connect_failures(make_tracker: Callable[..., Any]) -> None:
+    with socket.socket() as probe:  # a port with nothing listening
+        probe.bind((HOST, 0))
+        free_port = probe.getsockname()[1]
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    with pytest.raises(TrackerError, match="after 2 attempts"):
+        await TrackerClient.connect(
+            Config(tracker_uri=HOST, tracker_port=free_port, connect_retry=2), 20000)
+    assert loop.time() - start < 3
+    with pytest.raises(TrackerError, match="no tracker"):
+        await TrackerClient.connect(Config(), 20000)
+    tracker = await make_tracker(2)
+    (lonely,) = await join_job(tracker, ["0"])
+    with pytest.raises(CollectiveTimeoutError):
+        await lonely.wait_assignment(0.3)
+    await lonely.close()
+
+
+# -- synchronous wrappers -----------------------------------------------------------------
+
+
+def test_tracker_thread() -> None:
+    prints = Prints()
+    thread = TrackerThread(2, secret=SECRET, print_fn=prints)
+    thread.start()
+    try:
+        env = thread.worker_env()
+        assert env["DMLC_TRACKER_URI"] == HOST and env["DMLC_NUM_WORKER"] == "2"
+        assert bytes.fromhex(env["RABIT2_SECRET"]) == SECRET
+        assert thread.join(0.05) is None
+
+        async def job() -> None:
+            cfgs = [Config(tracker_uri=HOST, tracker_port=int(env["DMLC_TRACKER_PORT"]),
+                           task_id=str(i), secret=SECRET) for i in range(2)]
+            clients = [await TrackerClient.connect(c, 20000 + i) for i, c in enumerate(cfgs)]
+            await asyncio.gather(*(c.wait_assignment(5) for c in clients))
+            clients[0].print("from the other loop")
+            await asyncio.gather(*(c.shutdown(5) for c in clients))
+
+        asyncio.run(job())
+        result = thread.join(5)
+        assert result is not None and result.success
+        assert thread.rank_of("1") == 1
+        assert prints.lines == ["[0] from the other loop"]
+    finally:
+        thread.stop()
+
+
+def test_natural_key() -> None:
+    ids = ["10", "9", "task10", "task2", "b", "a", "1"]
+    assert sorted(ids, key=natural_key) == ["1", "9", "10", "a", "b", "task2", "task10"]
+
+
+def test_tracker_cli_success() -> None:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tracker.cli", "--n", "1", "--log-level", "WARNING"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "DMLC_TRACKER_ENV_START"
+        env: dict[str, str] = {}
+        for line in proc.stdout:
+            if line.strip() == "DMLC_TRACKER_ENV_END":
+                break
+            key, _, value = line.strip().partition("=")
+            env[key] = value
+        assert len(bytes.fromhex(env["RABIT2_SECRET"])) == 32  # generated when not given
+
+        async def worker() -> None:
+            cfg = Config(tracker_uri=env["DMLC_TRACKER_URI"],
+                         tracker_port=int(env["DMLC_TRACKER_PORT"]), task_id="0",
+                         secret=bytes.fromhex(env["RABIT2_SECRET"]))
+            client = await TrackerClient.connect(cfg, 20000)
+            assert (await client.wait_assignment(5)).world_size == 1
+            await client.shutdown(5)
+
+        asyncio.run(worker())
+        assert proc.wait(10) == 0
+    finally:
+        proc.kill()
+        proc.wait()

@@ -1,0 +1,1 @@
+"""The rabit2 tracker and the ``rabit2-submit`` launcher."""

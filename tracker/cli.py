@@ -1,0 +1,90 @@
+"""``rabit2-tracker``: run the tracker alone, for workers started by something else.
+
+Prints the environment the workers need between ``DMLC_TRACKER_ENV_START`` and
+``DMLC_TRACKER_ENV_END`` (as dmlc-core's standalone tracker does), then waits for the job.
+Exit status: 0 when every rank shut down, 1 when the job was aborted, 130 on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import secrets
+import sys
+from collections.abc import Sequence
+
+from tracker.server import Tracker
+
+EXIT_OK = 0
+EXIT_ABORTED = 1
+EXIT_INTERRUPTED = 130
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse the command line; exits with status 2 on bad usage (argparse)."""
+    parser = argparse.ArgumentParser(
+        prog="rabit2-tracker", description="Run a rabit2 tracker and print the worker env."
+    )
+    parser.add_argument("--n", "-n", type=int, required=True, help="number of workers")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=0, help="port to listen on (0: any free)")
+    parser.add_argument(
+        "--secret",
+        help="job secret as hex; a fresh random one is generated when omitted",
+    )
+    parser.add_argument("--sortby", choices=("task", "arrival"), default="task")
+    parser.add_argument("--heartbeat-timeout", type=float, default=30.0)
+    parser.add_argument("--log-level", default="INFO")
+    args = parser.parse_args(argv)
+    if args.n < 1:
+        parser.error("--n must be >= 1")
+    if args.secret is None:
+        args.secret = secrets.token_hex(32)
+    try:
+        bytes.fromhex(args.secret)
+    except ValueError:
+        parser.error("--secret must be hexadecimal")
+    return args
+
+
+async def run_tracker(args: argparse.Namespace) -> int:
+    """Start the tracker, print the env block, wait for the job; return the exit status."""
+    tracker = Tracker(
+        args.n,
+        args.host,
+        args.port,
+        secret=bytes.fromhex(args.secret),
+        sortby=args.sortby,
+        heartbeat_timeout=args.heartbeat_timeout,
+    )
+    await tracker.start()
+    try:
+        lines = ["DMLC_TRACKER_ENV_START"]
+        lines += [f"{key}={value}" for key, value in tracker.worker_env().items()]
+        lines.append("DMLC_TRACKER_ENV_END")
+        print("\n".join(lines), flush=True)
+        result = await tracker.wait_done(None)
+    finally:
+        await tracker.close()
+    if result.success:
+        logging.getLogger("rabit2.tracker").info("job finished: %s", result.reason)
+        return EXIT_OK
+    logging.getLogger("rabit2.tracker").error("job aborted: %s", result.reason)
+    return EXIT_ABORTED
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point."""
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
+    try:
+        return asyncio.run(run_tracker(args))
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

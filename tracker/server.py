@@ -1,0 +1,602 @@
+"""The rabit2 tracker: one asyncio server that every worker stays connected to.
+
+What it does (``docs/protocol.md``, "Tracker protocol"):
+
+* authenticates every connection with the job secret (``rabit2.io.handshake``);
+* collects ``n_workers`` registrations, assigns ranks (stable per task id: a task that
+  registers again gets its old rank back with ``incarnation + 1``) and sends each worker its
+  tree/ring links and its neighbours' addresses (``rabit2.core.topology``);
+* relays ``print``s, watches liveness (EOF or no message for ``heartbeat_timeout``), pushes
+  ``peer_lost``/``peer_recovered`` notices to the neighbours of a lost/returning rank, aborts
+  the job on a worker's ``error`` or :meth:`Tracker.mark_failed`, and knows when every rank has
+  shut down.
+
+A connection that misbehaves (wrong magic, bad MAC, garbage, a huge length, silence) is closed
+with a reason logged on ``rabit2.tracker``; it never disturbs the job.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import dataclasses
+import logging
+import re
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from rabit2.core.control import REFUSE_HELLO, FrameDecoder, encode_frame
+from rabit2.core.topology import topology
+from rabit2.errors import CollectiveTimeoutError, ProtocolError, RabitError
+from rabit2.io.handshake import server_handshake, tune_socket
+
+logger = logging.getLogger("rabit2.tracker")
+
+_READ_SIZE = 65536
+_MAX_TASK_ID = 256  # task ids are labels; bound them like every other wire length
+_NULL_TASK = "NULL"  # what classic workers send when DMLC_TASK_ID is unset
+_ACCEPT_ERROR_PAUSE_SEC = 0.1  # e.g. EMFILE: back off instead of spinning on accept
+_WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+
+
+@dataclass(frozen=True, slots=True)
+class JobResult:
+    """How the job ended: ``success`` iff every rank shut down and nobody aborted it."""
+
+    success: bool
+    reason: str
+    status: dict[str, Any]
+
+
+def natural_key(text: str) -> tuple[tuple[int, int | str], ...]:
+    """Sort key that orders digit runs numerically: "2" < "10", "task2" < "task10"."""
+    return tuple(
+        (0, int(part)) if part.isascii() and part.isdigit() else (1, part)
+        for part in re.split(r"([0-9]+)", text)
+        if part
+    )
+
+
+@dataclass(slots=True, eq=False)
+class _Task:
+    task_id: str
+    arrival: int
+    attempt: int = 0
+    incarnation: int = 0
+    rank: int | None = None
+    host: str = ""
+    port: int = 0
+    conn: _Conn | None = None
+    finished: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class _Conn:
+    writer: asyncio.StreamWriter
+    host: str  # the source IP we saw: the address neighbours dial (as classic rabit)
+    peer: str  # host:port, for logs
+    role: str
+    task: _Task | None = None
+
+    def send(self, msg: dict[str, Any]) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(encode_frame(msg))
+
+
+class Tracker:
+    """The asyncio tracker.  All methods run on the tracker's event loop.
+
+    Hooks (called on the loop; exceptions are logged and ignored):
+    ``on_worker_lost(task_id, rank_or_None, reason)`` and ``on_rank_assigned(task_id, rank)``.
+    """
+
+    def __init__(
+        self,
+        n_workers: int,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        secret: bytes = b"",
+        sortby: str = "task",
+        heartbeat_timeout: float = 30.0,
+        handshake_timeout: float = 10.0,
+        print_fn: Callable[[str], None] | None = None,
+    ) -> None:
+        """Raises ``ValueError`` for a non-positive size or timeout or an unknown ``sortby``."""
+        if n_workers < 1:
+            raise ValueError(f"n_workers must be >= 1, got {n_workers}")
+        if sortby not in ("task", "arrival"):
+            raise ValueError(f"sortby must be 'task' or 'arrival', got {sortby!r}")
+        if heartbeat_timeout <= 0 or handshake_timeout <= 0:
+            raise ValueError("timeouts must be positive")
+        self.n_workers = n_workers
+        self.host = host
+        self.port = port
+        self._secret = secret
+        self._sortby = sortby
+        self._heartbeat_timeout = heartbeat_timeout
+        self._handshake_timeout = handshake_timeout
+        self._print_fn = print_fn or _print_stdout
+        self._tasks: dict[str, _Task] = {}
+        self._by_rank: dict[int, _Task] = {}
+        self._anonymous = 0
+        self._prints = 0
+        self._conns: set[_Conn] = set()
+        self._handlers: set[asyncio.Task[None]] = set()
+        # Handshakes in flight are bounded so that a flood of silent connections cannot
+        # exhaust file descriptors; each one also ends at handshake_timeout.
+        self._max_handshakes = 4 * n_workers + 64
+        self._handshakes = 0
+        self._listener: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._result: JobResult | None = None
+        self._done = asyncio.Event()
+        self._closing = False
+        self.on_worker_lost: Callable[[str, int | None, str], None] | None = None
+        self.on_rank_assigned: Callable[[str, int], None] | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Bind and start accepting; ``self.port`` is the bound port afterwards.
+
+        Raises ``OSError`` if the address cannot be bound.
+        """
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(
+            self.host or None, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+        family, kind, proto, _, address = infos[0]
+        listener = socket.socket(family, kind, proto)
+        try:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(address)
+            listener.listen(max(128, 2 * self.n_workers))
+            listener.setblocking(False)
+        except BaseException:
+            listener.close()
+            raise
+        self._listener = listener
+        self.port = listener.getsockname()[1]
+        self._accept_task = asyncio.create_task(
+            self._accept_loop(listener), name="rabit2-tracker-accept"
+        )
+        logger.info("tracker listening on %s:%d for %d workers", self.host, self.port,
+                    self.n_workers)
+
+    async def close(self) -> None:
+        """Stop accepting, close every connection and wait for the handlers.  Idempotent."""
+        self._closing = True
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._accept_task
+            self._accept_task = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for conn in list(self._conns):
+            conn.task = None  # closing is ours: not a worker loss
+            conn.writer.close()
+        for handler in list(self._handlers):
+            handler.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+
+    def worker_env(self) -> dict[str, str]:
+        """The environment a worker needs to join this job."""
+        host = socket.getfqdn() if self.host in _WILDCARD_HOSTS else self.host
+        return {
+            "DMLC_TRACKER_URI": host,
+            "DMLC_TRACKER_PORT": str(self.port),
+            "DMLC_NUM_WORKER": str(self.n_workers),
+            "RABIT2_SECRET": self._secret.hex(),
+        }
+
+    async def wait_done(self, timeout: float | None) -> JobResult:
+        """Wait until every rank has shut down or the job was aborted.
+
+        Raises :class:`CollectiveTimeoutError` if neither happened within ``timeout`` seconds.
+        """
+        try:
+            await asyncio.wait_for(self._done.wait(), timeout)
+        except TimeoutError:
+            raise CollectiveTimeoutError(f"the job did not finish within {timeout}s") from None
+        result = self._result
+        if result is None:  # _finish sets the result before the event; kept for mypy
+            raise RuntimeError("tracker done without a result")
+        return result
+
+    @property
+    def result(self) -> JobResult | None:
+        """The job's result once it is done (every rank shut down, or aborted), else None."""
+        return self._result
+
+    def abort(self, reason: str) -> None:
+        """Abort the job: push ``abort{reason}`` to every connected worker.  Idempotent."""
+        self._abort(reason, exclude=None)
+
+    def mark_failed(self, task_id: str, reason: str) -> None:
+        """The launcher gave up on ``task_id``: abort the job, naming the task and reason."""
+        task = self._tasks.get(task_id)
+        who = f"task {task_id}" if task is None else _describe(task)
+        self._abort(f"{who} failed for good: {reason}", exclude=None)
+
+    def status(self) -> dict[str, Any]:
+        """A msgpack-able snapshot for humans and monitoring."""
+        tasks = sorted(self._tasks.values(), key=lambda t: (t.rank is None, t.rank, t.arrival))
+        return {
+            "world_size": self.n_workers,
+            "port": self.port,
+            "registered": len(self._tasks),
+            "assigned": bool(self._by_rank),
+            "finished": sum(task.finished for task in tasks),
+            "done": self._result is not None,
+            "success": None if self._result is None else self._result.success,
+            "reason": None if self._result is None else self._result.reason,
+            "prints": self._prints,
+            "tasks": [
+                {
+                    "task_id": task.task_id,
+                    "rank": task.rank,
+                    "incarnation": task.incarnation,
+                    "attempt": task.attempt,
+                    "host": task.host,
+                    "port": task.port,
+                    "connected": task.conn is not None,
+                    "finished": task.finished,
+                }
+                for task in tasks
+            ],
+        }
+
+    # -- connections -----------------------------------------------------------------------
+
+    async def _accept_loop(self, listener: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, address = await loop.sock_accept(listener)
+            except OSError as exc:
+                logger.warning("accept failed: %s", exc)
+                await asyncio.sleep(_ACCEPT_ERROR_PAUSE_SEC)
+                continue
+            peer = f"{address[0]}:{address[1]}"
+            if self._handshakes >= self._max_handshakes:
+                logger.warning("closing connection from %s: %d handshakes already in flight",
+                               peer, self._handshakes)
+                sock.close()
+                continue
+            handler = asyncio.create_task(self._handle(sock, str(address[0]), peer))
+            self._handlers.add(handler)
+            handler.add_done_callback(self._handlers.discard)
+
+    async def _handle(self, sock: socket.socket, host: str, peer: str) -> None:
+        loop = asyncio.get_running_loop()
+        sock.setblocking(False)
+        tune_socket(sock)
+        self._handshakes += 1
+        try:
+            deadline = loop.time() + self._handshake_timeout
+            hello = await server_handshake(loop, sock, self._secret, deadline, self._check_hello)
+        except RabitError as exc:
+            logger.warning("connection from %s closed during handshake: %s", peer, exc)
+            return
+        finally:
+            self._handshakes -= 1
+        try:
+            reader, writer = await asyncio.open_connection(sock=sock)
+        except BaseException:
+            sock.close()
+            raise
+        conn = _Conn(writer=writer, host=host, peer=peer, role=hello["role"])
+        self._conns.add(conn)
+        reason = "connection closed by the worker"
+        broken = True  # a protocol violation or a socket error, as opposed to a clean end
+        try:
+            reason = await self._serve(conn, reader)
+            broken = False
+        except ProtocolError as exc:
+            reason = f"protocol error: {exc}"
+            conn.send({"t": "refuse", "reason": str(exc), "code": REFUSE_HELLO})
+        except OSError as exc:
+            reason = f"connection failed: {exc}"
+        finally:
+            self._conns.discard(conn)
+            writer.close()
+            self._connection_ended(conn, reason, broken)
+
+    def _check_hello(self, hello: dict[str, Any]) -> dict[str, Any]:
+        role = hello.get("role")
+        if role not in ("worker", "monitor"):
+            raise ProtocolError(f"hello.role must be 'worker' or 'monitor', got {role!r}")
+        return {"world_size": self.n_workers, "heartbeat_timeout": self._heartbeat_timeout}
+
+    async def _serve(self, conn: _Conn, reader: asyncio.StreamReader) -> str:
+        """Read and handle frames until the connection ends; return why it ended."""
+        decoder = FrameDecoder()
+        while True:
+            # Before registering a worker gets the handshake budget; after, silence longer
+            # than the heartbeat timeout means it is dead or paused.
+            timeout = self._handshake_timeout if conn.task is None else self._heartbeat_timeout
+            try:
+                data = await asyncio.wait_for(reader.read(_READ_SIZE), timeout)
+            except TimeoutError as exc:
+                if exc.errno is not None:  # the kernel's ETIMEDOUT, not our deadline
+                    return f"connection timed out: {exc}"
+                return f"no message for {timeout:g}s"
+            if not data:
+                return "connection closed by the worker"
+            for msg in decoder.feed(data):
+                if not self._on_message(conn, msg):
+                    return "worker shut down"
+
+    def _on_message(self, conn: _Conn, msg: dict[str, Any]) -> bool:
+        """Handle one frame; False when the connection is finished (after shutdown)."""
+        kind = msg["t"]
+        if kind == "status":
+            conn.send({"t": "status_reply", "status": self.status()})
+            return True
+        if conn.role != "worker":
+            raise ProtocolError(f"a {conn.role} connection may only send status, not {kind}")
+        task = conn.task
+        if task is None:
+            if kind != "register":
+                raise ProtocolError(f"expected register, got {kind}")
+            self._register(conn, msg)
+            return True
+        if kind == "heartbeat":
+            return True  # reading it already reset the liveness deadline
+        if kind == "print":
+            self._prints += 1
+            label = task.task_id if task.rank is None else str(task.rank)
+            self._print_fn(f"[{label}] {msg['msg']}")
+            return True
+        if kind == "error":
+            self._abort(f"{_describe(task)} signalled an error: {msg['msg']}", exclude=conn)
+            return True
+        if kind == "shutdown":
+            task.finished = True
+            conn.send({"t": "bye"})
+            logger.info("%s shut down", _describe(task))
+            if self._by_rank and all(t.finished for t in self._by_rank.values()):
+                self._finish(True, "every rank shut down")
+            return False
+        raise ProtocolError(f"unexpected {kind} from a registered worker")
+
+    def _register(self, conn: _Conn, msg: dict[str, Any]) -> None:
+        """Record a registration; raises ProtocolError (sent back as refuse) to reject it."""
+        task_id: str = msg["task_id"]
+        if not 0 < len(task_id) <= _MAX_TASK_ID:
+            raise ProtocolError(f"task_id must have 1..{_MAX_TASK_ID} characters")
+        if not 0 < msg["port"] < 65536:
+            raise ProtocolError(f"port {msg['port']} is not a TCP port")
+        if msg["world_size"] not in (-1, self.n_workers):
+            raise ProtocolError(
+                f"worker expects world size {msg['world_size']}, job has {self.n_workers}"
+            )
+        if task_id == _NULL_TASK:
+            # Without a task id a restart cannot be recognised; give it a fresh identity.
+            task_id = f"{_NULL_TASK}#{self._anonymous}"
+            self._anonymous += 1
+            logger.warning("worker at %s has no DMLC_TASK_ID; restarts will not keep its rank",
+                           conn.peer)
+        task = self._tasks.get(task_id)
+        if task is None:
+            if len(self._tasks) >= self.n_workers:
+                raise ProtocolError(
+                    f"unknown task id {task_id!r}: the job already has {self.n_workers} tasks"
+                )
+            task = _Task(task_id=task_id, arrival=len(self._tasks))
+            self._tasks[task_id] = task
+        else:
+            if task.finished:
+                raise ProtocolError(f"task {task_id!r} already shut down")
+            task.incarnation += 1
+            if task.conn is not None:
+                # The newer process wins (incarnation fencing): the old one is a zombie.
+                old, task.conn = task.conn, None
+                old.task = None
+                old.writer.close()
+                logger.warning("%s registered again; closed its previous connection",
+                               _describe(task))
+        task.attempt = msg["attempt"]
+        task.host = conn.host
+        task.port = msg["port"]
+        task.conn = conn
+        conn.task = task
+        logger.info("task %s registered from %s:%d (attempt %d, incarnation %d)",
+                    task_id, conn.host, task.port, task.attempt, task.incarnation)
+        if task.rank is not None:
+            conn.send(self._assign_msg(task, task.rank))
+            self._notify_neighbors(task, {"t": "peer_recovered", "host": task.host,
+                                          "port": task.port})
+        elif len(self._tasks) == self.n_workers:
+            self._assign_ranks()
+        if self._result is not None and not self._result.success:
+            conn.send({"t": "abort", "reason": self._result.reason})
+
+    def _assign_ranks(self) -> None:
+        if self._sortby == "task":
+            order = sorted(self._tasks.values(), key=lambda t: (natural_key(t.task_id), t.task_id))
+        else:
+            order = sorted(self._tasks.values(), key=lambda t: t.arrival)
+        for rank, task in enumerate(order):
+            task.rank = rank
+            self._by_rank[rank] = task
+            _call_hook(self.on_rank_assigned, task.task_id, rank)
+        logger.info("all %d workers registered; ranks: %s", self.n_workers,
+                    ", ".join(f"{t.task_id}->{t.rank}" for t in order))
+        for rank, task in enumerate(order):
+            if task.conn is not None:
+                task.conn.send(self._assign_msg(task, rank))
+
+    def _assign_msg(self, task: _Task, rank: int) -> dict[str, Any]:
+        links = topology(rank, self.n_workers)
+        peers = {
+            str(rank): [self._by_rank[rank].host, self._by_rank[rank].port]
+            for rank in links.neighbors
+        }
+        return {
+            "t": "assign",
+            "rank": rank,
+            "world_size": self.n_workers,
+            "parent": links.parent,
+            "children": list(links.children),
+            "ring_prev": links.ring_prev,
+            "ring_next": links.ring_next,
+            "peers": peers,
+            "incarnation": task.incarnation,
+        }
+
+    def _notify_neighbors(self, task: _Task, notice: dict[str, Any]) -> None:
+        if task.rank is None:
+            return
+        for rank in topology(task.rank, self.n_workers).neighbors:
+            neighbor = self._by_rank[rank]
+            if neighbor.conn is not None and not neighbor.finished:
+                neighbor.conn.send({**notice, "rank": task.rank, "incarnation": task.incarnation})
+
+    def _connection_ended(self, conn: _Conn, reason: str, broken: bool) -> None:
+        task = conn.task
+        if task is None:
+            if not self._closing and (broken or conn.role == "worker"):
+                logger.warning("connection from %s (%s, unregistered) closed: %s",
+                               conn.peer, conn.role, reason)
+            return
+        conn.task = None
+        task.conn = None
+        if task.finished:
+            return
+        # Fault tolerance hook point: the launcher may restart the task (it then registers
+        # again) or give up (mark_failed).  Until then the job waits.
+        logger.warning("%s lost: %s", _describe(task), reason)
+        self._notify_neighbors(task, {"t": "peer_lost", "reason": reason})
+        _call_hook(self.on_worker_lost, task.task_id, task.rank, reason)
+
+    def _abort(self, reason: str, exclude: _Conn | None) -> None:
+        if self._result is not None:
+            logger.info("abort after the job ended ignored: %s", reason)
+            return
+        logger.error("job aborted: %s", reason)
+        for conn in self._conns:
+            if conn is not exclude and conn.task is not None and not conn.task.finished:
+                conn.send({"t": "abort", "reason": reason})
+        self._finish(False, reason)
+
+    def _finish(self, success: bool, reason: str) -> None:
+        # Record the outcome first so that the final status snapshot reports it.
+        self._result = JobResult(success, reason, {})
+        self._result = dataclasses.replace(self._result, status=self.status())
+        self._done.set()
+
+
+def _describe(task: _Task) -> str:
+    if task.rank is None:
+        return f"task {task.task_id}"
+    return f"rank {task.rank} (task {task.task_id})"
+
+
+def _print_stdout(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def _call_hook(hook: Callable[..., None] | None, *args: Any) -> None:
+    if hook is None:
+        return
+    try:
+        hook(*args)
+    except Exception:
+        logger.exception("tracker hook %r failed", hook)
+
+
+class TrackerThread:
+    """A :class:`Tracker` on its own event loop in a daemon thread, for synchronous callers.
+
+    Every method is safe to call from any thread.
+    """
+
+    def __init__(self, n_workers: int, **kwargs: Any) -> None:
+        """Same arguments as :class:`Tracker`."""
+        self.tracker = Tracker(n_workers, **kwargs)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name="rabit2-tracker", daemon=True)
+        self._started = concurrent.futures.Future[None]()
+        self._ranks: dict[str, int] = {}
+        self._ranks_lock = threading.Lock()
+        self.tracker.on_rank_assigned = self._remember_rank
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Start the thread and bind.  Raises what :meth:`Tracker.start` raised."""
+        self._thread.start()
+        self._started.result(timeout)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        try:
+            self._loop.run_until_complete(self.tracker.start())
+        except BaseException as exc:
+            self._started.set_exception(exc)
+            self._loop.close()
+            return
+        self._started.set_result(None)
+        try:
+            self._loop.run_forever()
+        finally:
+            self._loop.run_until_complete(self.tracker.close())
+            self._loop.close()
+
+    def _remember_rank(self, task_id: str, rank: int) -> None:
+        with self._ranks_lock:
+            self._ranks[task_id] = rank
+
+    def rank_of(self, task_id: str) -> int | None:
+        """The rank assigned to ``task_id``, or None before assignment."""
+        with self._ranks_lock:
+            return self._ranks.get(task_id)
+
+    def worker_env(self) -> dict[str, str]:
+        """See :meth:`Tracker.worker_env` (valid after :meth:`start`)."""
+        return self.tracker.worker_env()
+
+    def join(self, timeout: float | None = None) -> JobResult | None:
+        """Wait for the job's result; None if it is not done within ``timeout`` seconds."""
+        future = asyncio.run_coroutine_threadsafe(self.tracker.wait_done(None), self._loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            return None
+
+    def result(self) -> JobResult | None:
+        """The result if the job is done, else None; never waits.
+
+        Reads one attribute that the tracker thread assigns once, atomically.
+        """
+        return self.tracker.result
+
+    def abort(self, reason: str) -> None:
+        """See :meth:`Tracker.abort`."""
+        self._call_soon(self.tracker.abort, reason)
+
+    def mark_failed(self, task_id: str, reason: str) -> None:
+        """See :meth:`Tracker.mark_failed`."""
+        self._call_soon(self.tracker.mark_failed, task_id, reason)
+
+    def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # loop already closed: the job is over
+            self._loop.call_soon_threadsafe(fn, *args)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Close the tracker and end the thread.  Idempotent."""
+        if self._thread.is_alive():
+            self._call_soon(self._loop.stop)
+            self._thread.join(timeout)
+
+
+__all__ = ["JobResult", "Tracker", "TrackerThread", "natural_key"]

@@ -1,0 +1,390 @@
+"""``rabit2-submit``: start a tracker and N workers, restart crashed workers, report.
+
+``rabit2-submit --cluster local -n 4 [--max-attempts K] -- python train.py k=v ...``
+
+* A fresh job secret (``secrets.token_hex(32)``) is generated for every job, so a local job is
+  always authenticated.
+* Each worker gets ``DMLC_TRACKER_URI``, ``DMLC_TRACKER_PORT``, ``DMLC_TASK_ID=i``,
+  ``DMLC_NUM_WORKER``, ``DMLC_NUM_ATTEMPT``, ``DMLC_ROLE=worker`` and ``RABIT2_SECRET``, then
+  every ``--env K=V`` (which wins).  The command is passed through unchanged.
+* Every output line of a worker is prefixed with ``[rank r]`` (``[rank i]`` with its task id
+  until the tracker has assigned ranks).
+* A worker that exits non-zero is restarted until it has run ``--max-attempts`` times in all.
+  When a task runs out of attempts (or ``--timeout`` passes, or Ctrl-C/SIGTERM), the tracker
+  aborts the job and every other worker's process group gets SIGTERM, then SIGKILL after a
+  grace period: no worker process is left behind.
+* A per-task summary is printed at the end; the exit status is 0 iff every worker exited 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from types import FrameType
+from typing import IO, TextIO
+
+from tracker.server import TrackerThread
+
+CLUSTERS = ("local",)
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_INTERRUPTED = 130
+_POLL_SEC = 0.02
+_ABORT_GRACE_SEC = 10.0  # after the tracker aborted, workers get this long to exit themselves
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LaunchOptions:
+    """Everything the launcher needs; built by :func:`parse_args` or directly by tests."""
+
+    num_workers: int
+    command: tuple[str, ...]
+    max_attempts: int = 3
+    restart_delay: float = 0.0
+    tracker_host: str = "127.0.0.1"
+    tracker_port: int = 0
+    env: tuple[tuple[str, str], ...] = ()
+    timeout: float | None = None
+    kill_grace: float = 5.0
+
+
+@dataclasses.dataclass(slots=True)
+class TaskRun:
+    """The launcher's record of one task (one rank) across its attempts."""
+
+    task_id: int
+    attempts: int = 0
+    rank: int | None = None
+    exit_code: int | None = None
+    status: str = "pending"  # pending, running, restarting, ok, failed, killed
+    proc: subprocess.Popen[bytes] | None = None
+    restart_at: float = 0.0
+    readers: list[threading.Thread] = dataclasses.field(default_factory=list)
+
+
+class _Interrupted(Exception):
+    """SIGTERM to the launcher: unwind like Ctrl-C so the workers are stopped."""
+
+
+def parse_args(argv: Sequence[str]) -> LaunchOptions:
+    """Parse ``[options] -- command...``; exits with status 2 on bad usage (argparse)."""
+    argv = list(argv)
+    if "--" in argv:
+        split = argv.index("--")
+        argv, command = argv[:split], argv[split + 1 :]
+    else:
+        command = []
+    parser = argparse.ArgumentParser(
+        prog="rabit2-submit",
+        description="Launch a rabit2 job: a tracker plus N workers running COMMAND.",
+        usage="%(prog)s --cluster local -n N [options] -- command [args...]",
+    )
+    parser.add_argument("--cluster", default="local", help=f"one of: {', '.join(CLUSTERS)}")
+    parser.add_argument("-n", "--num-workers", type=int, required=True)
+    parser.add_argument("--max-attempts", type=int, default=3,
+                        help="runs per task in all, the first included (default 3)")
+    parser.add_argument("--restart-delay", type=float, default=0.0, metavar="S")
+    parser.add_argument("--tracker-host", default="127.0.0.1")
+    parser.add_argument("--tracker-port", type=int, default=0)
+    parser.add_argument("--env", action="append", default=[], metavar="K=V",
+                        help="extra environment for every worker (repeatable)")
+    parser.add_argument("--timeout", type=float, default=None, metavar="S",
+                        help="give up on the whole job after S seconds")
+    parser.add_argument("--kill-grace", type=float, default=5.0, metavar="S",
+                        help="seconds between SIGTERM and SIGKILL when stopping workers")
+    parser.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    command = list(args.rest) + command
+    if args.cluster not in CLUSTERS:
+        parser.error(f"--cluster {args.cluster!r} is not supported; available: "
+                     f"{', '.join(CLUSTERS)}")
+    if args.num_workers < 1:
+        parser.error("-n must be >= 1")
+    if args.max_attempts < 1:
+        parser.error("--max-attempts must be >= 1")
+    if args.restart_delay < 0 or args.kill_grace < 0:
+        parser.error("--restart-delay and --kill-grace must be >= 0")
+    if args.timeout is not None and args.timeout <= 0:
+        parser.error("--timeout must be > 0")
+    if not command:
+        parser.error("no command given (put it after --)")
+    env: list[tuple[str, str]] = []
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--env expects K=V, got {item!r}")
+        env.append((key, value))
+    return LaunchOptions(
+        num_workers=args.num_workers,
+        command=tuple(command),
+        max_attempts=args.max_attempts,
+        restart_delay=args.restart_delay,
+        tracker_host=args.tracker_host,
+        tracker_port=args.tracker_port,
+        env=tuple(env),
+        timeout=args.timeout,
+        kill_grace=args.kill_grace,
+    )
+
+
+def build_worker_env(
+    base: Mapping[str, str],
+    tracker_env: Mapping[str, str],
+    task_id: int,
+    attempt: int,
+    extra: Sequence[tuple[str, str]] = (),
+) -> dict[str, str]:
+    """The environment of one worker attempt (pure)."""
+    env = dict(base)
+    # Python workers write through a pipe: without this their lines arrive in 8 KiB bursts.
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(tracker_env)
+    env.update(
+        DMLC_TASK_ID=str(task_id),
+        DMLC_NUM_ATTEMPT=str(attempt),
+        DMLC_ROLE="worker",
+    )
+    env.update(extra)
+    return env
+
+
+def format_summary(tasks: Sequence[TaskRun], job_reason: str | None = None) -> str:
+    """A fixed-width table: task, rank, attempts, exit code, status (pure)."""
+    rows = [("task", "rank", "attempts", "exit", "status")]
+    for task in tasks:
+        rows.append((
+            str(task.task_id),
+            "-" if task.rank is None else str(task.rank),
+            str(task.attempts),
+            "-" if task.exit_code is None else str(task.exit_code),
+            task.status,
+        ))
+    widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
+             for row in rows]
+    if job_reason:
+        lines.append(f"job: {job_reason}")
+    return "\n".join(lines)
+
+
+class LineWriter:
+    """Writes whole lines; one lock keeps lines of different workers from mixing."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def write(self, stream: TextIO, line: str) -> None:
+        with self._lock:
+            stream.write(line + "\n")
+            stream.flush()
+
+
+class LocalLauncher:
+    """Runs the workers of one job on this machine against an already started tracker."""
+
+    def __init__(
+        self,
+        options: LaunchOptions,
+        tracker: TrackerThread,
+        out: TextIO,
+        err: TextIO,
+        writer: LineWriter | None = None,
+    ) -> None:
+        self.options = options
+        self.tracker = tracker
+        self.tasks = [TaskRun(task_id=i) for i in range(options.num_workers)]
+        self._out = out
+        self._err = err
+        self._writer = writer or LineWriter()
+        self._abort_seen_at: float | None = None
+
+    def _note(self, message: str) -> None:
+        self._writer.write(self._err, f"[rabit2-submit] {message}")
+
+    def run(self) -> int:
+        """Run the job to the end; return the exit status.  Never leaves a worker running."""
+        options = self.options
+        deadline = None if options.timeout is None else time.monotonic() + options.timeout
+        interrupted = False
+        try:
+            for task in self.tasks:
+                self._spawn(task)
+            while not all(task.status in ("ok", "failed", "killed") for task in self.tasks):
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    self._give_up(f"the job timed out after {options.timeout:g}s")
+                    break
+                if not self._step(now):
+                    break
+                time.sleep(_POLL_SEC)
+        except (KeyboardInterrupt, _Interrupted):
+            interrupted = True
+            self._give_up("the launcher was interrupted")
+        finally:
+            self._terminate_all()
+            for task in self.tasks:
+                for reader in task.readers:
+                    # bounded: a grandchild that escaped the process group may hold the pipe
+                    reader.join(self.options.kill_grace + 1.0)
+        result = self.tracker.result()
+        for task in self.tasks:
+            task.rank = self.tracker.rank_of(str(task.task_id))
+        self._writer.write(self._err, format_summary(self.tasks, None if result is None
+                                                  else result.reason))
+        if interrupted:
+            return EXIT_INTERRUPTED
+        return EXIT_OK if all(task.exit_code == 0 for task in self.tasks) else EXIT_FAILED
+
+    def _step(self, now: float) -> bool:
+        """Reap, restart or give up; False when the job is over for good."""
+        result = self.tracker.result()
+        if result is not None and not result.success and self._abort_seen_at is None:
+            self._abort_seen_at = now
+            self._note(f"job aborted: {result.reason}")
+        if self._abort_seen_at is not None and now - self._abort_seen_at > _ABORT_GRACE_SEC:
+            self._note("workers did not exit after the abort; stopping them")
+            return False
+        for task in self.tasks:
+            if task.status == "restarting" and now >= task.restart_at:
+                self._spawn(task)
+            if task.proc is None or task.status != "running":
+                continue
+            code = task.proc.poll()
+            if code is None:
+                continue
+            task.proc = None
+            task.exit_code = code
+            if code == 0:
+                task.status = "ok"
+            elif self._abort_seen_at is not None:
+                task.status = "failed"  # the job is over: a restart could only hang
+            elif task.attempts < self.options.max_attempts:
+                task.status = "restarting"
+                task.restart_at = now + self.options.restart_delay
+                self._note(f"task {task.task_id} exited with {code} (attempt {task.attempts}/"
+                           f"{self.options.max_attempts}); restarting")
+            else:
+                task.status = "failed"
+                self._give_up(f"task {task.task_id} exited with {code} after "
+                              f"{task.attempts} attempts", task_id=task.task_id)
+                return False
+        return True
+
+    def _give_up(self, reason: str, task_id: int | None = None) -> None:
+        self._note(reason)
+        if task_id is None:
+            self.tracker.abort(reason)
+        else:
+            self.tracker.mark_failed(str(task_id), reason)
+
+    def _spawn(self, task: TaskRun) -> None:
+        env = build_worker_env(os.environ, self.tracker.worker_env(), task.task_id,
+                               task.attempts, self.options.env)
+        # A session of its own: Ctrl-C in the terminal reaches only the launcher (which then
+        # stops the workers in order), and killpg also reaches the worker's own children.
+        proc = subprocess.Popen(
+            self.options.command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        task.proc = proc
+        task.attempts += 1
+        task.status = "running"
+        task.exit_code = None
+        for pipe, stream in ((proc.stdout, self._out), (proc.stderr, self._err)):
+            if pipe is None:
+                continue
+            reader = threading.Thread(target=self._relay, args=(task.task_id, pipe, stream),
+                                      daemon=True, name=f"rabit2-submit-relay-{task.task_id}")
+            reader.start()
+            task.readers.append(reader)
+
+    def _relay(self, task_id: int, pipe: IO[bytes], stream: TextIO) -> None:
+        with pipe:
+            for raw in iter(pipe.readline, b""):
+                rank = self.tracker.rank_of(str(task_id))
+                label = task_id if rank is None else rank
+                text = raw.decode("utf-8", errors="replace").rstrip("\n")
+                self._writer.write(stream, f"[rank {label}] {text}")
+
+    def _terminate_all(self) -> None:
+        running = [task for task in self.tasks if task.proc is not None]
+        for task in running:
+            _signal_group(task, signal.SIGTERM)
+        deadline = time.monotonic() + self.options.kill_grace
+        for task in running:
+            proc = task.proc
+            if proc is None:
+                continue
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(task, signal.SIGKILL)
+                proc.wait()
+            task.exit_code = proc.returncode
+            task.status = "ok" if proc.returncode == 0 else "killed"
+            task.proc = None
+        for task in self.tasks:
+            if task.status in ("pending", "restarting"):
+                task.status = "killed"
+
+
+def _signal_group(task: TaskRun, signum: signal.Signals) -> None:
+    if task.proc is None:
+        return
+    try:
+        os.killpg(task.proc.pid, signum)
+    except ProcessLookupError:
+        pass  # already gone
+    except PermissionError:
+        task.proc.send_signal(signum)  # the group changed hands (the worker called setsid)
+
+
+def run_job(options: LaunchOptions, out: TextIO | None = None, err: TextIO | None = None) -> int:
+    """Start a tracker and the workers, run the job, stop everything; return the exit status."""
+    out = out or sys.stdout
+    err = err or sys.stderr
+    writer = LineWriter()
+    tracker = TrackerThread(
+        options.num_workers,
+        host=options.tracker_host,
+        port=options.tracker_port,
+        secret=bytes.fromhex(secrets.token_hex(32)),
+        # tracker_print relays ("[rank] msg") share the workers' line lock
+        print_fn=lambda line: writer.write(out, line),
+    )
+    launcher = LocalLauncher(options, tracker, out, err, writer)
+    tracker.start()
+    try:
+        return launcher.run()
+    finally:
+        tracker.stop()
+
+
+def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
+    raise _Interrupted(f"signal {signum}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Console entry point."""
+    options = parse_args(sys.argv[1:] if argv is None else argv)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    try:
+        return run_job(options)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
