@@ -11,11 +11,12 @@ against its closed form (untimed). The per-iteration times are reduced with MAX 
 afterwards, so each figure is the slowest rank's. Rank 0 writes one JSON line per (op, size)::
 
     {"impl", "op", "dtype", "world", "size_bytes", "iters", "median_s", "p90_s", "min_s",
-     "mean_s", "algbw_GBps", "busbw_GBps"}
+     "mean_s", "algbw_GBps", "busbw_GBps", "span_median_s", "span_p90_s"}
 
 ``algbw = S / t``; ``busbw = 2 (N-1)/N * S / t`` for allreduce (the bytes each link carries in
 a bandwidth-optimal ring, the NCCL convention) and ``S / t`` for broadcast; GB = 1e9 B; ``t`` is
-the median.
+the median. ``span_*`` is the peer baselines' own definition (first rank into the call to last
+rank out of it, on the shared host clock) for a like-for-like comparison with their tables.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ class Bench:
         """A 1-element allreduce: every rank enters the timed call at about the same time."""
         self.api.allreduce(self.one, self.api.Op.SUM)
 
-    def _allreduce_iter(self, n: int, it: int) -> float:
+    def _allreduce_iter(self, n: int, it: int) -> tuple[float, float]:
         c = np.float32(it % 13)
         a, e, base = self.buf[:n], self.expect[:n], self.pattern[:n]
         np.multiply(base, np.float32(self.rank + 1), out=a)
@@ -96,14 +97,14 @@ class Bench:
         self.barrier()
         t0 = time.perf_counter()
         res = self.api.allreduce(a, self.api.Op.SUM)
-        dt = time.perf_counter() - t0
+        t1 = time.perf_counter()
         # sum over r of (r+1)*base + c  =  N(N+1)/2 * base + N*c, exact in float32
         np.multiply(base, np.float32(self.world * (self.world + 1) // 2), out=e)
         e += np.float32(self.world) * c
         self._check(res, e, "allreduce", n, it)
-        return dt
+        return t0, t1
 
-    def _broadcast_iter(self, n: int, it: int) -> float:
+    def _broadcast_iter(self, n: int, it: int) -> tuple[float, float]:
         a, e, base = self.buf[:n], self.expect[:n], self.pattern[:n]
         np.multiply(base, np.float32(it % 13 + 1), out=e)
         if self.rank == 0:
@@ -113,9 +114,9 @@ class Bench:
         self.barrier()
         t0 = time.perf_counter()
         res = self.api.broadcast(a, 0)
-        dt = time.perf_counter() - t0
+        t1 = time.perf_counter()
         self._check(res, e, "broadcast", n, it)
-        return dt
+        return t0, t1
 
     def _check(self, res: Any, expect: F32, op: str, n: int, it: int) -> None:
         ok = (
@@ -127,19 +128,30 @@ class Bench:
         if not ok:
             raise SystemExit(f"rank {self.rank}: wrong {op} result, {4 * n} B, iteration {it}")
 
-    def run(self, op: str, size: int, iters: int, warmup: int) -> NDArray[np.float64]:
-        """Time ``iters`` iterations; returns the per-iteration MAX over ranks (all ranks)."""
+    def run(
+        self, op: str, size: int, iters: int, warmup: int
+    ) -> tuple[NDArray[np.float64], NDArray[np.float64]]:
+        """Time ``iters`` iterations; returns per-iteration (slowest rank, span) on all ranks.
+
+        ``slowest`` is the MAX over ranks of each rank's own call duration. ``span`` is the
+        peer-baseline metric, first rank in to last rank out: ``perf_counter`` is the
+        system-wide CLOCK_MONOTONIC on Linux, so it is meaningful when every rank runs on one
+        host (``--cluster local``).
+        """
         n = size // 4
-        step: Callable[[int, int], float] = (
+        step: Callable[[int, int], tuple[float, float]] = (
             self._allreduce_iter if op == "allreduce" else self._broadcast_iter
         )
         for w in range(warmup):
             step(n, w)
-        times = np.empty(iters, dtype=np.float64)
+        starts = np.empty(iters, dtype=np.float64)
+        ends = np.empty(iters, dtype=np.float64)
         for i in range(iters):
-            times[i] = step(n, warmup + i)
-        slowest: NDArray[np.float64] = self.api.allreduce(times, self.api.Op.MAX)
-        return slowest
+            starts[i], ends[i] = step(n, warmup + i)
+        slowest = np.array(self.api.allreduce(ends - starts, self.api.Op.MAX))
+        first_in = np.array(self.api.allreduce(starts, self.api.Op.MIN))
+        last_out = np.array(self.api.allreduce(ends, self.api.Op.MAX))
+        return slowest, last_out - first_in
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -181,7 +193,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for size in ns.sizes:
                 iters = ns.iters or max(3, round(default_iters(size) * ns.iters_scale))
                 warmup = ns.warmup if ns.warmup is not None else max(2, iters // 20)
-                times = bench.run(op, size, iters, warmup)
+                times, span = bench.run(op, size, iters, warmup)
                 if rank != 0:
                     continue
                 row: dict[str, Any] = {
@@ -192,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "size_bytes": size,
                     "iters": iters,
                     **summarise(times, size, world, op),
+                    "span_median_s": float(np.median(span)),
+                    "span_p90_s": float(np.percentile(span, 90)),
                 }
                 print(
                     f"{op:9s} N={world} {size:>10d} B  median {row['median_s'] * 1e6:10.1f} us"

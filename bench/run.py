@@ -77,7 +77,7 @@ def table(rows: list[dict[str, Any]], worlds: Sequence[int]) -> str:
     for op in dict.fromkeys(r["op"] for r in rows):
         head = ["size"]
         for n in worlds:
-            head += [f"N={n} median", f"N={n} p90", f"N={n} busbw GB/s"]
+            head += [f"N={n} median", f"N={n} p90", f"N={n} busbw GB/s", f"N={n} span"]
         out += [f"### {op} (float32{' SUM' if op == 'allreduce' else ', root 0'})", ""]
         out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for size in sorted({r["size_bytes"] for r in rows if r["op"] == op}):
@@ -86,13 +86,15 @@ def table(rows: list[dict[str, Any]], worlds: Sequence[int]) -> str:
                 hit = [r for r in rows if (r["op"], r["size_bytes"], r["world"]) == (op, size, n)]
                 if hit:
                     r = hit[0]
+                    span = r.get("span_median_s")
                     cells += [
                         fmt_time(r["median_s"]),
                         fmt_time(r["p90_s"]),
                         f"{r['busbw_GBps']:.3f}",
+                        fmt_time(span) if span is not None else "-",
                     ]
                 else:
-                    cells += ["-", "-", "-"]
+                    cells += ["-"] * 4
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)

@@ -42,7 +42,7 @@ EXAMPLES: list[dict[str, Any]] = [
 
 
 def _raw_frame(body_map: object) -> bytes:
-    body = msgpack.packb(body_map, use_bin_type=True)
+    body: bytes = msgpack.packb(body_map, use_bin_type=True)
     return struct.pack("<I", len(body)) + body
 
 

@@ -289,6 +289,16 @@ def test_digest_is_bit_identical_for_any_world_size(world: int) -> None:
     assert margins.tobytes() == single.margin.tobytes()
 
 
+def test_more_ranks_than_rows_leaves_empty_shards_harmless() -> None:
+    params = Params(
+        rows=50, features=3, bins=8, depth=2, trees=2, eval_rows=20, min_child_weight=0.5
+    )
+    (single,), _ = run_world(params, 1)
+    trainers, _ = run_world(params, 64)
+    assert any(t.y.size == 0 for t in trainers)
+    assert {t.eval_digest() for t in trainers} == {single.eval_digest()}
+
+
 def test_restart_from_checkpoint_is_bit_identical() -> None:
     params = Params(rows=4000, features=6, bins=16, depth=3, trees=6, seed=9, eval_rows=300)
     straight = gbdt.train(params, local_allreduce, OPS)

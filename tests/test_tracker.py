@@ -1,6 +1,7 @@
 """Tracker, tracker client and the authenticated handshake, over real loopback sockets.
 
-Every async test runs under both asyncio and uvloop.
+The async tests run on the loop pytest-asyncio provides; ``test_under_uvloop`` repeats the
+core scenarios on uvloop, which the workers use by default.
 """
 
 from __future__ import annotations
@@ -46,13 +47,6 @@ pytestmark = pytest.mark.timeout(30)
 
 SECRET = bytes(range(32))
 HOST = "127.0.0.1"
-
-
-@pytest.fixture(params=["asyncio", "uvloop"])
-def event_loop_policy(request: pytest.FixtureRequest) -> asyncio.AbstractEventLoopPolicy:
-    if request.param == "uvloop":
-        return uvloop.EventLoopPolicy()
-    return asyncio.DefaultEventLoopPolicy()
 
 
 class Prints:
@@ -107,6 +101,10 @@ async def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> Non
             await asyncio.sleep(0.01)
 
 
+async def _wait_registered(tracker: Tracker, count: int) -> None:
+    await wait_until(lambda: bool(tracker.status()["registered"] == count))
+
+
 def check_consistent(assignments: list[Assignment], ports: dict[int, int]) -> None:
     """Every assignment matches the topology and names its neighbours' real addresses."""
     n = len(assignments)
@@ -130,6 +128,10 @@ async def _pair() -> tuple[socket.socket, socket.socket]:
 
 @pytest.mark.asyncio
 async def test_handshake_reads_nothing_past_itself() -> None:
+    await _handshake_reads_nothing_past_itself()
+
+
+async def _handshake_reads_nothing_past_itself() -> None:
     loop = asyncio.get_running_loop()
     client, server = await _pair()
     deadline = loop.time() + 5
@@ -157,13 +159,12 @@ async def test_wrong_client_secret_refused() -> None:
     loop = asyncio.get_running_loop()
     client, server = await _pair()
     deadline = loop.time() + 5
-    server_result, client_result = await asyncio.gather(
+    results = await asyncio.gather(
         server_handshake(loop, server, SECRET, deadline, lambda h: {}),
         client_handshake(loop, client, b"wrong", {}, deadline),
         return_exceptions=True,
     )
-    assert isinstance(server_result, AuthenticationError)
-    assert isinstance(client_result, AuthenticationError)
+    assert all(isinstance(result, AuthenticationError) for result in results)
     assert client.fileno() == -1 and server.fileno() == -1  # closed on failure
 
 
@@ -219,9 +220,12 @@ async def test_handshake_hello_refused_and_deadline() -> None:
 
 @pytest.mark.asyncio
 async def test_ranks_by_natural_task_order(make_tracker: Callable[..., Any]) -> None:
+    await _ranks_by_natural_task_order(await make_tracker(5))
+
+
+async def _ranks_by_natural_task_order(tracker: Tracker) -> None:
     task_ids = ["10", "2", "0", "1", "3"]
     random.Random(1).shuffle(task_ids)
-    tracker = await make_tracker(5)
     clients = await join_job(tracker, task_ids)
     assignments = await asyncio.gather(*(c.wait_assignment(5) for c in clients))
     rank_of = {task: a.rank for task, a in zip(task_ids, assignments, strict=True)}
@@ -239,9 +243,9 @@ async def test_ranks_by_natural_task_order(make_tracker: Callable[..., Any]) -> 
 async def test_sortby_arrival_and_status_query(make_tracker: Callable[..., Any]) -> None:
     tracker = await make_tracker(3, sortby="arrival")
     clients = []
-    for k, task_id in enumerate(["c", "a", "b"]):
-        clients.append(await TrackerClient.connect(config(tracker, task_id), 21000 + k))
-        await wait_until(lambda k=k: tracker.status()["registered"] == k + 1)
+    for task_id in ["c", "a", "b"]:
+        clients.append(await TrackerClient.connect(config(tracker, task_id), 21000))
+        await _wait_registered(tracker, len(clients))
     status = await query_tracker_status(HOST, tracker.port, SECRET, 5)
     assert [t["task_id"] for t in status["tasks"]] == ["c", "a", "b"]
     assert [t["rank"] for t in status["tasks"]] == [0, 1, 2]
@@ -444,6 +448,26 @@ async def test_signal_error_aborts_everyone_else(make_tracker: Callable[..., Any
 
 
 @pytest.mark.asyncio
+async def test_huge_error_message_is_bounded(make_tracker: Callable[..., Any]) -> None:
+    """A worker that is not our client sends a ~1 MiB error: the abort still goes out."""
+    loop = asyncio.get_running_loop()
+    tracker = await make_tracker(2)
+    (member,) = await join_job(tracker, ["0"])
+    reasons: list[str] = []
+    member.on_abort = reasons.append
+    sock, _ = await connect_authenticated(HOST, tracker.port, SECRET, {"role": "worker"}, 5)
+    register = {"t": "register", "task_id": "1", "attempt": 0, "port": 1, "world_size": 2}
+    error = {"t": "error", "msg": "E" * (MAX_FRAME - 100)}
+    await loop.sock_sendall(sock, encode_frame(register) + encode_frame(error))
+    result = await tracker.wait_done(5)
+    assert not result.success and result.reason.endswith("[truncated]")
+    await wait_until(lambda: bool(reasons))
+    assert "signalled an error: EEE" in reasons[0]
+    sock.close()
+    await member.close()
+
+
+@pytest.mark.asyncio
 async def test_abort_before_assignment_and_late_joiner(make_tracker: Callable[..., Any]) -> None:
     tracker = await make_tracker(3)
     early = await join_job(tracker, ["0", "1"])
@@ -515,6 +539,19 @@ async def test_connect_failures(make_tracker: Callable[..., Any]) -> None:
     await lonely.close()
 
 
+def test_under_uvloop() -> None:
+    async def scenarios() -> None:
+        await _handshake_reads_nothing_past_itself()
+        tracker = Tracker(5, secret=SECRET, print_fn=Prints())
+        await tracker.start()
+        try:
+            await _ranks_by_natural_task_order(tracker)
+        finally:
+            await tracker.close()
+
+    uvloop.run(scenarios())
+
+
 # -- synchronous wrappers -----------------------------------------------------------------
 
 
@@ -579,3 +616,5 @@ def test_tracker_cli_success() -> None:
     finally:
         proc.kill()
         proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()

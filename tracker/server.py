@@ -42,6 +42,9 @@ _MAX_TASK_ID = 256  # task ids are labels; bound them like every other wire leng
 _NULL_TASK = "NULL"  # what classic workers send when DMLC_TASK_ID is unset
 _ACCEPT_ERROR_PAUSE_SEC = 0.1  # e.g. EMFILE: back off instead of spinning on accept
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+_STATUS_TASKS_ON_WIRE = 2000  # ~200 bytes each: a status_reply stays well under MAX_FRAME
+_MAX_REASON = 64 * 1024  # characters of an abort reason (UTF-8: <= 256 KiB < MAX_FRAME)
+_MAX_WRITE_BUFFER = 8 * 1024 * 1024  # per connection: ~8 status replies or 100k notices
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +85,18 @@ class _Conn:
     peer: str  # host:port, for logs
     role: str
     task: _Task | None = None
+    fenced: bool = False  # replaced by a newer registration of the same task
 
     def send(self, msg: dict[str, Any]) -> None:
-        if not self.writer.is_closing():
-            self.writer.write(encode_frame(msg))
+        if self.writer.is_closing():
+            return
+        if self.writer.transport.get_write_buffer_size() > _MAX_WRITE_BUFFER:
+            # A peer that does not read what we send would make us buffer without bound.
+            logger.warning("closing connection from %s: it does not read its messages",
+                           self.peer)
+            self.writer.close()
+            return
+        self.writer.write(encode_frame(msg))
 
 
 class Tracker:
@@ -271,25 +282,30 @@ class Tracker:
                                peer, self._handshakes)
                 sock.close()
                 continue
+            self._handshakes += 1  # counted here: a burst of accepts must see the count
             handler = asyncio.create_task(self._handle(sock, str(address[0]), peer))
             self._handlers.add(handler)
             handler.add_done_callback(self._handlers.discard)
 
     async def _handle(self, sock: socket.socket, host: str, peer: str) -> None:
         loop = asyncio.get_running_loop()
-        sock.setblocking(False)
-        tune_socket(sock)
-        self._handshakes += 1
+        deadline = loop.time() + self._handshake_timeout
         try:
-            deadline = loop.time() + self._handshake_timeout
+            sock.setblocking(False)
+            tune_socket(sock)
             hello = await server_handshake(loop, sock, self._secret, deadline, self._check_hello)
-        except RabitError as exc:
+        except (RabitError, OSError) as exc:
+            sock.close()
             logger.warning("connection from %s closed during handshake: %s", peer, exc)
             return
         finally:
             self._handshakes -= 1
         try:
             reader, writer = await asyncio.open_connection(sock=sock)
+        except OSError as exc:
+            sock.close()
+            logger.warning("connection from %s failed after the handshake: %s", peer, exc)
+            return
         except BaseException:
             sock.close()
             raise
@@ -305,6 +321,10 @@ class Tracker:
             conn.send({"t": "refuse", "reason": str(exc), "code": REFUSE_HELLO})
         except OSError as exc:
             reason = f"connection failed: {exc}"
+        except Exception as exc:
+            # A bug of ours must cost one connection, not the tracker.
+            logger.exception("internal error on the connection from %s", peer)
+            reason = f"tracker internal error: {exc!r}"
         finally:
             self._conns.discard(conn)
             writer.close()
@@ -339,7 +359,12 @@ class Tracker:
         """Handle one frame; False when the connection is finished (after shutdown)."""
         kind = msg["t"]
         if kind == "status":
-            conn.send({"t": "status_reply", "status": self.status()})
+            status = self.status()
+            if len(status["tasks"]) > _STATUS_TASKS_ON_WIRE:
+                # keep the reply under MAX_FRAME; the totals above the list stay exact
+                status["tasks"] = status["tasks"][:_STATUS_TASKS_ON_WIRE]
+                status["tasks_truncated"] = True
+            conn.send({"t": "status_reply", "status": status})
             return True
         if conn.role != "worker":
             raise ProtocolError(f"a {conn.role} connection may only send status, not {kind}")
@@ -401,6 +426,7 @@ class Tracker:
                 # The newer process wins (incarnation fencing): the old one is a zombie.
                 old, task.conn = task.conn, None
                 old.task = None
+                old.fenced = True
                 old.writer.close()
                 logger.warning("%s registered again; closed its previous connection",
                                _describe(task))
@@ -464,7 +490,7 @@ class Tracker:
     def _connection_ended(self, conn: _Conn, reason: str, broken: bool) -> None:
         task = conn.task
         if task is None:
-            if not self._closing and (broken or conn.role == "worker"):
+            if not (self._closing or conn.fenced) and (broken or conn.role == "worker"):
                 logger.warning("connection from %s (%s, unregistered) closed: %s",
                                conn.peer, conn.role, reason)
             return
@@ -479,6 +505,9 @@ class Tracker:
         _call_hook(self.on_worker_lost, task.task_id, task.rank, reason)
 
     def _abort(self, reason: str, exclude: _Conn | None) -> None:
+        if len(reason) > _MAX_REASON:
+            # a worker's error text is part of the reason; it must fit in one abort frame
+            reason = reason[:_MAX_REASON] + " ...[truncated]"
         if self._result is not None:
             logger.info("abort after the job ended ignored: %s", reason)
             return
@@ -549,6 +578,11 @@ class TrackerThread:
             self._loop.run_forever()
         finally:
             self._loop.run_until_complete(self.tracker.close())
+            # Wake whoever still waits in join() instead of destroying pending tasks.
+            leftovers = asyncio.all_tasks(self._loop)
+            for task in leftovers:
+                task.cancel()
+            self._loop.run_until_complete(asyncio.gather(*leftovers, return_exceptions=True))
             self._loop.close()
 
     def _remember_rank(self, task_id: str, rank: int) -> None:
@@ -565,13 +599,21 @@ class TrackerThread:
         return self.tracker.worker_env()
 
     def join(self, timeout: float | None = None) -> JobResult | None:
-        """Wait for the job's result; None if it is not done within ``timeout`` seconds."""
-        future = asyncio.run_coroutine_threadsafe(self.tracker.wait_done(None), self._loop)
+        """Wait for the job's result; None if it is not done within ``timeout`` seconds or
+        the tracker was stopped first."""
+        waiter = self.tracker.wait_done(None)
+        try:
+            future = asyncio.run_coroutine_threadsafe(waiter, self._loop)
+        except RuntimeError:  # the loop is closed: the tracker was stopped
+            waiter.close()
+            return self.tracker.result
         try:
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
             future.cancel()
             return None
+        except concurrent.futures.CancelledError:
+            return self.tracker.result
 
     def result(self) -> JobResult | None:
         """The result if the job is done, else None; never waits.

@@ -237,6 +237,7 @@ class LocalLauncher:
         result = self.tracker.result()
         for task in self.tasks:
             task.rank = self.tracker.rank_of(str(task.task_id))
+        self._note("summary:")
         self._writer.write(self._err, format_summary(self.tasks, None if result is None
                                                   else result.reason))
         if interrupted:

@@ -292,7 +292,7 @@ class Agent:
         except ProtocolError as exc:
             self._fail(exc, cmds, source=peer, close=peer)
         except MismatchError as exc:
-            self._fail(exc, cmds, source=peer)
+            self._fail(exc, cmds)  # the peer that disagrees must hear it too
         return cmds
 
     def _dispatch_header(self, peer: int, link: _Link, frame: FrameHeader, now: float,
@@ -384,8 +384,11 @@ class Agent:
                     link.mode = _Mode.HEADER
                     try:
                         self._accept_frame(peer, link, link.frame, active, now, cmds)
-                    except (MismatchError, ProtocolError) as exc:
-                        self._fail(exc, cmds, source=peer)
+                    except MismatchError as exc:
+                        self._fail(exc, cmds)
+                        return cmds
+                    except ProtocolError as exc:
+                        self._fail(exc, cmds, source=peer, close=peer)
                         return cmds
                     cmds.append(ResumeReading(peer))
                 elif link.frame.call_id < call_id:

@@ -103,6 +103,9 @@ _table: dict[tuple[State, Event], State] = {
     (S.FAILED, E.TIMEOUT): S.FAILED,
     (S.FAILED, E.OP_FAILED): S.FAILED,
     (S.FAILED, E.SHUTDOWN): S.TASK_COMPLETE,
+    # wiring may finish after a neighbour already reported a failure: the failure stands
+    (S.FAILED, E.CONNECT_PEERS): S.FAILED,
+    (S.FAILED, E.ACCEPT_PEERS): S.FAILED,
     # peers close their links once they are done
     (S.TASK_COMPLETE, E.READABLE): S.TASK_COMPLETE,
     (S.TASK_COMPLETE, E.WRITABLE): S.TASK_COMPLETE,

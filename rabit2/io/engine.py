@@ -266,12 +266,12 @@ class Engine:
             return {"rank": assignment.rank}
 
         try:
-            # a neighbour can dial before the tracker's assignment reached us: wait for it
-            if self.assignment is None:
-                await asyncio.sleep(0)
+            # a neighbour can dial before the tracker's assignment reached us: the handshake
+            # needs it (to check the dialer's rank), so wait for it, bounded
+            waited = loop.time() + self.config.timeout_sec
+            while self.assignment is None and loop.time() < waited:
+                await asyncio.sleep(0.005)
             deadline = loop.time() + self.config.connect_timeout_sec
-            while self.assignment is None and loop.time() < deadline:
-                await asyncio.sleep(0.01)
             await server_handshake(loop, sock, self.config.secret, deadline, check)
         except RabitError as exc:
             logger.warning("refused a peer connection from %s: %s", addr, exc)

@@ -1,0 +1,208 @@
+"""Engines in one process over real loopback sockets with a real tracker, both loops."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rabit2.config import load_config
+from rabit2.core.agent import Call
+from rabit2.core.control import MAGIC
+from rabit2.core.framing import CollectiveKind
+from rabit2.core.ops import Op
+from rabit2.errors import MismatchError, RabitError
+from rabit2.io.engine import Engine
+from tracker.server import TrackerThread
+
+SECRET = "ab" * 32
+
+
+def start_job(world: int, loop_kind: str, **extra: str) -> tuple[TrackerThread, list[Engine]]:
+    tracker = TrackerThread(world, secret=bytes.fromhex(SECRET))
+    tracker.start()
+    env = tracker.worker_env()
+    engines: list[Engine | None] = [None] * world
+    errors: list[BaseException] = []
+
+    def run(task: int) -> None:
+        cfg = load_config(environ={**env, "DMLC_TASK_ID": str(task), "RABIT2_LOOP": loop_kind,
+                                   "RABIT2_CONNECT_TIMEOUT_SEC": "10", **extra})
+        engine = Engine(cfg)
+        try:
+            engine.start()
+        except BaseException as exc:  # reported by the test thread below
+            errors.append(exc)
+            return
+        engines[engine.agent.rank] = engine
+
+    threads = [threading.Thread(target=run, args=(t,)) for t in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not errors, errors
+    assert all(e is not None for e in engines)
+    return tracker, [e for e in engines if e is not None]
+
+
+def on_all(engines: list[Engine], fn: Callable[[int, Engine], Any]) -> list[Any]:
+    """Run ``fn(rank, engine)`` on one thread per rank (collectives block until all join)."""
+    results: list[Any] = [None] * len(engines)
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = fn(rank, engines[rank])
+        except BaseException as exc:
+            results[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(engines))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return results
+
+
+def finish(tracker: TrackerThread, engines: list[Engine]) -> None:
+    on_all(engines, lambda r, e: e.finalize())
+    result = tracker.join(10)
+    tracker.stop()
+    assert result is not None and result.success, result
+
+
+def allreduce_call(arr: np.ndarray, engine: Engine, op: Op = Op.SUM) -> Call:
+    buf = memoryview(arr.reshape(-1).view(np.uint8))
+    return Call(engine.agent.choose_allreduce(len(buf), arr.itemsize), buf, arr.dtype, op)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_allreduce_and_broadcast(world: int, loop_kind: str) -> None:
+    tracker, engines = start_job(world, loop_kind)
+
+    def work(rank: int, engine: Engine) -> bytes:
+        for count in (0, 1, 1000, 100_000):
+            a = np.arange(count, dtype=np.float64) * (rank + 1)
+            engine.run_call(allreduce_call(a, engine))
+            assert (a == np.arange(count) * world * (world + 1) / 2).all()
+        b = np.full(70_000, rank, dtype=np.uint8)
+        engine.run_call(Call(CollectiveKind.BROADCAST, memoryview(b), root=world - 1))
+        assert (b == world - 1).all()
+        return a.tobytes()
+
+    results = on_all(engines, work)
+    assert all(r == results[0] for r in results), results
+    finish(tracker, engines)
+
+
+def test_mismatched_sizes_raise_on_every_rank(loop_kind: str) -> None:
+    tracker, engines = start_job(3, loop_kind)
+
+    def work(rank: int, engine: Engine) -> Any:
+        a = np.zeros(10 + (rank == 1), dtype=np.int32)
+        t0 = time.monotonic()
+        with pytest.raises(MismatchError) as info:
+            engine.run_call(allreduce_call(a, engine))
+        return time.monotonic() - t0, str(info.value)
+
+    results = on_all(engines, work)
+    for elapsed, message in results:
+        assert elapsed < 10, results
+        assert "mismatch" in message
+    # the communicator stays failed with the same error
+    with pytest.raises(MismatchError):
+        engines[0].run_call(allreduce_call(np.zeros(3, np.int32), engines[0]))
+    on_all(engines, lambda r, e: e.close())
+    tracker.stop()
+
+
+@pytest.mark.parametrize("what", ["dtype", "op", "root"])
+def test_other_mismatches(what: str, loop_kind: str) -> None:
+    tracker, engines = start_job(2, loop_kind)
+
+    def work(rank: int, engine: Engine) -> type[BaseException] | None:
+        try:
+            if what == "dtype":
+                a = np.zeros(8, dtype=np.int32 if rank else np.float32)
+                engine.run_call(allreduce_call(a, engine))
+            elif what == "op":
+                a = np.zeros(8, dtype=np.int32)
+                engine.run_call(allreduce_call(a, engine, Op.MAX if rank else Op.SUM))
+            else:
+                b = np.zeros(16, dtype=np.uint8)
+                engine.run_call(Call(CollectiveKind.BROADCAST, memoryview(b), root=1 - rank))
+        except RabitError as exc:
+            return type(exc)
+        return None
+
+    assert on_all(engines, work) == [MismatchError, MismatchError]
+    on_all(engines, lambda r, e: e.close())
+    tracker.stop()
+
+
+def _hostile(port: int, kind: str, outcome: dict[str, str]) -> None:
+    """Misbehave at a worker's port; record whether the worker closed the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=15) as s:
+        if kind == "garbage":
+            s.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        elif kind == "huge":
+            s.sendall(MAGIC)
+            s.recv(1024)
+            s.sendall(struct.pack("<I", 0xFFFFFFF0) + b"\x00" * 64)
+        elif kind == "stranger":
+            s.sendall(MAGIC)
+            s.recv(1024)  # challenge; answer with a frame that cannot carry a valid mac
+            s.sendall(struct.pack("<I", 3) + b"\x93\x01\x02")
+        try:
+            while s.recv(1024):
+                pass
+            outcome[kind] = "closed"
+        except ConnectionResetError:
+            outcome[kind] = "closed"
+        except TimeoutError:
+            outcome[kind] = "left open"
+
+
+def test_hostile_connections_at_a_worker_port(loop_kind: str) -> None:
+    """Garbage, a huge length, a stranger without the secret: refused; the job goes on."""
+    tracker = TrackerThread(2, secret=bytes.fromhex(SECRET))
+    tracker.start()
+    env = tracker.worker_env()
+    cfg = [load_config(environ={**env, "DMLC_TASK_ID": str(t), "RABIT2_LOOP": loop_kind,
+                                "RABIT2_CONNECT_TIMEOUT_SEC": "3"})
+           for t in range(2)]
+    first = Engine(cfg[0])
+    started = threading.Thread(target=first.start)
+    started.start()
+    deadline = time.monotonic() + 10
+    while first._server is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert first._server is not None
+    port = first._server.getsockname()[1]
+    outcome: dict[str, str] = {}
+    hostile = [threading.Thread(target=_hostile, args=(port, kind, outcome))
+               for kind in ("garbage", "huge", "stranger", "silent")]
+    for t in hostile:
+        t.start()
+    second = Engine(cfg[1])
+    second.start()
+    started.join(20)
+    for t in hostile:
+        t.join(20)
+    assert outcome == dict.fromkeys(("garbage", "huge", "stranger", "silent"), "closed")
+    engines = sorted([first, second], key=lambda e: e.agent.rank)
+
+    def work(rank: int, engine: Engine) -> None:
+        a = np.full(5, rank + 1, dtype=np.int64)
+        engine.run_call(allreduce_call(a, engine))
+        assert (a == 3).all()
+
+    assert on_all(engines, work) == [None, None]
+    finish(tracker, engines)

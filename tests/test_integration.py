@@ -1,0 +1,70 @@
+"""Real processes through ``rabit2-submit``: every collective, every world size, both loops."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKERS = Path(__file__).resolve().parent / "workers"
+
+
+def submit(n: int, *cmd: str, loop: str = "uvloop", timeout: float = 240,
+           extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "RABIT2_LOOP": loop, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "--cluster", "local", "-n", str(n),
+         "--max-attempts", "1", "--timeout", str(timeout - 30), *extra, "--", *cmd],
+        capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT, check=False,
+    )
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_every_collective(world: int, loop_kind: str) -> None:
+    if loop_kind == "asyncio" and world not in (2, 3):
+        pytest.skip("the asyncio loop is covered at world 2 and 3 to keep the run short")
+    proc = submit(world, sys.executable, str(WORKERS / "collectives.py"), loop=loop_kind)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    for rank in range(world):
+        assert f"OK rank={rank} world={world}" in out, out[-4000:]
+        assert f"rank {rank} passed" in out
+
+
+@pytest.mark.integration
+def test_gbdt_digest_is_the_same_for_1_2_and_4_workers() -> None:
+    digests = {}
+    for world in (1, 2, 4):
+        proc = submit(world, sys.executable, "-m", "rabit2.examples.gbdt", "--size", "ci")
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-4000:]
+        found = set(re.findall(r"digest=([0-9a-f]{64})", out))
+        assert len(re.findall(r"digest=", out)) == world, out[-2000:]
+        assert len(found) == 1, found
+        digests[world] = found.pop()
+    assert digests[1] == digests[2] == digests[4], digests
+
+
+@pytest.mark.integration
+def test_mismatched_call_fails_every_rank_and_the_job() -> None:
+    code = (
+        "import sys, numpy as np, rabit2\n"
+        "rabit2.init()\n"
+        "r = rabit2.get_rank()\n"
+        "try:\n"
+        "    rabit2.allreduce(np.zeros(100 + (r == 2), np.float32), rabit2.SUM)\n"
+        "except rabit2.errors.MismatchError as exc:\n"
+        "    print('MISMATCH', r, flush=True)\n"
+        "    sys.exit(3)\n"
+    )
+    proc = submit(4, sys.executable, "-c", code, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    for rank in range(4):
+        assert f"MISMATCH {rank}" in out, out[-3000:]
