@@ -12,7 +12,8 @@ from rabit2.core.schedule import ring_segments
 from simnet import SimNet
 
 WORLDS = [1, 2, 3, 4, 5, 7, 8, 16, 17]
-ALGOS = {"tree": CollectiveKind.ALLREDUCE_TREE, "ring": CollectiveKind.ALLREDUCE_RING}
+ALGOS = {"tree": CollectiveKind.ALLREDUCE_TREE, "ring": CollectiveKind.ALLREDUCE_RING,
+         "pair": CollectiveKind.ALLREDUCE_PAIR}
 
 
 def counts(world: int) -> list[int]:
@@ -40,8 +41,10 @@ def run_allreduce(world: int, count: int, algo: str, dtype: np.dtype, op: Op, se
 
 
 @pytest.mark.parametrize("world", WORLDS)
-@pytest.mark.parametrize("algo", ["tree", "ring"])
+@pytest.mark.parametrize("algo", ["tree", "ring", "pair"])
 def test_allreduce_sum_matches_numpy(world: int, algo: str) -> None:
+    if algo == "pair" and world != 2:
+        pytest.skip("the pair exchange exists for world size 2 only")
     for count in counts(world):
         data, bufs, net = run_allreduce(world, count, algo, np.dtype(np.int64), Op.SUM,
                                         seed=world * 7919 + count)
@@ -61,7 +64,7 @@ _NP = {Op.SUM: np.add, Op.PROD: np.multiply, Op.MAX: np.maximum, Op.MIN: np.mini
 def test_every_dtype_and_op(dtype: np.dtype, op: Op) -> None:
     if dtype.kind == "f" and op in (Op.BITOR, Op.BITAND, Op.BITXOR):
         pytest.skip("bitwise ops are rejected for floats at the API")
-    for world, algo in ((3, "tree"), (4, "ring")):
+    for world, algo in ((3, "tree"), (4, "ring"), (2, "pair")):
         data, bufs, _ = run_allreduce(world, 37, algo, dtype, op, seed=int(op) * 31 + world)
         # floats: every rank holds the same bytes; integers: equal to numpy whatever the order
         for r in range(1, world):
@@ -180,3 +183,18 @@ def test_consecutive_calls_with_staggered_starts(world: int) -> None:
         expect = np.sum(data, axis=0, dtype=np.int32)
         for b in bufs:
             assert b.tobytes() == expect.tobytes()
+
+
+def test_pair_exchange_agrees_bitwise_on_nan_payloads() -> None:
+    """op(a, b) and op(b, a) may keep different NaNs: both ranks use one operand order."""
+    a = np.array([np.nan, 1.0, -0.0], dtype=np.float64)
+    b = np.array([np.nan, 2.0, 0.0], dtype=np.float64)
+    b.view(np.uint64)[0] |= 0x1234  # a different NaN payload
+    bufs = [a.copy(), b.copy()]
+    for op in (Op.MAX, Op.MIN, Op.SUM):
+        bufs = [a.copy(), b.copy()]
+        net = SimNet(2, seed=3)
+        net.run({r: Call(CollectiveKind.ALLREDUCE_PAIR, memoryview(bufs[r]).cast("B"),
+                         np.dtype(np.float64), op) for r in range(2)})
+        assert not net.failed and len(net.done) == 2
+        assert bufs[0].tobytes() == bufs[1].tobytes(), op

@@ -54,6 +54,7 @@ class LaunchOptions:
     env: tuple[tuple[str, str], ...] = ()
     timeout: float | None = None
     kill_grace: float = 5.0
+    bind: str = "auto"
 
 
 @dataclasses.dataclass(slots=True)
@@ -100,6 +101,10 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
                         help="give up on the whole job after S seconds")
     parser.add_argument("--kill-grace", type=float, default=5.0, metavar="S",
                         help="seconds between SIGTERM and SIGKILL when stopping workers")
+    parser.add_argument("--bind", choices=("auto", "core", "none"), default="auto",
+                        help="pin worker i to CPU i mod ncpu (core), not at all (none), or "
+                             "pin when there are no more workers than CPUs (auto, default), "
+                             "as mpirun --bind-to core does")
     parser.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     command = list(args.rest) + command
@@ -132,7 +137,18 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
         env=tuple(env),
         timeout=args.timeout,
         kill_grace=args.kill_grace,
+        bind=args.bind,
     )
+
+
+def bind_cpu_for(task_id: int, num_workers: int, bind: str,
+                 cpus: Sequence[int] | None = None) -> int | None:
+    """The CPU task ``task_id`` is pinned to under ``--bind`` (None: not pinned; pure)."""
+    if cpus is None:
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if bind == "none" or not cpus or (bind == "auto" and num_workers > len(cpus)):
+        return None
+    return cpus[task_id % len(cpus)]
 
 
 def build_worker_env(
@@ -141,8 +157,14 @@ def build_worker_env(
     task_id: int,
     attempt: int,
     extra: Sequence[tuple[str, str]] = (),
+    bind_cpu: int | None = None,
 ) -> dict[str, str]:
-    """The environment of one worker attempt (pure)."""
+    """The environment of one worker attempt (pure).
+
+    ``bind_cpu`` asks the worker to pin itself (and its loop thread) to that CPU: the API
+    thread and the loop thread then hand calls over on one core, which costs a context
+    switch instead of a cross-core wake-up.
+    """
     env = dict(base)
     # Python workers write through a pipe: without this their lines arrive in 8 KiB bursts.
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -152,6 +174,8 @@ def build_worker_env(
         DMLC_NUM_ATTEMPT=str(attempt),
         DMLC_ROLE="worker",
     )
+    if bind_cpu is not None:
+        env["RABIT2_BIND_CPU"] = str(bind_cpu)
     env.update(extra)
     return env
 
@@ -286,9 +310,12 @@ class LocalLauncher:
         else:
             self.tracker.mark_failed(str(task_id), reason)
 
+    def _bind_cpu(self, task_id: int) -> int | None:
+        return bind_cpu_for(task_id, self.options.num_workers, self.options.bind)
+
     def _spawn(self, task: TaskRun) -> None:
         env = build_worker_env(os.environ, self.tracker.worker_env(), task.task_id,
-                               task.attempts, self.options.env)
+                               task.attempts, self.options.env, self._bind_cpu(task.task_id))
         # A session of its own: Ctrl-C in the terminal reaches only the launcher (which then
         # stops the workers in order), and killpg also reaches the worker's own children.
         proc = subprocess.Popen(

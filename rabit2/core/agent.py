@@ -33,6 +33,7 @@ from rabit2.core.framing import (
 )
 from rabit2.core.ops import Op, dtype_code
 from rabit2.core.schedule import (
+    PairExchange,
     Plan,
     RingAllgather,
     RingAllreduce,
@@ -123,6 +124,7 @@ class Call:
 _CALL_EVENTS = {
     CollectiveKind.ALLREDUCE_TREE: Event.CALL_ALLREDUCE,
     CollectiveKind.ALLREDUCE_RING: Event.CALL_ALLREDUCE,
+    CollectiveKind.ALLREDUCE_PAIR: Event.CALL_ALLREDUCE,
     CollectiveKind.BROADCAST: Event.CALL_BROADCAST,
     CollectiveKind.ALLGATHER: Event.CALL_ALLGATHER,
 }
@@ -139,7 +141,7 @@ class _Link:
     """Receive-side framing state of one peer link."""
 
     __slots__ = ("error_buf", "filled", "frame", "header", "header_view", "mode", "pos",
-                 "remaining", "scratch")
+                 "remaining", "scratch", "send_scratch")
 
     def __init__(self) -> None:
         self.header = bytearray(HEADER_SIZE)
@@ -151,6 +153,7 @@ class _Link:
         self.remaining = 0  # payload bytes left in the current frame
         self.error_buf = bytearray()
         self.scratch = np.empty(0, dtype=np.uint8)
+        self.send_scratch = np.empty(0, dtype=np.uint8)
 
 
 class _Active:
@@ -353,9 +356,15 @@ class Agent:
         return CallDescriptor(call.kind, dtype, op, root, len(call.buf))
 
     def choose_allreduce(self, nbytes: int, itemsize: int) -> CollectiveKind:
-        """Tree for small calls, ring above ``rabit_reduce_ring_mincount`` elements (rabit)."""
+        """Tree for small calls, ring above ``rabit_reduce_ring_mincount`` elements (rabit).
+
+        At world size 2 the tree degenerates into a relay through rank 0; a direct exchange
+        does the same work in one hop instead of two.
+        """
         if self.world > 1 and nbytes // itemsize > self.ring_mincount:
             return CollectiveKind.ALLREDUCE_RING
+        if self.world == 2:
+            return CollectiveKind.ALLREDUCE_PAIR
         return CollectiveKind.ALLREDUCE_TREE
 
     def begin(self, call: Call, now: float) -> list[Command]:
@@ -402,8 +411,14 @@ class Agent:
         kind = call.kind
         if self.world == 1:
             return TreeBroadcast(call.buf, -1, ())  # no links: every call is already complete
-        if kind in (CollectiveKind.ALLREDUCE_TREE, CollectiveKind.ALLREDUCE_RING):
+        if kind in (CollectiveKind.ALLREDUCE_TREE, CollectiveKind.ALLREDUCE_RING,
+                    CollectiveKind.ALLREDUCE_PAIR):
             assert call.dtype is not None and call.op is not None
+            if kind is CollectiveKind.ALLREDUCE_PAIR:
+                if self.world != 2:
+                    raise ValueError("the pair exchange needs a world of exactly 2")
+                return PairExchange(call.buf, call.dtype, call.op, self.rank, 1 - self.rank,
+                                    self._scratch, self._send_scratch)
             if kind is CollectiveKind.ALLREDUCE_RING:
                 return RingAllreduce(call.buf, call.dtype, call.op, self.rank, self.world,
                                      self._scratch)
@@ -420,6 +435,12 @@ class Agent:
         if link.scratch.nbytes < nbytes:
             link.scratch = np.empty(nbytes, dtype=np.uint8)
         return memoryview(link.scratch)[:nbytes]
+
+    def _send_scratch(self, peer: int, nbytes: int) -> memoryview:
+        link = self.links[peer]
+        if link.send_scratch.nbytes < nbytes:
+            link.send_scratch = np.empty(nbytes, dtype=np.uint8)
+        return memoryview(link.send_scratch)[:nbytes]
 
     def _pump(self, active: _Active, cmds: list[Command]) -> None:
         """Send every out-stream byte that has become ready."""

@@ -41,6 +41,7 @@ class CollectiveKind(enum.IntEnum):
     ALLREDUCE_RING = 2
     BROADCAST = 3
     ALLGATHER = 4
+    ALLREDUCE_PAIR = 5  # world size 2, small calls: both ranks exchange and reduce at once
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -21,6 +21,10 @@ from rabit2.errors import RabitError
 
 
 class State(enum.Enum):
+    # members are singletons: identity hashing is exact and much cheaper than Enum's
+    # name-based __hash__, and the table is probed on every network event
+    __hash__ = object.__hash__
+
     IDLE = "idle"
     CONNECTING_TRACKER = "connecting-tracker"
     CONNECTING_PEERS = "connecting-peers"
@@ -35,6 +39,8 @@ class State(enum.Enum):
 
 
 class Event(enum.Enum):
+    __hash__ = object.__hash__
+
     START = "start"
     CONNECT_TRACKER = "connect-tracker"
     CONNECT_PEERS = "connect-peers"

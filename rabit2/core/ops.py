@@ -51,6 +51,7 @@ __all__ = [
     "dtype_code",
     "dtype_from_code",
     "reduce_bytes",
+    "reduce_bytes_ordered",
     "reduce_into",
 ]
 
@@ -286,6 +287,34 @@ def reduce_bytes(
     if not target.flags.writeable:
         raise ValueError("dst buffer is read-only")
     ufunc(target, source, out=target, casting="no")
+
+
+def reduce_bytes_ordered(
+    op: Op,
+    dtype: np.dtype,
+    dst: memoryview | bytearray | np.ndarray,
+    first: memoryview | bytes | np.ndarray,
+    second: memoryview | bytes | np.ndarray,
+) -> None:
+    """``dst = op(first, second)`` on raw buffers, operands in this order (``dst`` may alias
+    either).  Two ranks that reduce the same pair in the same order get the same bits even
+    where ``op(a, b)`` and ``op(b, a)`` could differ (e.g. which NaN payload survives).
+    Same errors as :func:`reduce_bytes`.
+    """
+    if dtype not in _SUPPORTED_SET:
+        raise TypeError(f"unsupported dtype {dtype}")
+    ufunc = _ufunc(op)
+    try:
+        out = np.frombuffer(dst, dtype=dtype)
+        a = np.frombuffer(first, dtype=dtype)
+        b = np.frombuffer(second, dtype=dtype)
+    except BufferError as exc:
+        raise ValueError(f"buffers must be C-contiguous: {exc}") from None
+    if not out.size == a.size == b.size:
+        raise ValueError("buffer lengths differ")
+    if not out.flags.writeable:
+        raise ValueError("dst buffer is read-only")
+    ufunc(a, b, out=out, casting="no")
 
 
 def _ufunc(op: Op) -> np.ufunc:

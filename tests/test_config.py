@@ -1,0 +1,231 @@
+"""Worker configuration: precedence, spellings, mock specs, secrets, bad values."""
+
+from __future__ import annotations
+
+import pytest
+
+from rabit2.config import (
+    DEFAULT_RING_MINCOUNT,
+    DEFAULT_TREE_MINSIZE,
+    Config,
+    MockSpec,
+    load_config,
+)
+
+
+def test_defaults_with_empty_environment() -> None:
+    cfg = load_config(environ={})
+    assert cfg == Config()
+    assert cfg.tracker_uri is None and not cfg.distributed
+    assert cfg.reduce_ring_mincount == DEFAULT_RING_MINCOUNT
+    assert cfg.tree_reduce_minsize == DEFAULT_TREE_MINSIZE
+    assert cfg.mock == () and cfg.secret == b""
+
+
+def test_reads_os_environ_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DMLC_TASK_ID", "from-os-environ")
+    assert load_config().task_id == "from-os-environ"
+
+
+def test_precedence_env_then_args_then_kwargs() -> None:
+    env = {"DMLC_TRACKER_URI": "env-host", "DMLC_TASK_ID": "env-task", "DMLC_NUM_WORKER": "2"}
+    args = ["dmlc_tracker_uri=arg-host", "rabit_task_id=arg-task"]
+    kwargs = {"dmlc_tracker_uri": "kw-host"}
+    assert load_config(environ=env).tracker_uri == "env-host"
+    assert load_config(args, environ=env).tracker_uri == "arg-host"
+    cfg = load_config(args, kwargs, environ=env)
+    assert cfg.tracker_uri == "kw-host"  # kwargs beat args beat env
+    assert cfg.task_id == "arg-task"  # args beat env
+    assert cfg.world_size == 2  # env alone
+    assert cfg.distributed
+
+
+def test_later_args_win() -> None:
+    cfg = load_config(["rabit_world_size=3", "dmlc_num_worker=5"], environ={})
+    assert cfg.world_size == 5
+
+
+@pytest.mark.parametrize(
+    ("where", "key", "value", "field", "expected"),
+    [
+        ("env", "DMLC_TRACKER_URI", "10.0.0.1", "tracker_uri", "10.0.0.1"),
+        ("env", "DMLC_TRACKER_PORT", "9099", "tracker_port", 9099),
+        ("env", "DMLC_TASK_ID", "7", "task_id", "7"),
+        ("env", "DMLC_NUM_ATTEMPT", "2", "num_attempt", 2),
+        ("env", "DMLC_NUM_WORKER", "4", "world_size", 4),
+        ("env", "DMLC_WORKER_CONNECT_RETRY", "9", "connect_retry", 9),
+        ("env", "RABIT2_TIMEOUT_SEC", "12.5", "timeout_sec", 12.5),
+        ("env", "RABIT2_CONNECT_TIMEOUT_SEC", "3", "connect_timeout_sec", 3.0),
+        ("env", "RABIT2_HEARTBEAT_SEC", "0.25", "heartbeat_sec", 0.25),
+        ("env", "RABIT2_LOOP", "asyncio", "loop", "asyncio"),
+        ("env", "RABIT2_LOG_LEVEL", "debug", "log_level", "debug"),
+        ("arg", "rabit_tracker_uri", "h", "tracker_uri", "h"),
+        ("arg", "rabit_tracker_port", "1", "tracker_port", 1),
+        ("arg", "dmlc_tracker_port", "2", "tracker_port", 2),
+        ("arg", "rabit_num_trial", "3", "num_attempt", 3),
+        ("arg", "dmlc_num_attempt", "4", "num_attempt", 4),
+        ("arg", "rabit_world_size", "6", "world_size", 6),
+        ("arg", "rabit_timeout_sec", "7", "timeout_sec", 7.0),
+        ("arg", "dmlc_timeout", "8", "timeout_sec", 8.0),
+        ("arg", "rabit2_timeout_sec", "9", "timeout_sec", 9.0),
+        ("arg", "dmlc_retry", "2", "connect_retry", 2),
+        ("arg", "rabit_reduce_ring_mincount", "0", "reduce_ring_mincount", 0),
+        ("arg", "rabit_tree_reduce_minsize", "64", "tree_reduce_minsize", 64),
+        ("arg", "rabit2_loop", "UVLOOP", "loop", "uvloop"),
+        ("arg", "RABIT_TIMEOUT_SEC", "5", "timeout_sec", 5.0),  # keys are case-insensitive
+        ("arg", "DMLC_TRACKER_URI", "upper", "tracker_uri", "upper"),
+        ("arg", "world_size", "11", "world_size", 11),  # the canonical field name itself
+        ("kw", "dmlc_task_id", "kw", "task_id", "kw"),
+        ("kw", "DMLC_NUM_WORKER", 3, "world_size", 3),
+        ("kw", "timeout_sec", 2, "timeout_sec", 2.0),
+        ("kw", "rabit2_connect_timeout_sec", 1.5, "connect_timeout_sec", 1.5),
+        ("kw", "rabit2_heartbeat_sec", "2", "heartbeat_sec", 2.0),
+    ],
+)
+def test_aliases(where: str, key: str, value: object, field: str, expected: object) -> None:
+    if where == "env":
+        cfg = load_config(environ={key: str(value)})
+    elif where == "arg":
+        cfg = load_config([f"{key}={value}"], environ={})
+    else:
+        cfg = load_config(kwargs={key: value}, environ={})
+    assert getattr(cfg, field) == expected
+    assert type(getattr(cfg, field)) is type(expected)
+
+
+def test_env_reads_only_documented_upper_case_keys() -> None:
+    # rabit-style lower-case spellings in the environment are not configuration
+    cfg = load_config(environ={"rabit_world_size": "3", "DMLC_TRACKER_URI": "h"})
+    assert cfg.world_size == -1 and cfg.tracker_uri == "h"
+
+
+def test_args_accept_bytes_and_ignore_non_pairs() -> None:
+    cfg = load_config(
+        [b"rabit_task_id=bytes", "train.py", "--verbose", "=orphan", "nokey",
+         " dmlc_num_worker = 4 "],
+        environ={},
+    )
+    assert cfg.task_id == "bytes"
+    assert cfg.world_size == 4
+
+
+def test_unknown_plain_keys_are_ignored() -> None:
+    assert load_config(["eta=0.1", "max_depth=6"], {"nthread": 4}, environ={}) == Config()
+
+
+@pytest.mark.parametrize("key", ["rabit_foo", "dmlc_bar", "rabit2_baz", "RABIT_FOO"])
+def test_unknown_prefixed_keys_raise(key: str) -> None:
+    with pytest.raises(ValueError, match="unknown rabit2 parameter"):
+        load_config([f"{key}=1"], environ={})
+    with pytest.raises(ValueError, match="unknown rabit2 parameter"):
+        load_config(kwargs={key: 1}, environ={})
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["rabit_enable_tcp_no_delay", "rabit_timeout", "rabit_reduce_buffer", "rabit_debug",
+     "rabit_bootstrap_cache", "rabit_global_replica", "rabit_local_replica",
+     "rabit_hadoop_mode", "dmlc_communicator", "xgboost_communicator", "dmlc_role",
+     "dmlc_nccl_path", "dmlc_num_server", "dmlc_job_cluster", "report_stats", "force_local",
+     "DMLC_COMMUNICATOR"],
+)
+def test_compatibility_keys_are_ignored(key: str) -> None:
+    assert load_config([f"{key}=1"], {key: "rabit"}, environ={}) == Config()
+
+
+# ----------------------------------------------------------------------------- mock
+
+
+def test_mock_four_and_five_fields() -> None:
+    cfg = load_config(["mock=0,1,2,3", "mock= 4, 5, 6, 7, 8192 "], environ={})
+    assert cfg.mock == (MockSpec(0, 1, 2, 3), MockSpec(4, 5, 6, 7, 8192))
+    assert cfg.mock[0].after_bytes == -1
+
+
+def test_mock_from_kwargs_list_and_accumulation() -> None:
+    cfg = load_config(["mock=1,0,0,0"], {"mock": ["2,0,0,0", "3,1,1,1,5"]}, environ={})
+    assert cfg.mock == (MockSpec(1, 0, 0, 0), MockSpec(2, 0, 0, 0), MockSpec(3, 1, 1, 1, 5))
+    assert load_config(kwargs={"MOCK": "0,0,0,0"}, environ={}).mock == (MockSpec(0, 0, 0, 0),)
+
+
+@pytest.mark.parametrize("spec", ["", "1", "1,2,3", "1,2,3,4,5,6", "a,b,c,d", "1,2,3,x",
+                                  "1,,2,3", "1.5,2,3,4", "1;2;3;4"])
+def test_bad_mock_raises(spec: str) -> None:
+    with pytest.raises(ValueError, match="mock"):
+        load_config([f"mock={spec}"], environ={})
+
+
+# ----------------------------------------------------------------------------- secret
+
+
+def test_secret_hex_is_decoded() -> None:
+    cfg = load_config(environ={"RABIT2_SECRET": "00ff10AB"})
+    assert cfg.secret == b"\x00\xff\x10\xab"
+
+
+@pytest.mark.parametrize("text", ["not hex!", "abc", "zz00", "pässwörd"])
+def test_secret_plain_text_is_utf8(text: str) -> None:
+    assert load_config([f"rabit2_secret={text}"], environ={}).secret == text.encode()
+
+
+def test_secret_bytes_kwarg_is_taken_verbatim() -> None:
+    assert load_config(kwargs={"rabit2_secret": b"deadbeef"}, environ={}).secret == b"deadbeef"
+    assert load_config(kwargs={"rabit2_secret": "deadbeef"}, environ={}).secret == (
+        b"\xde\xad\xbe\xef"
+    )
+
+
+# ----------------------------------------------------------------------------- bad values
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("dmlc_tracker_port", "http"),
+        ("dmlc_num_attempt", "1.5"),
+        ("dmlc_num_worker", ""),
+        ("dmlc_worker_connect_retry", "many"),
+        ("rabit_reduce_ring_mincount", "abc"),
+        ("rabit_reduce_ring_mincount", "-1"),
+        ("rabit_tree_reduce_minsize", "0"),
+        ("rabit_tree_reduce_minsize", "-4"),
+        ("rabit_timeout_sec", "0"),
+        ("rabit_timeout_sec", "-1"),
+        ("rabit_timeout_sec", "soon"),
+        ("rabit2_connect_timeout_sec", "0"),
+        ("rabit2_heartbeat_sec", "-0.5"),
+        ("rabit2_loop", "trio"),
+    ],
+)
+def test_bad_values_raise(key: str, value: str) -> None:
+    with pytest.raises(ValueError):
+        load_config([f"{key}={value}"], environ={})
+
+
+def test_bad_kwarg_types_raise() -> None:
+    with pytest.raises(ValueError):
+        load_config(kwargs={"dmlc_tracker_port": None}, environ={})
+    with pytest.raises(ValueError):
+        load_config(kwargs={"timeout_sec": [1]}, environ={})
+
+
+def test_bad_env_value_raises() -> None:
+    with pytest.raises(ValueError, match="tracker_port"):
+        load_config(environ={"DMLC_TRACKER_PORT": "x"})
+
+
+@pytest.mark.xfail(strict=True, reason="config.py _convert: float('nan') <= 0 is False, so a "
+                   "NaN deadline is accepted and never fires (now - last > nan is always False)")
+@pytest.mark.parametrize("value", ["nan", "NaN"])
+def test_nan_seconds_raise(value: str) -> None:
+    with pytest.raises(ValueError):
+        load_config([f"rabit_timeout_sec={value}"], environ={})
+
+
+@pytest.mark.parametrize("uri", ["", "NULL"])
+def test_null_tracker_uri_means_single_process(uri: str) -> None:
+    cfg = load_config(environ={"DMLC_TRACKER_URI": uri})
+    assert cfg.tracker_uri is None and not cfg.distributed
+    # a later, explicit NULL turns a tracker from the environment off
+    cfg = load_config([f"dmlc_tracker_uri={uri}"], environ={"DMLC_TRACKER_URI": "h"})
+    assert not cfg.distributed

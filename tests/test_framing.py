@@ -1,0 +1,256 @@
+"""Frame headers and ERROR payloads: round trips, every rejection, and fuzzing."""
+
+from __future__ import annotations
+
+import itertools
+import struct
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rabit2.core.framing import (
+    ERROR_TYPES,
+    FRAME_MAGIC,
+    HEADER,
+    HEADER_SIZE,
+    MAX_ERROR_PAYLOAD,
+    NONE_U8,
+    NONE_U16,
+    CallDescriptor,
+    CollectiveKind,
+    FrameHeader,
+    FrameKind,
+    decode_error,
+    encode_error,
+    pack_header,
+    parse_header,
+)
+from rabit2.errors import ProtocolError
+
+U32_MAX = (1 << 32) - 1
+U64_MAX = (1 << 64) - 1
+
+
+def _header(kind: FrameKind = FrameKind.DATA, ckind: CollectiveKind = CollectiveKind.BROADCAST,
+            **overrides: int) -> FrameHeader:
+    call = CallDescriptor(ckind, overrides.pop("dtype_code", 7), overrides.pop("op_code", 2),
+                          overrides.pop("root", 3), overrides.pop("total_bytes", 4096))
+    fields = {"version": 5, "seqno": 9, "offset": 128, "length": 64, "incarnation": 2}
+    fields.update(overrides)
+    return FrameHeader(kind, call, **fields)
+
+
+def _raw(**fields: int) -> bytes:
+    """A header with arbitrary raw field values (no enum validation on the packing side)."""
+    values = {"magic": FRAME_MAGIC, "kind": 1, "ckind": 1, "dtype": 7, "op": 2, "root": 0,
+              "version": 0, "seqno": 0, "total": 8, "offset": 0, "length": 8, "inc": 0}
+    values.update(fields)
+    return HEADER.pack(*values.values())
+
+
+def test_header_size_is_40() -> None:
+    assert HEADER_SIZE == 40
+    assert len(_header().pack()) == 40
+    assert struct.unpack_from("<H", _header().pack())[0] == FRAME_MAGIC
+    assert _header().pack()[:2] == b"R2"
+
+
+@pytest.mark.parametrize(("kind", "ckind"), list(itertools.product(FrameKind, CollectiveKind)),
+                         ids=lambda k: k.name)
+def test_round_trip_every_kind(kind: FrameKind, ckind: CollectiveKind) -> None:
+    length = 17 if kind is FrameKind.DATA else MAX_ERROR_PAYLOAD
+    header = _header(kind, ckind, length=length)
+    parsed = parse_header(header.pack())
+    assert parsed == header
+    assert parsed.kind is kind and parsed.call.kind is ckind
+    assert parsed.call_id == (5, 9)
+
+
+def test_round_trip_extreme_values() -> None:
+    header = _header(FrameKind.DATA, CollectiveKind.ALLGATHER, dtype_code=NONE_U8,
+                     op_code=NONE_U8, root=NONE_U16, total_bytes=U64_MAX, version=U32_MAX,
+                     seqno=U32_MAX, offset=U64_MAX, length=U32_MAX, incarnation=U32_MAX)
+    assert parse_header(header.pack()) == header
+    zero = _header(total_bytes=0, version=0, seqno=0, offset=0, length=0, incarnation=0)
+    assert parse_header(zero.pack()) == zero
+
+
+@pytest.mark.parametrize("kind", list(FrameKind), ids=lambda k: k.name)
+def test_pack_header_matches_dataclass(kind: FrameKind) -> None:
+    for ckind in CollectiveKind:
+        h = _header(kind, ckind, length=33)
+        assert pack_header(h.kind, h.call, h.version, h.seqno, h.offset, h.length,
+                           h.incarnation) == h.pack()
+        # incarnation defaults to 0 on both sides
+        h0 = _header(kind, ckind, incarnation=0)
+        assert pack_header(h0.kind, h0.call, h0.version, h0.seqno, h0.offset,
+                           h0.length) == h0.pack()
+
+
+@pytest.mark.parametrize("container", [bytes, bytearray, memoryview])
+def test_parse_accepts_every_buffer_type(container: type) -> None:
+    raw = _header().pack()
+    assert parse_header(container(raw)) == _header()
+
+
+@pytest.mark.parametrize("size", [0, 1, 39, 41, 80])
+def test_parse_rejects_wrong_length(size: int) -> None:
+    data = (_header().pack() * 2)[:size]
+    with pytest.raises(ProtocolError, match="40 bytes"):
+        parse_header(data)
+
+
+@pytest.mark.parametrize("magic", [0, 0x5232, 0x3253, 0xFFFF])
+def test_parse_rejects_bad_magic(magic: int) -> None:
+    with pytest.raises(ProtocolError, match="magic"):
+        parse_header(_raw(magic=magic))
+
+
+@pytest.mark.parametrize("kind", [0, 3, 0x7F, 0xFF])
+def test_parse_rejects_unknown_frame_kind(kind: int) -> None:
+    with pytest.raises(ProtocolError, match="frame kind"):
+        parse_header(_raw(kind=kind))
+
+
+@pytest.mark.parametrize("ckind", [0, 5, 0xFF])
+def test_parse_rejects_unknown_collective_kind(ckind: int) -> None:
+    with pytest.raises(ProtocolError, match="collective kind"):
+        parse_header(_raw(ckind=ckind))
+
+
+def test_parse_bounds_error_frame_length() -> None:
+    assert parse_header(_raw(kind=FrameKind.ERROR, length=MAX_ERROR_PAYLOAD)).length == (
+        MAX_ERROR_PAYLOAD
+    )
+    for length in (MAX_ERROR_PAYLOAD + 1, U32_MAX):
+        with pytest.raises(ProtocolError, match="exceeds"):
+            parse_header(_raw(kind=FrameKind.ERROR, length=length))
+    # a DATA frame's length is bounded by the agent against its stream, not here
+    assert parse_header(_raw(kind=FrameKind.DATA, length=U32_MAX)).length == U32_MAX
+
+
+def test_descriptor_describe() -> None:
+    desc = CallDescriptor(CollectiveKind.ALLREDUCE_TREE, 7, 2, NONE_U16, 80)
+    assert desc.describe() == "(allreduce_tree, 80 B, dtype#7, op#2)"
+    bcast = CallDescriptor(CollectiveKind.BROADCAST, NONE_U8, NONE_U8, 3, 5)
+    assert bcast.describe() == "(broadcast, 5 B, root=3)"
+
+
+# ----------------------------------------------------------------------------- error payloads
+
+
+@pytest.mark.parametrize("error_type", ERROR_TYPES)
+def test_error_payload_round_trip(error_type: str) -> None:
+    payload = encode_error(error_type, "rank 3 disagrees: ünïcode", 3)
+    assert len(payload) <= MAX_ERROR_PAYLOAD
+    assert decode_error(payload) == (error_type, "rank 3 disagrees: ünïcode", 3)
+    assert decode_error(bytearray(payload)) == decode_error(memoryview(payload))
+
+
+def test_error_reason_is_truncated_to_fit_a_frame() -> None:
+    payload = encode_error("protocol", "x" * 100_000, 0)
+    assert len(payload) <= MAX_ERROR_PAYLOAD
+    error_type, reason, origin = decode_error(payload)
+    assert (error_type, len(reason), origin) == ("protocol", 4096, 0)
+    # a reason of multi-byte characters still fits
+    assert len(encode_error("protocol", "\U0001f600" * 100_000, 0)) <= MAX_ERROR_PAYLOAD
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"",
+        b"\xc1",  # the one byte msgpack never uses
+        b"\x92\x01",  # truncated array
+        b"\x81\xa4type",  # truncated map
+        msgpack.packb({"type": "protocol", "reason": "r", "origin": 1}) + b"\x00",  # extra data
+        msgpack.packb(["protocol", "r", 1]),
+        msgpack.packb("protocol"),
+        msgpack.packb(None),
+        msgpack.packb({}),
+        msgpack.packb({"type": "nonsense", "reason": "r", "origin": 1}),
+        msgpack.packb({"type": "protocol", "reason": b"bytes", "origin": 1}),
+        msgpack.packb({"type": "protocol", "reason": 5, "origin": 1}),
+        msgpack.packb({"type": "protocol", "reason": "r", "origin": "1"}),
+        msgpack.packb({"type": "protocol", "reason": "r", "origin": 1.5}),
+        msgpack.packb({"type": "protocol", "reason": "r"}),
+        msgpack.packb({"type": ["protocol"], "reason": "r", "origin": 1}),
+        msgpack.packb({1: "protocol"}),  # non-string keys are refused by the decoder
+        msgpack.packb(msgpack.ExtType(5, b"xyz")),
+    ],
+)
+def test_decode_error_rejects_garbage(payload: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        decode_error(payload)
+
+
+# ----------------------------------------------------------------------------- fuzzing
+
+
+def _parse_or_protocol_error(data: bytes) -> FrameHeader | None:
+    try:
+        return parse_header(data)
+    except ProtocolError:
+        return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=HEADER_SIZE, max_size=HEADER_SIZE))
+def test_fuzz_random_headers(data: bytes) -> None:
+    header = _parse_or_protocol_error(data)
+    if header is not None:
+        assert header.pack() == data
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=HEADER_SIZE - 2, max_size=HEADER_SIZE - 2))
+def test_fuzz_headers_with_valid_magic(rest: bytes) -> None:
+    data = struct.pack("<H", FRAME_MAGIC) + rest
+    header = _parse_or_protocol_error(data)
+    if header is not None:
+        assert header.pack() == data
+        assert header.kind is not FrameKind.ERROR or header.length <= MAX_ERROR_PAYLOAD
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.binary(max_size=2 * HEADER_SIZE))
+def test_fuzz_any_length(data: bytes) -> None:
+    header = _parse_or_protocol_error(data)
+    assert header is None or len(data) == HEADER_SIZE
+
+
+def _decode_or_protocol_error(payload: bytes) -> tuple[str, str, int] | None:
+    try:
+        return decode_error(payload)
+    except ProtocolError:
+        return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=256))
+def test_fuzz_error_payload_bytes(payload: bytes) -> None:
+    result = _decode_or_protocol_error(payload)
+    if result is not None:
+        error_type, reason, origin = result
+        assert error_type in ERROR_TYPES and isinstance(reason, str) and isinstance(origin, int)
+
+
+_msgpack_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.floats()
+    | st.text(max_size=8) | st.binary(max_size=8) | st.sampled_from(ERROR_TYPES),
+    lambda children: st.lists(children, max_size=4)
+    | st.dictionaries(st.text(max_size=6) | st.sampled_from(["type", "reason", "origin"]),
+                      children, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_msgpack_values)
+def test_fuzz_error_payload_structures(value: object) -> None:
+    result = _decode_or_protocol_error(msgpack.packb(value))
+    if result is not None:
+        assert isinstance(value, dict)
+        assert result == (value["type"], value["reason"], value["origin"])
