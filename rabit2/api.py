@@ -239,6 +239,8 @@ def broadcast(data: Any, root: int) -> Any:
         raise ValueError(f"root must be a rank in [0, {state.world}), got {root!r}")
     root = int(root)
     if state.engine is None:
+        if not isinstance(data, np.ndarray):
+            _pickle(data)  # the same TypeError alone as in a job
         return data
     desc = bytearray(_DESC.size)
     payload: memoryview | None = None
@@ -251,10 +253,7 @@ def broadcast(data: Any, root: int) -> Any:
             _DESC.pack_into(desc, 0, _DESC_ARRAY, dtype_code(array.dtype), array.ndim, 0,
                             len(payload), *shape)
         else:
-            try:
-                blob = pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
-            except Exception as exc:
-                raise TypeError(f"broadcast: cannot pickle {type(data).__name__}: {exc}") from exc
+            blob = _pickle(data)
             payload = memoryview(blob)
             _DESC.pack_into(desc, 0, _DESC_PICKLE, 0, 0, 0, len(blob), *([0] * _MAX_NDIM))
     _bcast_bytes(memoryview(desc), root)
@@ -278,6 +277,13 @@ def broadcast(data: Any, root: int) -> Any:
     blob_buf = bytearray(nbytes)
     _bcast_bytes(memoryview(blob_buf), root)
     return pickle.loads(blob_buf)
+
+
+def _pickle(data: Any) -> bytes:
+    try:
+        return pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # pickling raises many unrelated types
+        raise TypeError(f"broadcast: cannot pickle {type(data).__name__}: {exc}") from exc
 
 
 def _supported(dtype: np.dtype) -> bool:

@@ -151,8 +151,8 @@ def _convert(field: str, value: Any) -> Any:
             seconds = float(value)
         except (TypeError, ValueError):
             raise ValueError(f"{field}: expected seconds, got {value!r}") from None
-        if seconds <= 0:
-            raise ValueError(f"{field}: must be positive, got {value!r}")
+        if not 0 < seconds < float("inf"):  # also rejects NaN, which would never expire
+            raise ValueError(f"{field}: must be a positive number of seconds, got {value!r}")
         return seconds
     if field == "loop":
         text = str(value).lower()

@@ -201,6 +201,7 @@ class Agent:
         self.seqno = 0
         self.links: dict[int, _Link] = {}
         self.dead_links: dict[int, str] = {}
+        self._discard = memoryview(bytearray(64 * 1024))
         self.active: _Active | None = None
         self.error: RabitError | None = None
         self.last_progress = 0.0
@@ -244,6 +245,8 @@ class Agent:
 
     def recv_buffer(self, peer: int) -> memoryview:
         """Where the next bytes from ``peer`` must land (never empty)."""
+        if self.error is not None:
+            return self._discard  # after a failure nothing read from a peer is used
         link = self.links[peer]
         mode = link.mode
         if mode is _Mode.PAYLOAD:
@@ -262,10 +265,10 @@ class Agent:
         if self.state in (State.FAILED, State.TASK_COMPLETE):
             return []
         link = self.links[peer]
-        self._bytes_received += nbytes
         cmds: list[Command] = []
         try:
             if link.mode is _Mode.PAYLOAD:
+                self._bytes_received += nbytes  # payload only, like bytes_sent
                 self.last_progress = now
                 link.pos += nbytes
                 link.remaining -= nbytes
@@ -587,6 +590,7 @@ class Agent:
         for peer in self.links:
             if peer != source:
                 cmds.append(Send(peer, [header, payload]))
+                self._frames_sent += 1
 
     # ------------------------------------------------------------------ introspection
 
