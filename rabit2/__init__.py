@@ -4,7 +4,7 @@ The API follows rabit (``init``, ``allreduce``, ``broadcast``, ``checkpoint``, .
 answers to the ``xgboost.collective`` spellings.  See ``docs/user-guide.md``.
 """
 
-from rabit2 import errors
+from rabit2 import aio, errors
 from rabit2.api import (
     CommunicatorContext,
     agree,
@@ -44,6 +44,7 @@ __all__ = [
     "Op",
     "RabitError",
     "agree",
+    "aio",
     "allgather",
     "allreduce",
     "broadcast",

@@ -255,12 +255,10 @@ def test_broadcast_root_out_of_range_is_value_error(single: None, root: object) 
         rabit2.broadcast("x", root)  # type: ignore[arg-type]
 
 
-@pytest.mark.xfail(strict=True, reason="api.py broadcast(): the single-process shortcut "
-                   "`if state.engine is None: return data` runs before the root pickles, so an "
-                   "unpicklable object passes alone and raises TypeError only in a job")
 @pytest.mark.parametrize("obj", [lambda: 1, threading.Lock()], ids=["lambda", "lock"])
 def test_broadcast_of_unpicklable_object_is_type_error(single: None, obj: object) -> None:
-    with pytest.raises(TypeError):
+    # alone as in a job: the root's object must pickle, or the program fails only in a job
+    with pytest.raises(TypeError, match="pickle"):
         rabit2.broadcast(obj, 0)
 
 

@@ -27,8 +27,6 @@ def submit(n: int, *cmd: str, loop: str = "uvloop", timeout: float = 240,
 @pytest.mark.integration
 @pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
 def test_every_collective(world: int, loop_kind: str) -> None:
-    if loop_kind == "asyncio" and world not in (2, 3):
-        pytest.skip("the asyncio loop is covered at world 2 and 3 to keep the run short")
     proc = submit(world, sys.executable, str(WORKERS / "collectives.py"), loop=loop_kind)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
@@ -68,3 +66,12 @@ def test_mismatched_call_fails_every_rank_and_the_job() -> None:
     assert proc.returncode != 0
     for rank in range(4):
         assert f"MISMATCH {rank}" in out, out[-3000:]
+
+
+@pytest.mark.integration
+def test_asyncio_api() -> None:
+    proc = submit(3, sys.executable, str(WORKERS / "async_worker.py"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    for rank in range(3):
+        assert f"ASYNC OK rank={rank}" in out

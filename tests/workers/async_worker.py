@@ -1,0 +1,36 @@
+"""Integration worker for the asyncio API: collectives awaited from a running loop."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import numpy as np
+
+import rabit2
+
+
+async def main() -> None:
+    async with rabit2.aio.Communicator(sys.argv[1:]) as comm:
+        rank, world = comm.rank, comm.world_size
+        ticks = 0
+
+        async def ticker() -> None:  # the caller's loop keeps running during collectives
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.001)
+
+        task = asyncio.create_task(ticker())
+        a = np.full(200_000, rank + 1, dtype=np.int64)
+        results = await asyncio.gather(comm.allreduce(a, rabit2.Op.SUM),
+                                       comm.broadcast({"from": 0} if rank == 0 else None, 0))
+        assert (results[0] == world * (world + 1) // 2).all()
+        assert results[1] == {"from": 0}
+        assert await comm.agree(True)
+        task.cancel()
+        assert ticks > 0
+        print(f"ASYNC OK rank={rank}", flush=True)
+
+
+asyncio.run(main())
