@@ -24,7 +24,7 @@ from rabit2.config import Config, load_config
 from rabit2.core.agent import Call
 from rabit2.core.framing import CollectiveKind
 from rabit2.core.ops import Op, check_op_dtype, dtype_code, dtype_from_code
-from rabit2.errors import MismatchError, NotInitializedError, RabitError
+from rabit2.errors import MismatchError, NotInitializedError
 
 logger = logging.getLogger("rabit2")
 
@@ -166,7 +166,7 @@ def _run(call: Call) -> None:
 
 
 def _flat_bytes(arr: np.ndarray) -> memoryview:
-    return memoryview(arr.reshape(-1).view(np.uint8))
+    return arr.reshape(-1).view(np.uint8).data
 
 
 def allreduce(data: Any, op: Any, prepare_fun: Callable[[Any], None] | None = None) -> Any:
@@ -190,7 +190,7 @@ def allreduce(data: Any, op: Any, prepare_fun: Callable[[Any], None] | None = No
     state = _require()
     if prepare_fun is not None:
         prepare_fun(data)
-    if state.engine is None or data.size == 0 and state.world == 1:
+    if state.engine is None or (data.size == 0 and state.world == 1):
         return data
     inplace = data.flags.c_contiguous and data.flags.writeable
     work = data if inplace else np.ascontiguousarray(data).copy()

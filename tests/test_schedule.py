@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from simnet import SimNet
 
 from rabit2.core.agent import Call
-from rabit2.core.framing import CollectiveKind
+from rabit2.core.framing import HEADER_SIZE, CollectiveKind
 from rabit2.core.ops import SUPPORTED_DTYPES, Op
 from rabit2.core.schedule import ring_segments
-from simnet import SimNet
+from rabit2.core.topology import topology
 
 WORLDS = [1, 2, 3, 4, 5, 7, 8, 16, 17]
 ALGOS = {"tree": CollectiveKind.ALLREDUCE_TREE, "ring": CollectiveKind.ALLREDUCE_RING,
@@ -124,38 +125,28 @@ def test_large_ring_and_tree_pipelining() -> None:
         np.testing.assert_allclose(bufs[0], np.sum(data, axis=0), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("world", [2, 3, 5, 8, 16, 17])
+@pytest.mark.parametrize("world", [3, 5, 8, 16, 17])
 def test_bytes_per_link_match_docs(world: int) -> None:
-    """docs/algorithms.md: tree moves N each way per tree edge; ring 2(n-1)/n*N one way."""
+    """docs/algorithms.md: the tree moves N each way on every tree edge and nothing else;
+    the ring moves 2N - |seg r| - |seg r-1| from r to r-1 only (2(n-1)/n N when even)."""
     count = 10_000
     nbytes = count * 8
+    segs = ring_segments(nbytes, 8, world)
     for algo in ("tree", "ring"):
         _, _, net = run_allreduce(world, count, algo, np.dtype(np.float64), Op.SUM, seed=1)
-        from rabit2.core.framing import HEADER_SIZE  # noqa: PLC0415
-
-        agents = net.agents
         for (src, dst), sent in net.bytes_on_link.items():
-            payload = sent
-            frames = agents[src].statistics().frames_sent  # upper bound on headers
             if algo == "tree":
-                linked = dst in agents[src].links and (
-                    dst in _tree_neighbors(src, world))
-                expected = nbytes if linked else 0
+                expected = nbytes if dst in topology(src, world).tree_neighbors else 0
+            elif dst == (src - 1) % world:
+                mine, prev = segs[src], segs[(src - 1) % world]
+                expected = 2 * nbytes - (mine[1] - mine[0]) - (prev[1] - prev[0])
             else:
-                segs = ring_segments(nbytes, 8, world)
                 expected = 0
-                if dst == (src - 1) % world and world > 1:
-                    expected = sum(hi - lo for lo, hi in segs) * 2 - (segs[src][1] - segs[src][0]) - (segs[(src - 1) % world][1] - segs[(src - 1) % world][0])
-                    if world == 2:
-                        expected = nbytes
-            # headers are the only overhead: at most one per frame
-            assert expected <= payload <= expected + frames * HEADER_SIZE, (algo, src, dst)
-
-
-def _tree_neighbors(rank: int, world: int) -> tuple[int, ...]:
-    from rabit2.core.topology import topology  # noqa: PLC0415
-
-    return topology(rank, world).tree_neighbors
+            headers = sent - expected
+            # the only overhead is one 40-byte header per frame; a relay forwards each piece
+            # as it lands, and this network delivers pieces of at most 4 KiB
+            assert headers % HEADER_SIZE == 0 and 0 <= headers <= nbytes // 20, (
+                algo, src, dst, sent, expected)
 
 
 @pytest.mark.parametrize("world", [2, 3, 5, 8])

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+
 import numpy as np
 
 from rabit2.core import fsm
@@ -37,7 +38,6 @@ from rabit2.core.schedule import (
     Plan,
     RingAllgather,
     RingAllreduce,
-    Stream,
     TreeAllreduce,
     TreeBroadcast,
 )
@@ -332,7 +332,9 @@ class Agent:
             )
         stream = active.plan.in_streams.get(peer)
         if stream is None:
-            raise ProtocolError(f"rank {peer} sent data on a link call {frame.call_id} does not use")
+            raise ProtocolError(
+                f"rank {peer} sent data on a link that call {frame.call_id} does not use"
+            )
         if frame.offset != link.pos:
             raise ProtocolError(
                 f"rank {peer} sent offset {frame.offset}, expected {link.pos}"
@@ -437,13 +439,13 @@ class Agent:
         link = self.links[peer]
         if link.scratch.nbytes < nbytes:
             link.scratch = np.empty(nbytes, dtype=np.uint8)
-        return memoryview(link.scratch)[:nbytes]
+        return link.scratch.data[:nbytes]
 
     def _send_scratch(self, peer: int, nbytes: int) -> memoryview:
         link = self.links[peer]
         if link.send_scratch.nbytes < nbytes:
             link.send_scratch = np.empty(nbytes, dtype=np.uint8)
-        return memoryview(link.send_scratch)[:nbytes]
+        return link.send_scratch.data[:nbytes]
 
     def _pump(self, active: _Active, cmds: list[Command]) -> None:
         """Send every out-stream byte that has become ready."""

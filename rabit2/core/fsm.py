@@ -156,7 +156,9 @@ def transition(state: State, event: Event) -> State:
     try:
         return TRANSITIONS[(state, event)]
     except KeyError:
-        raise InvalidTransition(f"event {event.value!r} is not valid in state {state.value!r}") from None
+        raise InvalidTransition(
+            f"event {event.value!r} is not valid in state {state.value!r}"
+        ) from None
 
 
 def render_markdown() -> str:
@@ -164,7 +166,8 @@ def render_markdown() -> str:
     lines = [
         "# Agent state machine",
         "",
-        "Generated from `rabit2/core/fsm.py` by `python -m rabit2.core.fsm > docs/state-machine.md`;",
+        "Generated from `rabit2/core/fsm.py` by",
+        "`python -m rabit2.core.fsm > docs/state-machine.md`;",
         "`tests/test_fsm.py` fails when this file is stale. Every (state, event) pair that is not",
         "listed is an error (`InvalidTransition`).",
         "",
@@ -178,7 +181,8 @@ def render_markdown() -> str:
             nxt = TRANSITIONS.get((state, event))
             if nxt is not None:
                 lines.append(f"| {state.value} | {event.value} | {nxt.value} |")
-    lines += ["", "## Matrix", "", "Rows are states, columns events; `.` marks an invalid pair.", ""]
+    lines += ["", "## Matrix", "", "Rows are states, columns events; `.` marks an invalid pair."]
+    lines.append("")
     header = "| state | " + " | ".join(e.value for e in Event) + " |"
     lines += [header, "| --- |" + " --- |" * len(Event)]
     for state in State:

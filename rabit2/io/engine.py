@@ -39,7 +39,6 @@ from rabit2.core.agent import (
 from rabit2.core.topology import topology
 from rabit2.errors import (
     CollectiveTimeoutError,
-    PeerLostError,
     ProtocolError,
     RabitError,
     TrackerError,
@@ -153,6 +152,7 @@ class Engine:
         self._all_accepted: asyncio.Event | None = None
         self._server: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
+        self._handshakes: set[asyncio.Task[None]] = set()
         self._tick_handle: asyncio.TimerHandle | None = None
         self._writelines = self.loop_thread.is_uvloop
 
@@ -208,7 +208,8 @@ class Engine:
         """Listen on the interface that routes to the tracker (no packet is sent to find it)."""
         host = "127.0.0.1"
         assert cfg.tracker_uri is not None
-        with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        with contextlib.suppress(OSError), probe:
             probe.connect((cfg.tracker_uri, cfg.tracker_port))
             host = probe.getsockname()[0]
         server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -244,7 +245,9 @@ class Engine:
         while True:
             sock, addr = await loop.sock_accept(server)
             sock.setblocking(False)
-            loop.create_task(self._accept_one(sock, addr))
+            task = loop.create_task(self._accept_one(sock, addr))
+            self._handshakes.add(task)  # keep a reference until it finishes
+            task.add_done_callback(self._handshakes.discard)
 
     async def _accept_one(self, sock: socket.socket, addr: Any) -> None:
         loop = asyncio.get_running_loop()
