@@ -191,3 +191,17 @@ def test_pair_exchange_agrees_bitwise_on_nan_payloads() -> None:
                          np.dtype(np.float64), op) for r in range(2)})
         assert not net.failed and len(net.done) == 2
         assert bufs[0].tobytes() == bufs[1].tobytes(), op
+
+
+def test_frames_are_split_at_the_u32_length_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream longer than a frame can describe goes out as several frames, in order."""
+    import rabit2.core.agent as agent_module  # noqa: PLC0415
+
+    monkeypatch.setattr(agent_module, "MAX_PAYLOAD", 1000)
+    src = np.arange(5500, dtype=np.uint8)
+    bufs = [src.copy(), np.zeros(5500, np.uint8), np.zeros(5500, np.uint8)]
+    net = SimNet(3, seed=9, max_piece=1 << 16)
+    net.run({r: Call(CollectiveKind.BROADCAST, memoryview(bufs[r]), root=0) for r in range(3)})
+    assert not net.failed and len(net.done) == 3
+    assert all(b.tobytes() == src.tobytes() for b in bufs)
+    assert net.agents[0].statistics().frames_sent >= 2 * 6  # 6 frames to each child

@@ -21,6 +21,7 @@ import numpy as np
 from rabit2.core import fsm
 from rabit2.core.framing import (
     HEADER_SIZE,
+    MAX_PAYLOAD,
     NONE_U8,
     NONE_U16,
     CallDescriptor,
@@ -130,6 +131,10 @@ _CALL_EVENTS = {
 }
 
 
+STAGE_SIZE = 64 * 1024
+"""Per-link staging buffer for frame headers and the payload bytes that arrive with them."""
+
+
 class _Mode(enum.Enum):
     HEADER = 1
     PAYLOAD = 2
@@ -140,12 +145,15 @@ class _Mode(enum.Enum):
 class _Link:
     """Receive-side framing state of one peer link."""
 
-    __slots__ = ("error_buf", "filled", "frame", "header", "header_view", "mode", "pos",
-                 "remaining", "scratch", "send_scratch")
+    __slots__ = ("end", "error_buf", "filled", "frame", "mode", "pos", "remaining", "scratch",
+                 "send_scratch", "stage", "start")
 
     def __init__(self) -> None:
-        self.header = bytearray(HEADER_SIZE)
-        self.header_view = memoryview(self.header)
+        # headers are read into this staging buffer together with whatever follows them, so
+        # a small frame costs one read instead of two; bytes [start, end) are not consumed
+        self.stage = memoryview(bytearray(STAGE_SIZE))
+        self.start = 0
+        self.end = 0
         self.mode = _Mode.HEADER
         self.filled = 0
         self.frame: FrameHeader | None = None
@@ -255,9 +263,9 @@ class Agent:
             return active.plan.in_streams[peer].view(link.pos, link.remaining)
         if mode is _Mode.ERROR_PAYLOAD:
             return memoryview(link.error_buf)[link.filled :]
-        # HEADER; HELD only if the loop delivers bytes it read before the pause took effect,
-        # which would be a protocol breach caught in on_bytes
-        return link.header_view[link.filled :]
+        # HEADER (HELD only if the loop delivers bytes it read before the pause took effect,
+        # which on_bytes reports as a protocol breach)
+        return link.stage[link.end :]
 
     def on_bytes(self, peer: int, nbytes: int, now: float) -> list[Command]:
         """``nbytes`` landed in the buffer returned by the last :meth:`recv_buffer`."""
@@ -281,18 +289,17 @@ class Agent:
                 self._pump(active, cmds)
                 self._maybe_complete(active, cmds)
             elif link.mode is _Mode.HEADER:
-                link.filled += nbytes
-                if link.filled == HEADER_SIZE:
-                    link.filled = 0
-                    frame = parse_header(link.header_view)
-                    self._frames_received += 1
-                    self._dispatch_header(peer, link, frame, now, cmds)
+                link.end += nbytes
+                self._drain(peer, link, now, cmds)
             elif link.mode is _Mode.ERROR_PAYLOAD:
                 link.filled += nbytes
                 if link.filled == len(link.error_buf):
                     link.mode, link.filled = _Mode.HEADER, 0
                     error_type, reason, origin = decode_error(link.error_buf)
                     self._remote_error(peer, error_type, reason, origin, cmds)
+                else:
+                    return cmds
+                self._drain(peer, link, now, cmds)
             else:
                 raise ProtocolError(f"bytes from rank {peer} while its link is held")
         except ProtocolError as exc:
@@ -300,6 +307,71 @@ class Agent:
         except MismatchError as exc:
             self._fail(exc, cmds)  # the peer that disagrees must hear it too
         return cmds
+
+    def _drain(self, peer: int, link: _Link, now: float, cmds: list[Command]) -> None:
+        """Consume every complete frame in the staging buffer (and the payload with it)."""
+        stage = link.stage
+        while link.mode is _Mode.HEADER and link.end - link.start >= HEADER_SIZE:
+            frame = parse_header(stage[link.start : link.start + HEADER_SIZE])
+            link.start += HEADER_SIZE
+            self._frames_received += 1
+            self._dispatch_header(peer, link, frame, now, cmds)
+            self._take_staged(peer, link, now, cmds)
+            if self.error is not None:
+                return
+            active = self.active
+            if active is not None:  # finish this call before looking at the next frame
+                self._pump(active, cmds)
+                self._maybe_complete(active, cmds)
+        if link.mode is _Mode.HELD:
+            return  # the held frame's payload stays staged until its call starts
+        if link.start == link.end:
+            link.start = link.end = 0
+        elif link.start:
+            # keep the partial header, at the front so the next read has room
+            size = link.end - link.start
+            stage[:size] = stage[link.start : link.end]
+            link.start, link.end = 0, size
+        active = self.active
+        if active is not None:
+            self._pump(active, cmds)
+            self._maybe_complete(active, cmds)
+
+    def _take_staged(self, peer: int, link: _Link, now: float, cmds: list[Command]) -> None:
+        """Move the staged bytes of the current frame's payload where they belong."""
+        avail = link.end - link.start
+        if not avail:
+            return
+        if link.mode is _Mode.PAYLOAD:
+            active = self.active
+            assert active is not None
+            stream = active.plan.in_streams[peer]
+            take = min(avail, link.remaining)
+            left = take
+            while left:
+                dest = stream.view(link.pos, left)
+                n = len(dest)
+                dest[:] = link.stage[link.start : link.start + n]
+                link.start += n
+                link.pos += n
+                left -= n
+            link.remaining -= take
+            self._bytes_received += take
+            self.last_progress = now
+            active.plan.on_received(peer, link.pos)
+            if not link.remaining:
+                link.mode = _Mode.HEADER
+        elif link.mode is _Mode.ERROR_PAYLOAD:
+            take = min(avail, len(link.error_buf) - link.filled)
+            link.error_buf[link.filled : link.filled + take] = link.stage[
+                link.start : link.start + take
+            ]
+            link.start += take
+            link.filled += take
+            if link.filled == len(link.error_buf):
+                link.mode, link.filled = _Mode.HEADER, 0
+                error_type, reason, origin = decode_error(link.error_buf)
+                self._remote_error(peer, error_type, reason, origin, cmds)
 
     def _dispatch_header(self, peer: int, link: _Link, frame: FrameHeader, now: float,
                          cmds: list[Command]) -> None:
@@ -398,6 +470,8 @@ class Agent:
                     link.mode = _Mode.HEADER
                     try:
                         self._accept_frame(peer, link, link.frame, active, now, cmds)
+                        self._take_staged(peer, link, now, cmds)
+                        self._drain(peer, link, now, cmds)
                     except MismatchError as exc:
                         self._fail(exc, cmds)
                         return cmds
@@ -462,14 +536,18 @@ class Agent:
                     self._frames_sent += 1
                 continue
             ready = plan.out_ready(peer)
-            if ready > sent:
-                header = pack_header(FrameKind.DATA, desc, version, seqno, sent, ready - sent)
-                cmds.append(Send(peer, [header, *stream.views(sent, ready)]))
-                active.sent[peer] = ready
-                self._bytes_sent += ready - sent
+            while ready > sent:
+                end = min(ready, sent + MAX_PAYLOAD)  # a frame's length is a u32
+                header = pack_header(FrameKind.DATA, desc, version, seqno, sent, end - sent)
+                cmds.append(Send(peer, [header, *stream.views(sent, end)]))
+                self._bytes_sent += end - sent
                 self._frames_sent += 1
+                sent = end
+            active.sent[peer] = sent
 
     def _maybe_complete(self, active: _Active, cmds: list[Command]) -> None:
+        if self.active is not active:
+            return  # already completed (or failed) earlier in this event
         plan = active.plan
         if not plan.receiving_done():
             return

@@ -120,7 +120,10 @@ class PeerLink(asyncio.BufferedProtocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        # nothing queued on a dead transport will ever drain: stop waiting for it
+        self.write_blocked = False
         self.engine.on_hangup(self.peer, f"connection lost: {exc}" if exc else "connection closed")
+        self.engine.on_drained()
 
     def pause_writing(self) -> None:
         self.write_blocked = True
@@ -298,7 +301,7 @@ class Engine:
     def _begin(self, call: Call, fut: concurrent.futures.Future[None]) -> None:
         try:
             cmds = self.agent.begin(call, self.loop.time())
-        except RabitError as exc:
+        except Exception as exc:  # the caller must see every failure, never wait it out
             fut.set_exception(exc)
             return
         self._pending = fut
