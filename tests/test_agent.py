@@ -176,40 +176,44 @@ def test_recv_buffer_points_into_the_destination() -> None:
     assert buf[:5].tolist() == [1, 2, 3, 4, 5]
 
 
-@pytest.mark.parametrize("piece", [1, 13, None])
+@pytest.mark.parametrize("piece", [1, 13, 45, None])
 def test_trailing_frame_of_next_call_is_held_then_consumed(piece: int | None) -> None:
     agent, buf, _ = rank0_of_two_receiving(len(PAYLOAD))
     desc = bcast_desc(1, len(PAYLOAD))
     second_payload = bytes(reversed(PAYLOAD))
     stream = data_frame(desc, (0, 0), 0, PAYLOAD) + data_frame(desc, (0, 1), 0, second_payload)
     cmds, used = feed(agent, 1, stream, piece)
-    # the first call completes; the next call's header is read and the link paused
+    # the first call completes; the next call's header is read and the link paused (the
+    # agent may have read some of the payload behind that header too: it keeps it)
     assert cmds == [CallComplete((0, 0)), PauseReading(1)]
-    assert used == len(PAYLOAD) + 2 * HEADER_SIZE
+    assert len(PAYLOAD) + 2 * HEADER_SIZE <= used <= len(stream)
     assert agent.state is State.READY
     assert buf.tobytes() == PAYLOAD
 
     buf2 = np.zeros(len(PAYLOAD), np.uint8)
-    cmds = agent.begin(bcast_call(buf2, 1), 1.0)
-    assert ResumeReading(1) in cmds
+    begun = agent.begin(bcast_call(buf2, 1), 1.0)
+    assert ResumeReading(1) in begun
     cmds, rest = feed(agent, 1, stream[used:], piece)
-    assert rest == len(second_payload)
-    assert cmds == [CallComplete((0, 1))]
+    assert used + rest == len(stream)
+    assert of_type(begun + cmds, CallComplete) == [CallComplete((0, 1))]
+    assert not of_type(begun + cmds, CallFailed)
     assert buf2.tobytes() == second_payload
 
 
-def test_held_frame_survives_a_checkpoint() -> None:
+@pytest.mark.parametrize("piece", [1, None])
+def test_held_frame_survives_a_checkpoint(piece: int | None) -> None:
     agent, _, _ = rank0_of_two_receiving(4)
     feed(agent, 1, data_frame(bcast_desc(1, 4), (0, 0), 0, b"abcd"))
     # the peer checkpointed and already started call (1, 0)
-    cmds, _ = feed(agent, 1, data_frame(bcast_desc(1, 4), (1, 0), 0, b"wxyz"))
+    frame = data_frame(bcast_desc(1, 4), (1, 0), 0, b"wxyz")
+    cmds, used = feed(agent, 1, frame, piece)
     assert cmds == [PauseReading(1)]
     assert agent.checkpoint() == 1
     buf = np.zeros(4, np.uint8)
-    cmds = agent.begin(bcast_call(buf, 1), 0.0)
-    assert ResumeReading(1) in cmds
-    cmds, _ = feed(agent, 1, b"wxyz")
-    assert cmds == [CallComplete((1, 0))]
+    begun = agent.begin(bcast_call(buf, 1), 0.0)
+    assert ResumeReading(1) in begun
+    cmds, _ = feed(agent, 1, frame[used:], piece)
+    assert of_type(begun + cmds, CallComplete) == [CallComplete((1, 0))]
     assert buf.tobytes() == b"wxyz"
 
 
@@ -224,7 +228,6 @@ def test_bytes_on_a_held_link_are_a_protocol_error() -> None:
     agent, _, _ = rank0_of_two_receiving(4)
     desc = bcast_desc(1, 4)
     feed(agent, 1, data_frame(desc, (0, 0), 0, b"abcd") + data_frame(desc, (0, 1), 0, b"efgh"))
-    assert agent.links[1] is not None
     target = agent.recv_buffer(1)  # the loop ignored PauseReading and read more
     target[:1] = b"e"
     cmds = agent.on_bytes(1, 1, 0.0)
@@ -471,7 +474,10 @@ def test_mismatched_broadcast_root_fails_every_rank() -> None:
     calls = {r: bcast_call(bufs[r], 3 if r == 1 else 0) for r in range(world)}
     net = SimNet(world, seed=3)
     net.run(calls)
-    assert set(net.failed) == set(range(world)) and net.done == {}
+    # a rank whose part of the tree agrees may finish before the news reaches it (it then
+    # fails on its next call); rank 1 and the root it disagrees with never finish
+    assert set(net.failed) == set(range(world))
+    assert not {0, 1, 2, 3} & set(net.done)
     assert all(isinstance(e, MismatchError) for e in net.failed.values()), net.failed
 
 
@@ -593,18 +599,17 @@ def test_pair_is_chosen_only_at_world_two() -> None:
     assert ready_agent(0, 2, ring_mincount=5).choose_allreduce(80, 8) is RING
 
 
-_NAN_ORDER_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="schedule.py PairExchange.on_received: rank 0 calls reduce_bytes(dst=buf, "
-    "src=landing) (out aliases the first operand) while rank 1 calls reduce_bytes_ordered("
-    "dst, landing, dst) (out aliases the second); numpy's add on a 1-element in-place call "
-    "keeps the other operand's NaN payload, so the ranks end with different bits",
-)
+def test_invalid_call_leaves_the_agent_ready() -> None:
+    agent = ready_agent(0, 3)
+    buf = np.zeros(2, np.int64)
+    with pytest.raises(ValueError, match="world of exactly 2"):
+        agent.begin(Call(PAIR, memoryview(buf).cast("B"), I64, Op.SUM), 0.0)
+    assert (agent.state, agent.seqno, agent.active) == (State.READY, 0, None)
 
 
 @pytest.mark.parametrize(
     ("op", "max_piece"),
-    [pytest.param(Op.SUM, 5, marks=_NAN_ORDER_BUG), (Op.MAX, 5), (Op.MIN, 5), (Op.PROD, 5),
+    [(Op.SUM, 5), (Op.MAX, 5), (Op.MIN, 5), (Op.PROD, 5),
      (Op.SUM, 1 << 16), (Op.MAX, 1 << 16)],
 )
 def test_pair_exchange_bits_agree_with_nan_payloads(op: Op, max_piece: int) -> None:
@@ -778,7 +783,7 @@ def test_byte_by_byte_group() -> None:
 @settings(max_examples=30, deadline=None)
 @given(
     world=st.integers(1, 9),
-    count=st.integers(0, 600),
+    count=st.integers(0, 300),
     max_piece=st.sampled_from([1, 7, 40, 41, 333, 4096, 1 << 16]),
     kind=st.sampled_from([TREE, RING, PAIR]),
     tree_chunk=st.sampled_from([8, 100, 1 << 20]),
@@ -787,7 +792,9 @@ def test_byte_by_byte_group() -> None:
 def test_fuzz_allreduce_matches_numpy(*, world: int, count: int, max_piece: int,
                                       kind: CollectiveKind, tree_chunk: int, seed: int) -> None:
     if max_piece < 40:
-        count = min(count, 60)  # byte-sized pieces: keep the example fast
+        # pieces smaller than a header: every forwarded piece becomes a frame of its own, so
+        # the simulation runs ~40 steps per payload byte; keep these examples small
+        count = min(count, 5 * max_piece + 3)
     if kind is PAIR and world != 2:
         world = 2  # the pair exchange exists only at world size 2
     calls, data, bufs = _allreduce_calls(world, count, kind, seed=seed)
@@ -803,7 +810,7 @@ def test_fuzz_allreduce_matches_numpy(*, world: int, count: int, max_piece: int,
 @settings(max_examples=30, deadline=None)
 @given(
     world=st.integers(1, 9),
-    count=st.integers(0, 2000),
+    count=st.integers(0, 1000),
     max_piece=st.sampled_from([1, 5, 64, 1 << 16]),
     seed=st.integers(0, 2**32 - 1),
     data=st.data(),
@@ -811,7 +818,7 @@ def test_fuzz_allreduce_matches_numpy(*, world: int, count: int, max_piece: int,
 def test_fuzz_broadcast_and_allgather(world: int, count: int, max_piece: int, seed: int,
                                       data: st.DataObject) -> None:
     if max_piece < 40:
-        count = min(count, 100)
+        count = min(count, 50)
     root = data.draw(st.integers(0, world - 1), label="root")
     rng = np.random.default_rng(seed)
     src = rng.integers(0, 256, count, dtype=np.uint8)
@@ -821,7 +828,11 @@ def test_fuzz_broadcast_and_allgather(world: int, count: int, max_piece: int, se
     assert net.failed == {} and set(net.done) == set(range(world))
     assert all(b.tobytes() == src.tobytes() for b in bufs)
 
-    sizes = data.draw(st.lists(st.integers(0, 50), min_size=world, max_size=world), label="sizes")
+    # a ring forwards each received piece as its own frame: byte-sized pieces cost a 40-byte
+    # header per payload byte, so keep those blocks small
+    largest = 6 if max_piece < 40 else 50
+    sizes = data.draw(st.lists(st.integers(0, largest), min_size=world, max_size=world),
+                      label="sizes")
     offsets = np.cumsum([0, *sizes])
     blocks = tuple((int(offsets[r]), int(offsets[r + 1])) for r in range(world))
     full = rng.integers(0, 256, int(offsets[-1]), dtype=np.uint8)

@@ -247,7 +247,7 @@ _msgpack_values = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(_msgpack_values)
 def test_fuzz_error_payload_structures(value: object) -> None:
     result = _decode_or_protocol_error(msgpack.packb(value))

@@ -246,8 +246,13 @@ class Agent:
         self._go(Event.OP_FAILED)
         self.error = error
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> list[Command]:
+        """Leave the job.  A call still in progress (its caller gave up) fails first."""
+        cmds: list[Command] = []
+        if self.active is not None:
+            self._fail(PeerLostError(f"rank {self.rank} finalized during a call"), cmds)
         self._go(Event.SHUTDOWN)
+        return cmds
 
     # ------------------------------------------------------------------ receive side
 
@@ -449,11 +454,14 @@ class Agent:
         if self.state is State.FAILED:
             assert self.error is not None
             raise self.error
-        self._go(_CALL_EVENTS[call.kind])
+        event = _CALL_EVENTS[call.kind]
+        fsm.transition(self.state, event)  # refuse before building anything
+        plan = self._plan(call)  # may raise ValueError; the agent is unchanged then
+        desc = self.descriptor(call)
+        self._go(event)
         call_id = (self.version, self.seqno)
         self.seqno += 1
-        plan = self._plan(call)
-        active = _Active(call, call_id, self.descriptor(call), plan)
+        active = _Active(call, call_id, desc, plan)
         self.active = active
         self.last_progress = now
         cmds: list[Command] = []

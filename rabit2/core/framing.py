@@ -152,6 +152,7 @@ def decode_error(payload: bytes | bytearray | memoryview) -> tuple[str, str, int
     if not isinstance(body, dict):
         raise ProtocolError("error frame payload is not a map")
     error_type, reason, origin = body.get("type"), body.get("reason"), body.get("origin")
-    if error_type not in ERROR_TYPES or not isinstance(reason, str) or not isinstance(origin, int):
+    if (error_type not in ERROR_TYPES or not isinstance(reason, str)
+            or not isinstance(origin, int) or isinstance(origin, bool)):
         raise ProtocolError("error frame lacks a known type, a reason or an origin")
     return error_type, reason, origin

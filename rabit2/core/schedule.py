@@ -205,11 +205,11 @@ class PairExchange(Plan):
         if upto <= self.reduced:
             return
         lo = self.reduced
-        dst, theirs = self.buf[lo:upto], self.landing[lo:upto]
-        if self.lower_first:
-            reduce_bytes(self.op, self.dtype, dst, theirs)
-        else:
-            reduce_bytes_ordered(self.op, self.dtype, dst, theirs, dst)
+        # the same call on both ranks, with inputs that never alias the output: which NaN
+        # payload survives can depend on operand order and on aliasing
+        mine, theirs = self.copy[lo:upto], self.landing[lo:upto]
+        first, second = (mine, theirs) if self.lower_first else (theirs, mine)
+        reduce_bytes_ordered(self.op, self.dtype, self.buf[lo:upto], first, second)
         self.reduced = upto
 
     def out_ready(self, peer: int) -> int:

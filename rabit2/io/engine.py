@@ -397,7 +397,7 @@ class Engine:
 
     async def _finalize(self) -> None:
         if self.agent.state.value != "task-complete":
-            self.agent.shutdown()
+            self._execute(self.agent.shutdown())
         try:
             if self.tracker is not None:
                 await self.tracker.shutdown(self.config.connect_timeout_sec)
