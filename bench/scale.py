@@ -35,7 +35,7 @@ from rabit2.io.tracker_client import TrackerClient
 from tracker.server import Tracker
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from simnet import SimNet  # noqa: E402
+from simnet import SimNet
 
 
 async def rendezvous(world: int) -> dict[str, float]:
@@ -101,9 +101,10 @@ def main() -> None:
     parser.add_argument("--worlds", default="64,256,1024")
     parser.add_argument("--sim-worlds", default="16,128,1024")
     args = parser.parse_args()
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, 65536), hard))
-    print("| workers | all assigned (s) | job done (s) | peak Python memory, tracker + simulated workers (MiB) |")
+    print("| workers | all assigned (s) | job done (s) "
+          "| peak Python memory, tracker + simulated workers (MiB) |")
     print("| --- | --- | --- | --- |")
     for world in (int(w) for w in args.worlds.split(",")):
         r = asyncio.run(rendezvous(world))
