@@ -75,3 +75,35 @@ def test_asyncio_api() -> None:
     assert proc.returncode == 0, out[-4000:]
     for rank in range(3):
         assert f"ASYNC OK rank={rank}" in out
+
+
+@pytest.mark.integration
+def test_paused_worker_fails_its_neighbours_within_the_heartbeat_deadline() -> None:
+    """SIGSTOP keeps a process's sockets open: only the tracker's heartbeat deadline sees it.
+    Its neighbours must fail with PeerLostError soon after, not at the 30-minute progress
+    deadline, and the launcher must not leave the stopped process behind."""
+    code = (
+        "import os, signal, sys, time, numpy as np, rabit2\n"
+        "rabit2.init()\n"
+        "r = rabit2.get_rank()\n"
+        "if r == 1:\n"
+        "    os.kill(os.getpid(), signal.SIGSTOP)\n"
+        "t = time.monotonic()\n"
+        "try:\n"
+        "    rabit2.allreduce(np.zeros(1000, np.float32), rabit2.SUM)\n"
+        "except (rabit2.errors.PeerLostError, rabit2.errors.JobAbortedError) as exc:\n"
+        "    print(f'LOST {r} after {time.monotonic() - t:.1f}s: {type(exc).__name__}',"
+        " flush=True)\n"
+        "    sys.exit(3)\n"
+    )
+    import time  # noqa: PLC0415
+
+    t0 = time.monotonic()
+    proc = submit(3, sys.executable, "-c", code, timeout=120,
+                  extra=("--heartbeat-timeout", "3", "--kill-grace", "1"))
+    elapsed = time.monotonic() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    for rank in (0, 2):
+        assert f"LOST {rank}" in out, out[-3000:]
+    assert elapsed < 60, out[-3000:]

@@ -55,6 +55,7 @@ class LaunchOptions:
     timeout: float | None = None
     kill_grace: float = 5.0
     bind: str = "auto"
+    heartbeat_timeout: float = 30.0
 
 
 @dataclasses.dataclass(slots=True)
@@ -105,6 +106,9 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
                         help="pin worker i to CPU i mod ncpu (core), not at all (none), or "
                              "pin when there are no more workers than CPUs (auto, default), "
                              "as mpirun --bind-to core does")
+    parser.add_argument("--heartbeat-timeout", type=float, default=30.0, metavar="S",
+                        help="a worker silent this long (e.g. a paused process) is lost; "
+                             "its neighbours fail their calls at once (default 30)")
     parser.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     command = list(args.rest) + command
@@ -117,6 +121,8 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
         parser.error("--max-attempts must be >= 1")
     if args.restart_delay < 0 or args.kill_grace < 0:
         parser.error("--restart-delay and --kill-grace must be >= 0")
+    if not args.heartbeat_timeout > 0:
+        parser.error("--heartbeat-timeout must be > 0")
     if args.timeout is not None and args.timeout <= 0:
         parser.error("--timeout must be > 0")
     if not command:
@@ -138,6 +144,7 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
         timeout=args.timeout,
         kill_grace=args.kill_grace,
         bind=args.bind,
+        heartbeat_timeout=args.heartbeat_timeout,
     )
 
 
@@ -389,6 +396,7 @@ def run_job(options: LaunchOptions, out: TextIO | None = None, err: TextIO | Non
         host=options.tracker_host,
         port=options.tracker_port,
         secret=bytes.fromhex(secrets.token_hex(32)),
+        heartbeat_timeout=options.heartbeat_timeout,
         # tracker_print relays ("[rank] msg") share the workers' line lock
         print_fn=lambda line: writer.write(out, line),
     )

@@ -204,6 +204,7 @@ class Engine:
             self._accept_task = loop.create_task(self._accept_loop(self._server))
             self.tracker = await TrackerClient.connect(cfg, self._server.getsockname()[1])
             self.tracker.on_abort = self._on_abort
+            self.tracker.on_peer_lost = self._on_peer_lost
             assignment = await self.tracker.wait_assignment(cfg.timeout_sec)
             self.assignment = assignment
             self.agent.connect_tracker(assignment.rank, assignment.world_size)
@@ -382,6 +383,14 @@ class Engine:
         waiter, self._pending = self._pending, None
         self._completed = False
         waiter.finish(None)
+
+    def _on_peer_lost(self, rank: int, incarnation: int, reason: str) -> None:
+        """The tracker saw a neighbour die or go silent (a paused process keeps its TCP
+        links open, so only the tracker's heartbeat deadline can tell): treat it as that
+        link's hang-up, so a call that needs it fails now instead of at the progress
+        deadline."""
+        del incarnation
+        self.on_hangup(rank, f"the tracker lost rank {rank}: {reason}")
 
     def _on_abort(self, reason: str) -> None:
         self._execute(self.agent.abort(f"job aborted by the tracker: {reason}"))
