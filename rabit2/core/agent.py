@@ -131,7 +131,7 @@ _CALL_EVENTS = {
 }
 
 
-STAGE_SIZE = 64 * 1024
+STAGE_SIZE = 16 * 1024  # holds a small call whole; larger payloads land zero-copy
 """Per-link staging buffer for frame headers and the payload bytes that arrive with them."""
 
 
