@@ -141,24 +141,32 @@ def signal_error(msg: str = "signal_error() called") -> None:
 # ----------------------------------------------------------------------------- fault hooks
 
 
-def _mock_hit(kind: str) -> None:
-    """rabit's mock engine: ``mock=rank,version,seqno,trial`` kills us at that call."""
+def _mock_hit(kind: str) -> int:
+    """rabit's mock engine: ``mock=rank,version,seqno,trial`` kills us at that call.
+
+    With a fifth field (``after_bytes``) the kill happens inside the call, once that many
+    payload bytes of it have arrived; the byte count is returned for the engine (-1: none).
+    """
     cfg = _state.config
     if cfg is None or not cfg.mock:
-        return
+        return -1
     key = (_state.rank, _state.version, _state.seqno, cfg.num_attempt)
     for spec in cfg.mock:
-        if (spec.rank, spec.version, spec.seqno, spec.trial) == key and spec.after_bytes < 0:
-            logger.error("[%d]@@@Hit Mock Error:%s at %s", _state.rank, kind, key)
-            os.kill(os.getpid(), signal.SIGKILL)
+        if (spec.rank, spec.version, spec.seqno, spec.trial) != key:
+            continue
+        if spec.after_bytes >= 0 and kind != "checkpoint":
+            return spec.after_bytes
+        logger.error("[%d]@@@Hit Mock Error:%s at %s", _state.rank, kind, key)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return -1
 
 
 def _run(call: Call) -> None:
     state = _require()
     if state.engine is None:
         return
-    _mock_hit(call.kind.name.lower())
-    state.engine.run_call(call)
+    kill_after = _mock_hit(call.kind.name.lower())
+    state.engine.run_call(call, kill_after)
     state.seqno += 1
 
 

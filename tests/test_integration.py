@@ -107,3 +107,39 @@ def test_paused_worker_fails_its_neighbours_within_the_heartbeat_deadline() -> N
     for rank in (0, 2):
         assert f"LOST {rank}" in out, out[-3000:]
     assert elapsed < 60, out[-3000:]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("count", "victim", "after"), [(2_000_000, 2, 1 << 20), (30_000, 1, 4096)],
+                         ids=["ring", "tree"])
+def test_kill_9_mid_transfer_fails_every_survivor_fast(count: int, victim: int,
+                                                       after: int) -> None:
+    """``mock=rank,version,seqno,trial,after_bytes`` SIGKILLs a worker in the middle of a
+    transfer.  Without recovery (issue 3) every survivor must still get a typed error at
+    once (its own link resets, or the flooded error), and the launcher must report it."""
+    code = (
+        "import sys, time, numpy as np, rabit2\n"
+        "rabit2.init(sys.argv[1:])\n"
+        "r = rabit2.get_rank()\n"
+        "rabit2.allreduce(np.ones(10, np.float64), rabit2.SUM)\n"
+        "t = time.monotonic()\n"
+        "try:\n"
+        f"    rabit2.allreduce(np.ones({count}, np.float64), rabit2.SUM)\n"
+        "except rabit2.errors.RabitError as exc:\n"
+        "    print(f'FAILED {r} {type(exc).__name__} after {time.monotonic() - t:.2f}s',"
+        " flush=True)\n"
+        "    sys.exit(3)\n"
+        "print(f'SURVIVED {r}', flush=True)\n"
+    )
+    # a second attempt keeps the launcher from stopping the survivors before they report
+    proc = submit(5, sys.executable, "-c", code, f"mock={victim},0,1,0,{after}", timeout=120,
+                  extra=("--max-attempts", "2"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "killing rank" in out
+    for rank in set(range(5)) - {victim}:
+        found = re.search(rf"FAILED {rank} (PeerLostError|JobAbortedError) after ([0-9.]+)s",
+                          out)
+        assert found, out[-3000:]
+        assert float(found.group(2)) < 10
+    assert "SURVIVED" not in out

@@ -19,6 +19,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import signal
 import socket
 import threading
 from collections.abc import Coroutine
@@ -180,6 +181,7 @@ class Engine:
         self._handshakes: set[asyncio.Task[None]] = set()
         self._tick_handle: asyncio.TimerHandle | None = None
         self._writelines = self.loop_thread.is_uvloop
+        self._kill_at = -1  # failure injection: SIGKILL once bytes_received reaches it
 
     # ------------------------------------------------------------------ bootstrap
 
@@ -313,10 +315,14 @@ class Engine:
 
     # ------------------------------------------------------------------ calls
 
-    def run_call(self, call: Call) -> None:
-        """Run one collective; blocks the calling thread until it finished or failed."""
+    def run_call(self, call: Call, kill_after_bytes: int = -1) -> None:
+        """Run one collective; blocks the calling thread until it finished or failed.
+
+        ``kill_after_bytes >= 0`` is failure injection (``mock=...,after_bytes``): the
+        process SIGKILLs itself once that many payload bytes of this call have arrived.
+        """
         waiter = _Waiter()
-        self.loop.call_soon_threadsafe(self._begin, call, waiter)
+        self.loop.call_soon_threadsafe(self._begin, call, waiter, kill_after_bytes)
         # the agent's progress deadline fails a stuck call; this outer bound only guards
         # against a dead loop thread
         bound = self.config.timeout_sec * 2 + 60
@@ -325,7 +331,11 @@ class Engine:
         if waiter.error is not None:
             raise waiter.error
 
-    def _begin(self, call: Call, waiter: _Waiter) -> None:
+    def _begin(self, call: Call, waiter: _Waiter, kill_after_bytes: int = -1) -> None:
+        self._kill_at = (
+            -1 if kill_after_bytes < 0
+            else self.agent.statistics().bytes_received + kill_after_bytes
+        )
         try:
             cmds = self.agent.begin(call, self.loop.time())
         except Exception as exc:  # the caller must see every failure, never wait it out
@@ -370,6 +380,10 @@ class Engine:
 
     def on_bytes(self, peer: int, nbytes: int) -> None:
         self._execute(self.agent.on_bytes(peer, nbytes, self.loop.time()))
+        if self._kill_at >= 0 and self.agent.statistics().bytes_received >= self._kill_at:
+            logger.error("mock: killing rank %d mid-call after %d bytes", self.agent.rank,
+                         self._kill_at)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def on_hangup(self, peer: int, reason: str) -> None:
         self._execute(self.agent.on_hangup(peer, reason, self.loop.time()))

@@ -1,0 +1,59 @@
+"""rabit2 itself, launched with ``rabit2-submit --cluster local`` and its default options."""
+
+from __future__ import annotations
+
+import shutil
+from typing import Any
+
+import numpy as np
+
+from common import MAIN_PYTHON, Job, harness_cmd, probe
+
+LABELS = ["rabit2"]
+
+
+def unavailable(label: str) -> str | None:
+    """rabit2 must import in the driver's Python."""
+    return probe(MAIN_PYTHON, "import rabit2, tracker.submit")
+
+
+def job(label: str, n: int, harness_args: list[str]) -> Job:
+    """``rabit2-submit --cluster local -n N -- python harness.py ...`` (default options)."""
+    exe = shutil.which("rabit2-submit")
+    submit = [exe] if exe else [MAIN_PYTHON, "-m", "tracker.submit"]
+    return Job([*submit, "--cluster", "local", "-n", str(n), "--",
+                *harness_cmd(MAIN_PYTHON, label, harness_args)])
+
+
+class Rabit2Comm:
+    """rabit2's public API: raw-bytes allreduce/broadcast of numpy arrays."""
+
+    def __init__(self) -> None:
+        import rabit2  # noqa: PLC0415 -- worker side only
+
+        self._r: Any = rabit2
+        rabit2.init([])
+        self.rank = int(rabit2.get_rank())
+        self.world = int(rabit2.get_world_size())
+        self.version = f"rabit2 {rabit2.__version__}"
+
+    def allreduce_sum(self, a: np.ndarray) -> np.ndarray:
+        """In-place SUM allreduce (returns the result array)."""
+        return self._r.allreduce(a, self._r.Op.SUM)
+
+    def broadcast(self, a: np.ndarray, root: int) -> np.ndarray:
+        """Raw-bytes broadcast; non-roots receive into ``a``."""
+        return self._r.broadcast(a, root)
+
+    def barrier(self, one: np.ndarray) -> None:
+        """1-element SUM allreduce."""
+        self._r.allreduce(one, self._r.Op.SUM)
+
+    def finalize(self) -> None:
+        """Leave the job."""
+        self._r.finalize()
+
+
+def make_comm(label: str) -> Rabit2Comm:
+    """Worker side."""
+    return Rabit2Comm()
