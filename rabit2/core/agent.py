@@ -2,10 +2,11 @@
 
 The I/O layer owns sockets and a loop; it feeds the agent events and executes the commands the
 agent returns.  Received bytes go straight where the agent says (:meth:`Agent.recv_buffer`
-returns a view of the destination: a frame header buffer, the user's array or a link's
-scratch), so the hot path copies nothing.
+returns a view of the destination: the link's staging buffer, the user's array or a link's
+scratch), so the hot path copies nothing but the few bytes that arrive with a header.
 
-    event (call, bytes arrived, link closed, tick)  ->  Agent.handle  ->  [Command, ...]
+    begin(call) | on_bytes(peer, n) | on_hangup(peer) | on_tick(now) | abort(reason)
+        ->  [Send | PauseReading | ResumeReading | CallComplete | CallFailed | CloseLink]
 
 Every state change goes through :func:`rabit2.core.fsm.transition`.  Time is an argument
 (``now``, seconds on any monotonic clock); the agent never reads a clock.

@@ -224,13 +224,22 @@ class Engine:
                 await asyncio.wait_for(self._all_accepted.wait(), cfg.timeout_sec)
             self.agent.accept_peers(loop.time())
         except TimeoutError:
-            raise CollectiveTimeoutError("peers did not connect in time") from None
+            error = CollectiveTimeoutError("peers did not connect in time")
+            self._bootstrap_failed(error)
+            raise error from None
+        except RabitError as exc:
+            self._bootstrap_failed(exc)
+            raise
         finally:
             if self._accept_task is not None:
                 self._accept_task.cancel()
             if self._server is not None:
                 self._server.close()
         self._schedule_tick()
+
+    def _bootstrap_failed(self, error: RabitError) -> None:
+        if self.agent.state.value in ("connecting-tracker", "connecting-peers", "accepting-peers"):
+            self.agent.bootstrap_failed(error)
 
     def _listen(self, cfg: Config) -> socket.socket:
         """Listen on the interface that routes to the tracker (no packet is sent to find it)."""
