@@ -229,10 +229,6 @@ def _allreduce_cupy(data: Any, op: Any, prepare_fun: Callable[[Any], None] | Non
 # ----------------------------------------------------------------------------- broadcast
 
 
-def _bcast_bytes(buf: memoryview, root: int) -> None:
-    _run(Call(CollectiveKind.BROADCAST, buf, root=root))
-
-
 def broadcast(data: Any, root: int) -> Any:
     """Send ``data`` from ``root`` to every rank and return it.
 
@@ -250,41 +246,50 @@ def broadcast(data: Any, root: int) -> Any:
         if not isinstance(data, np.ndarray):
             _pickle(data)  # the same TypeError alone as in a job
         return data
-    desc = bytearray(_DESC.size)
-    payload: memoryview | None = None
-    array: np.ndarray | None = None
     if state.rank == root:
+        desc = bytearray(_DESC.size)
         if isinstance(data, np.ndarray) and data.ndim <= _MAX_NDIM and _supported(data.dtype):
-            array = np.ascontiguousarray(data)
-            payload = _flat_bytes(array)
-            shape = list(array.shape) + [0] * (_MAX_NDIM - array.ndim)
-            _DESC.pack_into(desc, 0, _DESC_ARRAY, dtype_code(array.dtype), array.ndim, 0,
+            payload = _flat_bytes(np.ascontiguousarray(data))
+            shape = list(data.shape) + [0] * (_MAX_NDIM - data.ndim)
+            _DESC.pack_into(desc, 0, _DESC_ARRAY, dtype_code(data.dtype), data.ndim, 0,
                             len(payload), *shape)
         else:
-            blob = _pickle(data)
-            payload = memoryview(blob)
-            _DESC.pack_into(desc, 0, _DESC_PICKLE, 0, 0, 0, len(blob), *([0] * _MAX_NDIM))
-    _bcast_bytes(memoryview(desc), root)
-    kind, code, ndim, _, nbytes, *shape = _DESC.unpack(desc)
-    if state.rank == root:
-        assert payload is not None
-        _bcast_bytes(payload, root)
+            payload = memoryview(_pickle(data))
+            _DESC.pack_into(desc, 0, _DESC_PICKLE, 0, 0, 0, len(payload), *([0] * _MAX_NDIM))
+        # one call: the head (kind, dtype, shape, size) and the payload as one stream
+        _run(Call(CollectiveKind.BROADCAST, memoryview(b""), root=root,
+                  pieces=(memoryview(desc), payload)))
         return data
-    if kind == _DESC_ARRAY:
-        dtype = dtype_from_code(code)
-        dims = tuple(shape[:ndim])
-        if (isinstance(data, np.ndarray) and data.dtype == dtype and data.shape == dims
-                and data.flags.c_contiguous and data.flags.writeable):
-            out = data
-        else:
-            out = np.empty(dims, dtype=dtype)
-        _bcast_bytes(_flat_bytes(out), root)
-        return out
-    if kind != _DESC_PICKLE:
-        raise MismatchError(f"broadcast descriptor of unknown kind {kind}")
-    blob_buf = bytearray(nbytes)
-    _bcast_bytes(memoryview(blob_buf), root)
-    return pickle.loads(blob_buf)
+    received: dict[str, Any] = {}
+
+    def place(head: memoryview) -> memoryview:
+        """Called on the loop thread once the head arrived: where the payload goes."""
+        kind, code, ndim, _, nbytes, *shape = _DESC.unpack(head)
+        if kind == _DESC_ARRAY:
+            if ndim > _MAX_NDIM:
+                raise ValueError(f"broadcast head has {ndim} dimensions")
+            dtype = dtype_from_code(code)
+            dims = tuple(shape[:ndim])
+            if int(np.prod(dims, dtype=np.uint64)) * dtype.itemsize != nbytes:
+                raise ValueError(f"broadcast head: shape {dims} of {dtype} is not {nbytes} B")
+            if (isinstance(data, np.ndarray) and data.dtype == dtype and data.shape == dims
+                    and data.flags.c_contiguous and data.flags.writeable):
+                out = data  # receive straight into the caller's array
+            else:
+                out = np.empty(dims, dtype=dtype)
+            received["array"] = out
+            return _flat_bytes(out)
+        if kind != _DESC_PICKLE:
+            raise ValueError(f"broadcast head of unknown kind {kind}")
+        blob = bytearray(nbytes)
+        received["pickle"] = blob
+        return memoryview(blob)
+
+    _run(Call(CollectiveKind.BROADCAST, memoryview(b""), root=root, receive=place,
+              head_size=_DESC.size))
+    if "array" in received:
+        return received["array"]
+    return pickle.loads(received["pickle"])
 
 
 def _pickle(data: Any) -> bytes:

@@ -205,3 +205,52 @@ def test_frames_are_split_at_the_u32_length_limit(monkeypatch: pytest.MonkeyPatc
     assert not net.failed and len(net.done) == 3
     assert all(b.tobytes() == src.tobytes() for b in bufs)
     assert net.agents[0].statistics().frames_sent >= 2 * 6  # 6 frames to each child
+
+
+@pytest.mark.parametrize("world", [2, 3, 5, 8])
+def test_broadcast_of_unknown_size_in_one_call(world: int) -> None:
+    """Receivers learn the size from the root's first frame and name the payload's
+    destination once the head has arrived, before any payload byte lands."""
+    head = np.arange(80, dtype=np.uint8)
+    for count in (0, 10, 5000, 100_000):
+        for root in range(world):
+            payload = (np.arange(count) % 251).astype(np.uint8)
+            outs: dict[int, np.ndarray] = {}
+
+            def call(r: int, root: int = root, count: int = count,
+                     outs: dict[int, np.ndarray] = outs,
+                     payload: np.ndarray = payload) -> Call:
+                if r == root:
+                    return Call(CollectiveKind.BROADCAST, memoryview(b""), root=root,
+                                pieces=(memoryview(head), memoryview(payload)))
+
+                def receive(h: memoryview) -> memoryview:
+                    assert bytes(h) == head.tobytes()  # the head is complete first
+                    outs[r] = np.empty(count, np.uint8)
+                    return memoryview(outs[r])
+
+                return Call(CollectiveKind.BROADCAST, memoryview(b""), root=root,
+                            receive=receive, head_size=80)
+
+            net = SimNet(world, seed=root + count, max_piece=3000)
+            net.run({r: call(r) for r in range(world)})
+            assert not net.failed and len(net.done) == world
+            assert sorted(outs) == [r for r in range(world) if r != root]
+            assert all(o.tobytes() == payload.tobytes() for o in outs.values())
+
+
+def test_broadcast_head_that_names_no_buffer_fails_every_rank() -> None:
+    """The receivers' callback rejects the head: a typed error everywhere, nothing sized."""
+    def receive(h: memoryview) -> memoryview:
+        raise ValueError("head names dtype #99")
+
+    calls = {0: Call(CollectiveKind.BROADCAST, memoryview(b""), root=0,
+                     pieces=(memoryview(bytes(80)), memoryview(bytes(64))))}
+    calls.update({r: Call(CollectiveKind.BROADCAST, memoryview(b""), root=0, receive=receive,
+                          head_size=80) for r in (1, 2, 3)})
+    net = SimNet(4, seed=1)
+    net.run(calls)
+    assert set(net.failed) >= {1, 2, 3}
+    from rabit2.errors import ProtocolError  # noqa: PLC0415
+
+    assert all(isinstance(e, ProtocolError) for e in net.failed.values())

@@ -37,7 +37,7 @@ def setup_failure(peer: str) -> str | None:
     if not status.exists():
         return None
     text = status.read_text().strip()
-    return None if text == "ok" else text
+    return None if text == "ok" else f"setup.sh {text}"
 
 
 def probe(python: str | Path, code: str, timeout: float = 120) -> str | None:

@@ -57,8 +57,9 @@ def recv_exact(sock: socket.socket, view: memoryview) -> None:
         got += k
 
 
-def exchange(small: socket.socket, large: socket.socket, send: memoryview,
-             recv: memoryview) -> None:
+def exchange(
+    small: socket.socket, large: socket.socket, send: memoryview, recv: memoryview
+) -> None:
     """Send ``send`` and receive ``len(recv)`` bytes at the same time (both sides call it)."""
     if len(send) <= SMALL_MAX:
         small.sendall(send)
@@ -82,8 +83,8 @@ def exchange_loop(
     small: socket.socket, large: socket.socket, sizes: list[int], scale: float
 ) -> list[tuple[int, list[float], list[float]]]:
     """The exchange schedule, run identically by both processes; returns the stamps."""
-    buf_out = np.full(max(sizes), 7, dtype=np.uint8)
-    buf_in = np.empty(max(sizes), dtype=np.uint8)
+    buf_out = bytearray(b"\x07" * max(sizes))
+    buf_in = bytearray(max(sizes))
     b8o, b8i = memoryview(bytearray(8)), memoryview(bytearray(8))
     out: list[tuple[int, list[float], list[float]]] = []
     for size in sizes:
@@ -149,8 +150,15 @@ def numpy_add(sizes: list[int], scale: float) -> list[dict[str, Any]]:
             t1 = time.perf_counter()
             if i >= 2:
                 times.append(t1 - t0)
-        rows.append({"impl": "limit:numpy-add", "op": "add", "world": 1, "size_bytes": size,
-                     **stats(np.array(times), size)})
+        rows.append(
+            {
+                "impl": "limit:numpy-add",
+                "op": "add",
+                "world": 1,
+                "size_bytes": size,
+                **stats(np.array(times), size),
+            }
+        )
     return rows
 
 
@@ -159,8 +167,16 @@ def parent(sizes: list[int], scale: float, rtt_iters: int) -> list[dict[str, Any
     lst = socket.create_server(("127.0.0.1", 0))
     port = lst.getsockname()[1]
     proc = subprocess.Popen(
-        [sys.executable, __file__, "--child", str(port), "--sizes",
-         ",".join(map(str, sizes)), "--iters-scale", str(scale)]
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            str(port),
+            "--sizes",
+            ",".join(map(str, sizes)),
+            "--iters-scale",
+            str(scale),
+        ]
     )
     sock, _ = lst.accept()
     tune(sock, True)
@@ -184,10 +200,24 @@ def parent(sizes: list[int], scale: float, rtt_iters: int) -> list[dict[str, Any
     rows: list[dict[str, Any]] = []
     for (size, s0, e0), (_, s1, e1) in zip(mine, theirs, strict=True):
         span = np.maximum(np.array(e0), np.array(e1)) - np.minimum(np.array(s0), np.array(s1))
-        rows.append({"impl": "limit:tcp-exchange", "op": "exchange", "world": 2,
-                     "size_bytes": size, **stats(span, size)})
-    rows.append({"impl": "limit:rtt-8B", "op": "pingpong", "world": 2, "size_bytes": 8,
-                 **stats(np.array(rtts), 8)})
+        rows.append(
+            {
+                "impl": "limit:tcp-exchange",
+                "op": "exchange",
+                "world": 2,
+                "size_bytes": size,
+                **stats(span, size),
+            }
+        )
+    rows.append(
+        {
+            "impl": "limit:rtt-8B",
+            "op": "pingpong",
+            "world": 2,
+            "size_bytes": 8,
+            **stats(np.array(rtts), 8),
+        }
+    )
     return rows + numpy_add(sizes, scale)
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-
 from common import LOOPBACK, MAIN_PYTHON, Job, free_port, harness_cmd, probe, setup_failure
 
 LABELS = ["gloo"]
@@ -25,9 +24,17 @@ def unavailable(label: str) -> str | None:
 def job(label: str, n: int, harness_args: list[str]) -> Job:
     """``torchrun --nproc-per-node N`` with a static rendezvous on 127.0.0.1."""
     argv = [
-        MAIN_PYTHON, "-m", "torch.distributed.run",
-        "--nnodes", "1", "--nproc-per-node", str(n),
-        "--master-addr", LOOPBACK, "--master-port", str(free_port()),
+        MAIN_PYTHON,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(n),
+        "--master-addr",
+        LOOPBACK,
+        "--master-port",
+        str(free_port()),
         *harness_cmd("", label, harness_args)[1:],  # torchrun adds the Python itself
     ]
     return Job(argv, {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"})

@@ -10,7 +10,6 @@ import shutil
 from typing import Any
 
 import numpy as np
-
 from common import MAIN_PYTHON, Job, harness_cmd, probe, setup_failure
 
 LABELS = ["mpi-shm", "mpi-tcp"]
@@ -29,8 +28,17 @@ def unavailable(label: str) -> str | None:
 def job(label: str, n: int, harness_args: list[str]) -> Job:
     """``mpirun --allow-run-as-root --oversubscribe -np N`` restricted to ``lo``."""
     argv = [
-        "mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(n),
-        "--mca", "btl_tcp_if_include", "lo", "--mca", "oob_tcp_if_include", "lo",
+        "mpirun",
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        str(n),
+        "--mca",
+        "btl_tcp_if_include",
+        "lo",
+        "--mca",
+        "oob_tcp_if_include",
+        "lo",
     ]
     if label == "mpi-tcp":
         argv += ["--mca", "btl", "tcp,self", "--mca", "pml", "ob1"]

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import shutil
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
-
 from common import MAIN_PYTHON, Job, harness_cmd, probe
 
 LABELS = ["rabit2"]
@@ -21,8 +20,17 @@ def job(label: str, n: int, harness_args: list[str]) -> Job:
     """``rabit2-submit --cluster local -n N -- python harness.py ...`` (default options)."""
     exe = shutil.which("rabit2-submit")
     submit = [exe] if exe else [MAIN_PYTHON, "-m", "tracker.submit"]
-    return Job([*submit, "--cluster", "local", "-n", str(n), "--",
-                *harness_cmd(MAIN_PYTHON, label, harness_args)])
+    return Job(
+        [
+            *submit,
+            "--cluster",
+            "local",
+            "-n",
+            str(n),
+            "--",
+            *harness_cmd(MAIN_PYTHON, label, harness_args),
+        ]
+    )
 
 
 class Rabit2Comm:
@@ -39,11 +47,11 @@ class Rabit2Comm:
 
     def allreduce_sum(self, a: np.ndarray) -> np.ndarray:
         """In-place SUM allreduce (returns the result array)."""
-        return self._r.allreduce(a, self._r.Op.SUM)
+        return cast(np.ndarray, self._r.allreduce(a, self._r.Op.SUM))
 
     def broadcast(self, a: np.ndarray, root: int) -> np.ndarray:
         """Raw-bytes broadcast; non-roots receive into ``a``."""
-        return self._r.broadcast(a, root)
+        return cast(np.ndarray, self._r.broadcast(a, root))
 
     def barrier(self, one: np.ndarray) -> None:
         """1-element SUM allreduce."""

@@ -25,10 +25,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
-
 from common import HERE, LOOPBACK, MAIN_PYTHON, Job, harness_cmd, probe, setup_failure
 
 LABELS = ["xgboost3", "xgboost1.7"]
@@ -61,8 +60,7 @@ def unavailable(label: str) -> str | None:
 def job(label: str, n: int, harness_args: list[str]) -> Job:
     """This file as launcher, run by the label's Python."""
     py = python_for(label)
-    return Job([py, str(HERE / "peer_xgb.py"), "--label", label, "-n", str(n), "--",
-                *harness_args])
+    return Job([py, str(HERE / "peer_xgb.py"), "--label", label, "-n", str(n), "--", *harness_args])
 
 
 # ---------------------------------------------------------------- launcher (tracker + workers)
@@ -98,9 +96,7 @@ def launch(argv: Sequence[str] | None = None) -> int:
     for i in range(ns.n):
         env = dict(os.environ)
         env[ENV_ARGS] = json.dumps({**args, task_key: f"task-{i}"})
-        procs.append(
-            subprocess.Popen(harness_cmd(sys.executable, ns.label, hargs), env=env)
-        )
+        procs.append(subprocess.Popen(harness_cmd(sys.executable, ns.label, hargs), env=env))
     rc = 0
     pending = list(procs)
     while pending:  # the first worker to fail takes the others down (no hang on a dead peer)
@@ -141,11 +137,11 @@ class XgbComm:
 
     def allreduce_sum(self, a: np.ndarray) -> np.ndarray:
         """Returns a new array (XGBoost copies the input)."""
-        return self._c.allreduce(a, self._sum)
+        return cast(np.ndarray, self._c.allreduce(a, self._sum))
 
     def broadcast(self, a: np.ndarray, root: int) -> np.ndarray:
         """Public broadcast: the array is pickled on the root, unpickled on the others."""
-        return self._c.broadcast(a, root)
+        return cast(np.ndarray, self._c.broadcast(a, root))
 
     def barrier(self, one: np.ndarray) -> None:
         """1-element SUM allreduce."""

@@ -22,6 +22,7 @@ import argparse
 import importlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,7 +33,6 @@ from types import ModuleType
 from typing import Any
 
 import numpy as np
-
 from common import HERE, MAIN_PYTHON
 
 REPO = HERE.parent.parent
@@ -99,7 +99,8 @@ def run_cmd(argv: list[str], env: dict[str, str], log: Path, timeout: float) -> 
         return 0, ""
     lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
     wrong = [ln for ln in lines if "WRONG" in ln]
-    tail = (wrong or lines or [f"exit {rc}"])[-1]
+    errors = [ln for ln in lines if re.search(r"\b\w+(Error|Exception)\b:", ln)]
+    tail = (wrong or errors or lines or [f"exit {rc}"])[-1]
     return rc, f"exit {rc}: {tail[:160]}"
 
 
@@ -143,16 +144,22 @@ def run_impl(
     """One job: ``n`` ranks of ``label`` over every (op, size); rows, or why it failed."""
     stamps = out / "stamps" / f"{label}-n{n}"
     hargs = [
-        "--out", str(stamps),
-        "--sizes", ",".join(map(str, ns.sizes)),
-        "--ops", ",".join(ns.ops),
-        "--iters-scale", str(ns.iters_scale),
+        "--out",
+        str(stamps),
+        "--sizes",
+        ",".join(map(str, ns.sizes)),
+        "--ops",
+        ",".join(ns.ops),
+        "--iters-scale",
+        str(ns.iters_scale),
     ]
     job = adapter.job(label, n, hargs)
     t0 = time.perf_counter()
     rc, why = run_cmd(job.argv, job.env, out / "logs" / f"{label}-n{n}.log", ns.timeout)
-    print(f"  {label:11s} N={n}: {'ok' if rc == 0 else why} ({time.perf_counter() - t0:.1f} s)",
-          flush=True)
+    print(
+        f"  {label:11s} N={n}: {'ok' if rc == 0 else why} ({time.perf_counter() - t0:.1f} s)",
+        flush=True,
+    )
     if rc != 0:
         return f"failed: {why}"
     files = [stamps / f"rank{r}.json" for r in range(n)]
@@ -169,15 +176,19 @@ def _cell(r: dict[str, Any]) -> str:
     return f"{fmt_time(r['median_s'])} / {fmt_time(r['p90_s'])} / {r['busbw_GBps']:.3f}"
 
 
-def tables(rows: list[dict[str, Any]], status: dict[tuple[str, int], str], ns: argparse.Namespace
-           ) -> str:
+def tables(
+    rows: list[dict[str, Any]], status: dict[tuple[str, int], str], ns: argparse.Namespace
+) -> str:
     """Markdown: per op and N, impl x size (median / p90 / busbw), then ratios to rabit2."""
     out: list[str] = []
     sizes = ns.sizes
     head = "| impl | " + " | ".join(fmt_size(s) for s in sizes) + " |"
     rule = "|---|" + "---|" * len(sizes)
-    ok = {(r["impl"], r["world"], r["op"], r["size_bytes"]): r for r in rows
-          if r.get("status") == "ok"}
+    ok = {
+        (r["impl"], r["world"], r["op"], r["size_bytes"]): r
+        for r in rows
+        if r.get("status") == "ok"
+    }
     limits = {(r["impl"], r["size_bytes"]): r for r in rows if r["impl"].startswith("limit:")}
     labels = [lb for lb in ORDER if lb in ns.impls]
     for op in ns.ops:
@@ -189,35 +200,40 @@ def tables(rows: list[dict[str, Any]], status: dict[tuple[str, int], str], ns: a
                 if st != "ok":
                     out.append(f"| {lb} | {st} |" + " |" * (len(sizes) - 1))
                     continue
-                cells = [_cell(ok[(lb, n, op, s)]) if (lb, n, op, s) in ok else "-"
-                         for s in sizes]
+                cells = [_cell(ok[(lb, n, op, s)]) if (lb, n, op, s) in ok else "-" for s in sizes]
                 out.append(f"| {lb} | " + " | ".join(cells) + " |")
-            if n == 2:
-                for key, name in (("limit:tcp-exchange", "limit: Python TCP exchange"),
-                                  ("limit:numpy-add", "limit: numpy add")):
-                    cells = [_cell(limits[(key, s)]) if (key, s) in limits else "-"
-                             for s in sizes]
+            if n == 2 and limits:
+                for key, name in (
+                    ("limit:tcp-exchange", "limit: Python TCP exchange"),
+                    ("limit:numpy-add", "limit: numpy add"),
+                ):
+                    cells = [_cell(limits[(key, s)]) if (key, s) in limits else "-" for s in sizes]
                     out.append(f"| {name} | " + " | ".join(cells) + " |")
             out.append("")
             base = {s: ok.get(("rabit2", n, op, s)) for s in sizes}
-            if all(base.values()):
-                out += [f"Ratio to rabit2 (peer median / rabit2 median; > 1: rabit2 faster), "
-                        f"{op}, N={n}:", "", head, rule]
-                for lb in labels[1:]:
-                    if status.get((lb, n), "ok") != "ok":
-                        continue
+            peers = [lb for lb in labels[1:] if status.get((lb, n), "ok") == "ok"]
+            if all(base.values()) and peers:
+                out += [
+                    f"Ratio to rabit2 (peer median / rabit2 median; > 1: rabit2 faster), "
+                    f"{op}, N={n}:",
+                    "",
+                    head,
+                    rule,
+                ]
+                for lb in peers:
                     cells = []
                     for s in sizes:
                         r = ok.get((lb, n, op, s))
                         b = base[s]
-                        cells.append(f"{r['median_s'] / b['median_s']:.2f}x"
-                                     if r and b else "-")
+                        cells.append(f"{r['median_s'] / b['median_s']:.2f}x" if r and b else "-")
                     out.append(f"| {lb} | " + " | ".join(cells) + " |")
                 out.append("")
     rtt = limits.get(("limit:rtt-8B", 8))
     if rtt:
-        out.append(f"8-byte round trip (two Python processes, loopback TCP): median "
-                   f"{fmt_time(rtt['median_s'])}, p90 {fmt_time(rtt['p90_s'])}.")
+        out.append(
+            f"8-byte round trip (two Python processes, loopback TCP): median "
+            f"{fmt_time(rtt['median_s'])}, p90 {fmt_time(rtt['p90_s'])}."
+        )
         out.append("")
     versions = {r["impl"]: r["version"] for r in rows if r.get("version")}
     if versions:
@@ -279,10 +295,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("limits: python bench/peers/limits.py", flush=True)
         lim = out / "limits.jsonl"
         rc, why = run_cmd(
-            [MAIN_PYTHON, str(HERE / "limits.py"), "--sizes", ",".join(map(str, ns.sizes)),
-             "--iters-scale", str(ns.iters_scale), "--rtt-iters",
-             str(max(200, round(2000 * ns.iters_scale))), "--out", str(lim)],
-            {}, out / "logs" / "limits.log", ns.timeout,
+            [
+                MAIN_PYTHON,
+                str(HERE / "limits.py"),
+                "--sizes",
+                ",".join(map(str, ns.sizes)),
+                "--iters-scale",
+                str(ns.iters_scale),
+                "--rtt-iters",
+                str(max(200, round(2000 * ns.iters_scale))),
+                "--out",
+                str(lim),
+            ],
+            {},
+            out / "logs" / "limits.log",
+            ns.timeout,
         )
         if rc == 0:
             rows += [json.loads(x) for x in lim.read_text().splitlines() if x.strip()]
@@ -301,9 +328,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for lb in [x for x in ORDER if x in ns.impls]:
             if lb not in reasons:
                 reasons[lb] = adapters[lb].unavailable(lb)
-            why = reasons[lb]
-            if why is not None:
-                status[(lb, n)] = f"unavailable: {why}"
+            reason = reasons[lb]
+            if reason is not None:
+                status[(lb, n)] = f"unavailable: {reason}"
             else:
                 res = run_impl(adapters[lb], lb, n, ns, out)
                 if isinstance(res, str):
@@ -316,9 +343,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     wall = time.perf_counter() - t_start
     text = tables(rows, status, ns)
-    text += (f"\nTotal wall time {wall:.0f} s; iterations x{ns.iters_scale:g}; time = first rank "
-             f"in to last rank out (shared CLOCK_MONOTONIC), after the implementation's own "
-             f"1-element allreduce as a barrier; every result checked against its closed form.\n")
+    text += (
+        f"\nTotal wall time {wall:.0f} s; iterations x{ns.iters_scale:g}; time = first rank "
+        f"in to last rank out (shared CLOCK_MONOTONIC), after the implementation's own "
+        f"1-element allreduce as a barrier; every result checked against its closed form.\n"
+    )
     with (out / "results.jsonl").open("w") as f:
         for r in rows:
             f.write(json.dumps(r) + "\n")

@@ -22,9 +22,11 @@ import numpy as np
 from rabit2.core import fsm
 from rabit2.core.framing import (
     HEADER_SIZE,
+    MAX_BROADCAST,
     MAX_PAYLOAD,
     NONE_U8,
     NONE_U16,
+    UNKNOWN_TOTAL,
     CallDescriptor,
     CollectiveKind,
     FrameHeader,
@@ -37,6 +39,7 @@ from rabit2.core.framing import (
 from rabit2.core.ops import Op, dtype_code
 from rabit2.core.schedule import (
     PairExchange,
+    PayloadFn,
     Plan,
     RingAllgather,
     RingAllreduce,
@@ -121,6 +124,11 @@ class Call:
     op: Op | None = None
     root: int = -1
     blocks: tuple[tuple[int, int], ...] = ()  # allgather: byte range of each rank's block
+    # broadcast: the root's stream as several pieces (a head, then the payload), and, on a
+    # rank that does not know the size, where the payload goes once the head has arrived
+    pieces: tuple[memoryview, ...] = ()
+    receive: PayloadFn | None = None
+    head_size: int = 0
 
 
 _CALL_EVENTS = {
@@ -288,7 +296,7 @@ class Agent:
                 link.remaining -= nbytes
                 active = self.active
                 assert active is not None
-                active.plan.on_received(peer, link.pos)
+                self._received(active.plan, peer, link.pos)
                 if link.remaining == 0:
                     link.mode = _Mode.HEADER
                     link.filled = 0
@@ -351,20 +359,21 @@ class Agent:
         if link.mode is _Mode.PAYLOAD:
             active = self.active
             assert active is not None
-            stream = active.plan.in_streams[peer]
+            plan = active.plan
             take = min(avail, link.remaining)
             left = take
             while left:
-                dest = stream.view(link.pos, left)
+                # the plan may lay out the rest of its stream once a piece is complete
+                dest = plan.in_streams[peer].view(link.pos, left)
                 n = len(dest)
                 dest[:] = link.stage[link.start : link.start + n]
                 link.start += n
                 link.pos += n
                 left -= n
+                self._received(plan, peer, link.pos)
             link.remaining -= take
             self._bytes_received += take
             self.last_progress = now
-            active.plan.on_received(peer, link.pos)
             if not link.remaining:
                 link.mode = _Mode.HEADER
         elif link.mode is _Mode.ERROR_PAYLOAD:
@@ -378,6 +387,14 @@ class Agent:
                 link.mode, link.filled = _Mode.HEADER, 0
                 error_type, reason, origin = decode_error(link.error_buf)
                 self._remote_error(peer, error_type, reason, origin, cmds)
+
+    @staticmethod
+    def _received(plan: Plan, peer: int, pos: int) -> None:
+        try:
+            plan.on_received(peer, pos)
+        except (ValueError, TypeError, MemoryError) as exc:
+            # a broadcast head that names no valid array, or a size that cannot be allocated
+            raise ProtocolError(f"cannot place the data from rank {peer}: {exc}") from None
 
     def _dispatch_header(self, peer: int, link: _Link, frame: FrameHeader, now: float,
                          cmds: list[Command]) -> None:
@@ -401,9 +418,28 @@ class Agent:
             raise ProtocolError(f"rank {peer} sent a frame of finished call {frame.call_id}")
         self._accept_frame(peer, link, frame, active, now, cmds)
 
+    def _size_broadcast(self, plan: TreeBroadcast, frame: FrameHeader, active: _Active) -> None:
+        """The first frame from the root's side says how large the broadcast is."""
+        total = frame.call.total_bytes
+        if total == UNKNOWN_TOTAL or total > MAX_BROADCAST:
+            raise ProtocolError(f"broadcast size {total} from the wire is out of bounds")
+        if frame.call.root != active.desc.root or frame.call.kind is not active.desc.kind:
+            return  # the descriptor check reports the mismatch
+        try:
+            plan.size(total)
+        except (ValueError, TypeError, MemoryError) as exc:
+            raise ProtocolError(f"broadcast of {total} B: {exc}") from None
+        active.desc = dataclasses.replace(active.desc, total_bytes=total)
+        for peer in plan.out_streams:
+            active.sent.setdefault(peer, 0)
+
     def _accept_frame(self, peer: int, link: _Link, frame: FrameHeader, active: _Active,
                       now: float, cmds: list[Command]) -> None:
-        if frame.call != active.desc:
+        plan = active.plan
+        if (isinstance(plan, TreeBroadcast) and not plan.sized and peer == plan.in_link
+                and frame.kind is FrameKind.DATA):
+            self._size_broadcast(plan, frame, active)
+        if not frame.call.agrees_with(active.desc):
             raise MismatchError(
                 f"collective mismatch at call {active.call_id}: rank {self.rank} called "
                 f"{active.desc.describe()} but rank {peer} called {frame.call.describe()}"
@@ -436,7 +472,13 @@ class Agent:
         dtype = dtype_code(call.dtype) if call.dtype is not None else NONE_U8
         op = int(call.op) if call.op is not None else NONE_U8
         root = call.root if call.kind is CollectiveKind.BROADCAST else NONE_U16
-        return CallDescriptor(call.kind, dtype, op, root, len(call.buf))
+        if call.receive is not None:
+            total = UNKNOWN_TOTAL
+        elif call.pieces:
+            total = sum(len(p) for p in call.pieces)
+        else:
+            total = len(call.buf)
+        return CallDescriptor(call.kind, dtype, op, root, total)
 
     def choose_allreduce(self, nbytes: int, itemsize: int) -> CollectiveKind:
         """Tree for small calls, ring above ``rabit_reduce_ring_mincount`` elements (rabit).
@@ -498,7 +540,7 @@ class Agent:
     def _plan(self, call: Call) -> Plan:
         kind = call.kind
         if self.world == 1:
-            return TreeBroadcast(call.buf, -1, ())  # no links: every call is already complete
+            return TreeBroadcast([call.buf], -1, ())  # no links: every call is already complete
         if kind in (CollectiveKind.ALLREDUCE_TREE, CollectiveKind.ALLREDUCE_RING,
                     CollectiveKind.ALLREDUCE_PAIR):
             assert call.dtype is not None and call.op is not None
@@ -515,7 +557,10 @@ class Agent:
                                  self._scratch, self.tree_chunk)
         if kind is CollectiveKind.BROADCAST:
             in_link, out_links = broadcast_route(self.rank, call.root, self.world)
-            return TreeBroadcast(call.buf, in_link, out_links)
+            if call.receive is not None and in_link < 0:
+                raise ValueError("the root of a broadcast must know what it sends")
+            return TreeBroadcast(list(call.pieces) or [call.buf], in_link, out_links,
+                                 call.receive, call.head_size)
         return RingAllgather(call.buf, call.blocks, self.rank, self.world)
 
     def _scratch(self, peer: int, nbytes: int) -> memoryview:
@@ -536,7 +581,7 @@ class Agent:
         desc = active.desc
         version, seqno = active.call_id
         for peer, stream in plan.out_streams.items():
-            sent = active.sent[peer]
+            sent = active.sent.get(peer, 0)
             if stream.length == 0:
                 if peer not in active.started_empty:
                     active.started_empty.add(peer)
@@ -563,7 +608,7 @@ class Agent:
         if any(n == 0 for n in active.frames_seen.values()):
             return
         for peer, stream in plan.out_streams.items():
-            if active.sent[peer] != stream.length:
+            if active.sent.get(peer, 0) != stream.length:
                 return
             if stream.length == 0 and peer not in active.started_empty:
                 return
@@ -612,9 +657,11 @@ class Agent:
         ):
             return True
         out = plan.out_streams.get(peer)
-        return out is not None and (
-            active.sent[peer] < out.length or (out.length == 0 and peer not in active.started_empty)
-        )
+        if out is None:
+            return False
+        if out.length == 0:
+            return peer not in active.started_empty
+        return active.sent.get(peer, 0) < out.length
 
     def on_tick(self, now: float) -> list[Command]:
         """Check the progress deadline: no byte moved for ``timeout`` seconds fails the call."""

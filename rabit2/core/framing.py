@@ -29,6 +29,8 @@ NONE_U8 = 0xFF
 NONE_U16 = 0xFFFF
 MAX_PAYLOAD = (1 << 32) - 1  # a frame payload length is a u32
 MAX_ERROR_PAYLOAD = 64 * 1024  # an ERROR frame carries a short msgpack map
+UNKNOWN_TOTAL = (1 << 64) - 1  # a broadcast receiver that learns the size from the root
+MAX_BROADCAST = 1 << 40  # a size learned from the wire is bounded before anything is sized
 
 
 class FrameKind(enum.IntEnum):
@@ -54,8 +56,17 @@ class CallDescriptor:
     root: int  # NONE_U16 unless a broadcast
     total_bytes: int
 
+    def agrees_with(self, other: CallDescriptor) -> bool:
+        """Equal, where a broadcast receiver's unknown size matches any size."""
+        if self == other:
+            return True
+        unknown = UNKNOWN_TOTAL in (self.total_bytes, other.total_bytes)
+        return unknown and (self.kind, self.dtype_code, self.op_code, self.root) == (
+            other.kind, other.dtype_code, other.op_code, other.root)
+
     def describe(self) -> str:
-        parts = [self.kind.name.lower(), f"{self.total_bytes} B"]
+        size = "? B" if self.total_bytes == UNKNOWN_TOTAL else f"{self.total_bytes} B"
+        parts = [self.kind.name.lower(), size]
         if self.dtype_code != NONE_U8:
             parts.append(f"dtype#{self.dtype_code}")
         if self.op_code != NONE_U8:
