@@ -30,24 +30,13 @@ from typing import Any
 
 import numpy as np
 from numpy.typing import NDArray
+from units import parse_size
 
 F32 = NDArray[np.float32]
 
 DEFAULT_SIZES = "4K,64K,1M,16M,64M"
-_UNITS = {"": 1, "B": 1, "K": 1024, "KIB": 1024, "M": 1024**2, "MIB": 1024**2, "G": 1024**3}
 
 
-def parse_size(text: str) -> int:
-    """``4K`` / ``64KiB`` / ``1M`` / ``4096`` -> bytes (binary units); a multiple of 4."""
-    t = text.strip().upper()
-    digits = t.rstrip("KMGIB")
-    unit = t[len(digits) :]
-    if unit not in _UNITS or not digits.isdigit():
-        raise argparse.ArgumentTypeError(f"bad size {text!r}")
-    size = int(digits) * _UNITS[unit]
-    if size < 4 or size % 4:
-        raise argparse.ArgumentTypeError(f"size {text!r} is not a positive multiple of 4 B")
-    return size
 
 
 def default_iters(size: int) -> int:

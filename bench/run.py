@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from units import fmt_size, fmt_time
+
 HERE = Path(__file__).resolve().parent
 WORKER = HERE / "bench_collectives.py"
 
@@ -54,21 +56,8 @@ def run_job(cmd: list[str], log: Path, timeout: float) -> str:
     return proc.stdout
 
 
-def fmt_time(s: float) -> str:
-    """Seconds as a short human figure (us below 1 ms, ms below 1 s)."""
-    if s < 1e-3:
-        return f"{s * 1e6:.1f} us"
-    if s < 1:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s:.2f} s"
 
 
-def fmt_size(b: int) -> str:
-    """Bytes in binary units, as in the peer-baseline tables."""
-    for unit, k in (("MiB", 1024**2), ("KiB", 1024)):
-        if b >= k and b % k == 0:
-            return f"{b // k} {unit}"
-    return f"{b} B"
 
 
 def table(rows: list[dict[str, Any]], worlds: Sequence[int]) -> str:

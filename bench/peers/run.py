@@ -35,42 +35,20 @@ from typing import Any
 import numpy as np
 from common import HERE, MAIN_PYTHON
 
+sys.path.insert(0, str(HERE.parent))  # bench/units.py
+from units import fmt_size, fmt_time, parse_size
+
 REPO = HERE.parent.parent
 ADAPTERS = ["peer_rabit2", "peer_xgb", "peer_gloo", "peer_mpi"]
 #: Table order: rabit2 first, then the TCP peers, shared-memory MPI last.
 ORDER = ["rabit2", "xgboost1.7", "xgboost3", "gloo", "mpi-tcp", "mpi-shm"]
 DEFAULT_SIZES = "4K,64K,1M,16M,64M"
-_UNITS = {"": 1, "B": 1, "K": 1024, "KIB": 1024, "M": 1024**2, "MIB": 1024**2}
 
 
-def parse_size(text: str) -> int:
-    """``4K`` / ``64KiB`` / ``1M`` / ``4096`` -> bytes (binary units, a multiple of 4)."""
-    t = text.strip().upper()
-    digits = t.rstrip("KMIB")
-    unit = t[len(digits) :]
-    if unit not in _UNITS or not digits.isdigit():
-        raise argparse.ArgumentTypeError(f"bad size {text!r}")
-    size = int(digits) * _UNITS[unit]
-    if size < 4 or size % 4:
-        raise argparse.ArgumentTypeError(f"size {text!r} is not a positive multiple of 4 B")
-    return size
 
 
-def fmt_time(s: float) -> str:
-    """Seconds as a short figure (us below 1 ms, ms below 1 s)."""
-    if s < 1e-3:
-        return f"{s * 1e6:.1f} us"
-    if s < 1:
-        return f"{s * 1e3:.2f} ms"
-    return f"{s:.2f} s"
 
 
-def fmt_size(b: int) -> str:
-    """Bytes in binary units."""
-    for unit, k in (("MiB", 1024**2), ("KiB", 1024)):
-        if b >= k and b % k == 0:
-            return f"{b // k} {unit}"
-    return f"{b} B"
 
 
 # ---------------------------------------------------------------------------- running jobs
