@@ -21,6 +21,7 @@ import numpy as np
 
 from rabit2.core import fsm
 from rabit2.core.framing import (
+    CALL_PREFIX_SIZE,
     HEADER_SIZE,
     MAX_BROADCAST,
     MAX_PAYLOAD,
@@ -31,10 +32,12 @@ from rabit2.core.framing import (
     CollectiveKind,
     FrameHeader,
     FrameKind,
+    data_prefix,
     decode_error,
     encode_error,
     pack_header,
     parse_header,
+    unpack_tail,
 )
 from rabit2.core.ops import Op, dtype_code
 from rabit2.core.schedule import (
@@ -176,11 +179,15 @@ class _Link:
 class _Active:
     """Bookkeeping of the call in progress."""
 
-    __slots__ = ("call", "call_id", "desc", "frames_seen", "plan", "sent", "started_empty")
+    __slots__ = ("call", "call_id", "desc", "frames_seen", "plan", "prefix", "sent",
+                 "started_empty")
 
     def __init__(self, call: Call, call_id: tuple[int, int], desc: CallDescriptor,
                  plan: Plan) -> None:
         self.call, self.call_id, self.desc, self.plan = call, call_id, desc, plan
+        # what every DATA frame of this call starts with (unknown-size broadcasts never
+        # match it, and take the full parse)
+        self.prefix = data_prefix(desc, *call_id)
         self.sent = dict.fromkeys(plan.out_streams, 0)
         self.frames_seen = dict.fromkeys(plan.in_streams, 0)
         self.started_empty: set[int] = set()
@@ -326,10 +333,17 @@ class Agent:
         """Consume every complete frame in the staging buffer (and the payload with it)."""
         stage = link.stage
         while link.mode is _Mode.HEADER and link.end - link.start >= HEADER_SIZE:
-            frame = parse_header(stage[link.start : link.start + HEADER_SIZE])
+            start = link.start
+            active = self.active
             link.start += HEADER_SIZE
             self._frames_received += 1
-            self._dispatch_header(peer, link, frame, now, cmds)
+            if active is not None and stage[start : start + CALL_PREFIX_SIZE] == active.prefix:
+                # fast path: a DATA frame of the current call (the common case)
+                offset, length, _ = unpack_tail(stage, start)
+                self._accept_data(peer, link, offset, length, active, now, cmds)
+            else:
+                frame = parse_header(stage[start : start + HEADER_SIZE])
+                self._dispatch_header(peer, link, frame, now, cmds)
             self._take_staged(peer, link, now, cmds)
             if self.error is not None:
                 return
@@ -346,10 +360,7 @@ class Agent:
             size = link.end - link.start
             stage[:size] = stage[link.start : link.end]
             link.start, link.end = 0, size
-        active = self.active
-        if active is not None:
-            self._pump(active, cmds)
-            self._maybe_complete(active, cmds)
+        # (every frame consumed above was followed by a pump; a partial header changes nothing)
 
     def _take_staged(self, peer: int, link: _Link, now: float, cmds: list[Command]) -> None:
         """Move the staged bytes of the current frame's payload where they belong."""
@@ -430,6 +441,7 @@ class Agent:
         except (ValueError, TypeError, MemoryError) as exc:
             raise ProtocolError(f"broadcast of {total} B: {exc}") from None
         active.desc = dataclasses.replace(active.desc, total_bytes=total)
+        active.prefix = data_prefix(active.desc, *active.call_id)
         for peer in plan.out_streams:
             active.sent.setdefault(peer, 0)
 
@@ -444,24 +456,26 @@ class Agent:
                 f"collective mismatch at call {active.call_id}: rank {self.rank} called "
                 f"{active.desc.describe()} but rank {peer} called {frame.call.describe()}"
             )
+        self._accept_data(peer, link, frame.offset, frame.length, active, now, cmds)
+
+    def _accept_data(self, peer: int, link: _Link, offset: int, length: int, active: _Active,
+                     now: float, cmds: list[Command]) -> None:
+        """A DATA frame of the current call: check where it goes before anything lands."""
         stream = active.plan.in_streams.get(peer)
         if stream is None:
             raise ProtocolError(
-                f"rank {peer} sent data on a link that call {frame.call_id} does not use"
+                f"rank {peer} sent data on a link that call {active.call_id} does not use"
             )
-        if frame.offset != link.pos:
+        if offset != link.pos:
+            raise ProtocolError(f"rank {peer} sent offset {offset}, expected {link.pos}")
+        if length > stream.length - link.pos:
             raise ProtocolError(
-                f"rank {peer} sent offset {frame.offset}, expected {link.pos}"
-            )
-        if frame.length > stream.length - link.pos:
-            raise ProtocolError(
-                f"rank {peer} sent {frame.length} B at offset {frame.offset} of a "
-                f"{stream.length} B stream"
+                f"rank {peer} sent {length} B at offset {offset} of a {stream.length} B stream"
             )
         active.frames_seen[peer] += 1
         self.last_progress = now
-        if frame.length:
-            link.mode, link.remaining = _Mode.PAYLOAD, frame.length
+        if length:
+            link.mode, link.remaining = _Mode.PAYLOAD, length
         else:
             link.mode = _Mode.HEADER
             self._maybe_complete(active, cmds)

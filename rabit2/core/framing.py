@@ -123,6 +123,21 @@ def pack_header(
     )
 
 
+CALL_PREFIX_SIZE = 24  # magic .. total_bytes: identical in every DATA frame of one call
+_TAIL = struct.Struct("<QII")  # offset, length, incarnation
+
+
+def data_prefix(call: CallDescriptor, version: int, seqno: int) -> bytes:
+    """The first 24 bytes of every DATA frame of this call, to recognise them in one compare."""
+    return pack_header(FrameKind.DATA, call, version, seqno, 0, 0)[:CALL_PREFIX_SIZE]
+
+
+def unpack_tail(data: bytes | bytearray | memoryview, at: int) -> tuple[int, int, int]:
+    """``(offset, length, incarnation)`` of the header that starts at ``at``."""
+    offset, length, incarnation = _TAIL.unpack_from(data, at + CALL_PREFIX_SIZE)
+    return offset, length, incarnation
+
+
 def parse_header(data: bytes | bytearray | memoryview) -> FrameHeader:
     """Decode and validate a 40-byte header.  Raises :class:`ProtocolError` on any bad field."""
     if len(data) != HEADER_SIZE:
