@@ -1,0 +1,148 @@
+"""The benchmark-sized GBDT example over rabit2 and over XGBoost 1.7.6's classic rabit engine.
+
+The same trainer (``rabit2/examples/gbdt.py``, loaded by path so that the classic engine's
+Python needs nothing of rabit2) runs twice per N: once through ``rabit2-submit``, once with
+its ``allreduce`` bound to ``xgboost.collective`` 1.7.6 (in ``bench/peers/.venv17``, launched
+with XGBoost's own tracker, TCP_NODELAY on). Both print ``allreduce_s`` (time inside
+allreduce calls, histogram building excluded) and the model digest, which must agree.
+
+    python bench/peers/gbdt_compare.py [--n 2,4] [--size bench]
+
+Worker mode (internal): ``PYTHON gbdt_compare.py --worker -- <gbdt args>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+GBDT = REPO / "rabit2" / "examples" / "gbdt.py"
+VENV17_PYTHON = HERE / ".venv17" / "bin" / "python"
+ENV_ARGS = "RABIT2_BENCH_XGB_ARGS"
+
+
+class ClassicComm:
+    """The handful of calls the GBDT example makes, over xgboost.collective 1.7."""
+
+    def __init__(self) -> None:
+        from xgboost import collective  # noqa: PLC0415 -- only in the classic worker
+
+        self._c: Any = collective
+        self.Op = collective.Op
+
+    def init(self, args: list[str]) -> None:
+        del args
+        self._c.init(**json.loads(os.environ[ENV_ARGS]))
+
+    def get_rank(self) -> int:
+        return int(self._c.get_rank())
+
+    def get_world_size(self) -> int:
+        return int(self._c.get_world_size())
+
+    def allreduce(self, data: Any, op: Any, prepare_fun: Any = None) -> Any:
+        if prepare_fun is not None:  # the classic Python API has no lazy preparation
+            prepare_fun(data)
+        out = self._c.allreduce(data, op)  # 1.7 returns a flat array
+        data[...] = out.reshape(data.shape)
+        return data
+
+    def load_checkpoint(self) -> tuple[int, None]:
+        return 0, None  # 1.7's Python API has no checkpoints; the run starts fresh
+
+    def checkpoint(self, model: Any) -> None:
+        del model
+
+    def tracker_print(self, msg: str) -> None:
+        self._c.communicator_print(msg + "\n")
+
+    def finalize(self) -> None:
+        self._c.finalize()
+
+
+def worker(gbdt_args: list[str]) -> int:
+    spec = importlib.util.spec_from_file_location("gbdt_example", GBDT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gbdt_example"] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return int(module.main(gbdt_args, comm=ClassicComm()))
+
+
+def run_classic(n: int, gbdt_args: list[str]) -> str:
+    """XGBoost 1.7.6's own tracker and n workers of this file in the venv."""
+    code = (
+        "import json, os, subprocess, sys\n"
+        "from xgboost.tracker import RabitTracker\n"
+        f"n = {n}\n"
+        "t = RabitTracker(host_ip='127.0.0.1', n_workers=n)\n"
+        "t.start(n)\n"
+        "args = dict(t.worker_envs()); args['rabit_enable_tcp_no_delay'] = 'true'\n"
+        "procs = []\n"
+        "for i in range(n):\n"
+        "    env = dict(os.environ)\n"
+        f"    env['{ENV_ARGS}'] = json.dumps({{**args, 'DMLC_TASK_ID': f'task-{{i}}'}})\n"
+        f"    procs.append(subprocess.Popen([sys.executable, {str(Path(__file__))!r},"
+        f" '--worker', '--', *{gbdt_args!r}], env=env))\n"
+        "rc = max(p.wait() for p in procs)\n"
+        "t.join()\n"
+        "sys.exit(rc)\n"
+    )
+    proc = subprocess.run([str(VENV17_PYTHON), "-c", code], capture_output=True, text=True,
+                          timeout=1200, check=False)
+    return proc.stdout + proc.stderr
+
+
+def run_rabit2(n: int, gbdt_args: list[str]) -> str:
+    proc = subprocess.run(
+        ["rabit2-submit", "--cluster", "local", "-n", str(n), "--", sys.executable, "-m",
+         "rabit2.examples.gbdt", *gbdt_args],
+        capture_output=True, text=True, timeout=1200, check=False, cwd=REPO,
+    )
+    return proc.stdout + proc.stderr
+
+
+def summary(out: str) -> tuple[float, set[str]]:
+    """(the slowest rank's allreduce_s, the set of digests)."""
+    times = [float(x) for x in re.findall(r"gbdt rank=\d+ .*allreduce_s=([0-9.]+)", out)]
+    digests = set(re.findall(r"digest=([0-9a-f]{64})", out))
+    if not times:
+        raise RuntimeError("no result line in the output:\n" + out[-3000:])
+    return max(times), digests
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--n", default="2,4")
+    ap.add_argument("--size", default="bench")
+    ap.add_argument("rest", nargs=argparse.REMAINDER)
+    ns = ap.parse_args()
+    if ns.worker:
+        return worker([a for a in ns.rest if a != "--"])
+    if not VENV17_PYTHON.exists():
+        print("classic engine unavailable: run bench/peers/setup.sh xgb17 first")
+        return 1
+    gbdt_args = ["--size", ns.size]
+    print("| N | rabit2 allreduce_s | classic rabit (xgboost 1.7.6) allreduce_s | ratio | "
+          "digests agree |")
+    print("| --- | --- | --- | --- | --- |")
+    for n in (int(x) for x in ns.n.split(",")):
+        r2, d2 = summary(run_rabit2(n, gbdt_args))
+        c17, d17 = summary(run_classic(n, gbdt_args))
+        agree = len(d2) == 1 and d2 == d17
+        print(f"| {n} | {r2:.3f} s | {c17:.3f} s | {c17 / r2:.2f}x | {agree} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
