@@ -350,25 +350,39 @@ def test_data_on_a_link_the_call_does_not_use() -> None:
     assert CloseLink(3, str(error)) in cmds
 
 
-def test_stale_frame_between_calls_is_protocol_error() -> None:
+def test_stale_frame_between_calls_is_a_sequence_mismatch() -> None:
+    """A frame of a call this rank already finished: the call sequences diverged."""
     agent, _, _ = rank0_of_two_receiving(4)
     desc = bcast_desc(1, 4)
     feed(agent, 1, data_frame(desc, (0, 0), 0, b"abcd"))
     cmds, _ = feed(agent, 1, data_frame(desc, (0, 0), 0, b"abcd"))  # call (0, 0) again
     error = only_failure(cmds).error
-    assert isinstance(error, ProtocolError) and "already finished" in str(error)
+    assert isinstance(error, MismatchError) and "sequence mismatch" in str(error)
     assert only_failure(cmds).call_id is None
-    assert CloseLink(1, str(error)) in cmds
+    assert not of_type(cmds, CloseLink)  # flooded like any mismatch, the link is not at fault
 
 
-def test_stale_frame_during_a_call_is_protocol_error() -> None:
+def test_stale_frame_during_a_call_is_a_sequence_mismatch() -> None:
     agent, _, _ = rank0_of_two_receiving(4)
     desc = bcast_desc(1, 4)
     feed(agent, 1, data_frame(desc, (0, 0), 0, b"abcd"))
     agent.begin(bcast_call(np.zeros(4, np.uint8), 1), 0.0)
     cmds, _ = feed(agent, 1, data_frame(desc, (0, 0), 0, b"abcd"))
     failure = only_failure(cmds)
-    assert isinstance(failure.error, ProtocolError) and failure.call_id == (0, 1)
+    assert isinstance(failure.error, MismatchError) and failure.call_id == (0, 1)
+
+
+def test_extra_checkpoint_on_one_rank_fails_every_rank_at_once() -> None:
+    """One rank checkpoints where the others do not: without the check every rank would wait
+    for bytes that never come, until the progress deadline."""
+    world = 5
+    calls, _, _ = _allreduce_calls(world, 100, TREE, seed=2)
+    net = SimNet(world, seed=2)
+    net.agents[3].checkpoint()  # rank 3's next call is (1, 0); the others' is (0, 0)
+    net.run(calls)
+    assert set(net.failed) == set(range(world)) and net.done == {}
+    assert all(isinstance(e, MismatchError) for e in net.failed.values()), net.failed
+    assert any("sequence mismatch" in str(e) for e in net.failed.values())
 
 
 def test_mismatched_descriptor_fails_and_tells_the_peer() -> None:

@@ -143,3 +143,31 @@ def test_kill_9_mid_transfer_fails_every_survivor_fast(count: int, victim: int,
         assert found, out[-3000:]
         assert float(found.group(2)) < 10
     assert "SURVIVED" not in out
+
+
+@pytest.mark.integration
+def test_diverging_call_sequences_fail_fast_with_a_sequence_mismatch() -> None:
+    """Rank 1 checkpoints where the others do not: a typed error everywhere, not a hang."""
+    code = (
+        "import sys, time, numpy as np, rabit2\n"
+        "rabit2.init()\n"
+        "r = rabit2.get_rank()\n"
+        "rabit2.allreduce(np.ones(10), rabit2.SUM)\n"
+        "if r == 1:\n"
+        "    rabit2.checkpoint({'extra': True})\n"
+        "t = time.monotonic()\n"
+        "try:\n"
+        "    rabit2.allreduce(np.ones(10), rabit2.SUM)\n"
+        "except rabit2.errors.MismatchError as exc:\n"
+        "    print(f'DIVERGED {r} after {time.monotonic() - t:.2f}s: {exc}', flush=True)\n"
+        "    rabit2.finalize()\n"  # a clean exit: no restart races with the other reports
+        "    sys.exit(0)\n"
+        "print(f'NO ERROR {r}', flush=True)\n"
+    )
+    proc = submit(3, sys.executable, "-c", code, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert "NO ERROR" not in out
+    for rank in range(3):
+        found = re.search(rf"DIVERGED {rank} after ([0-9.]+)s: .*sequence mismatch", out)
+        assert found, out[-3000:]
+        assert float(found.group(1)) < 10

@@ -417,17 +417,34 @@ class Agent:
             return
         active = self.active
         current = active.call_id if active is not None else (self.version, self.seqno)
+        if frame.call_id < current:
+            # the peer is still in a call this rank has finished or never made
+            raise self._diverged(peer, frame.call_id, current)
         if frame.call_id > current or active is None:
-            if frame.call_id < current:
-                raise ProtocolError(
-                    f"rank {peer} sent a frame of call {frame.call_id}, already finished here"
-                )
+            if active is not None and self._needs_input(active, peer):
+                # TCP keeps a peer's frames in order and a peer finishes sending a call before
+                # it starts the next one: a later call's frame while this call still waits
+                # for that peer's bytes means the ranks' call sequences diverged (an extra
+                # collective or checkpoint on one side); waiting would hang until the deadline
+                raise self._diverged(peer, frame.call_id, current)
             link.mode, link.frame = _Mode.HELD, frame
             cmds.append(PauseReading(peer))
             return
-        if frame.call_id < current:
-            raise ProtocolError(f"rank {peer} sent a frame of finished call {frame.call_id}")
         self._accept_frame(peer, link, frame, active, now, cmds)
+
+    def _diverged(self, peer: int, theirs: tuple[int, int], ours: tuple[int, int]) -> MismatchError:
+        return MismatchError(
+            f"sequence mismatch: rank {peer} is at call {theirs} (version, seqno) while rank "
+            f"{self.rank} is at call {ours}: the ranks made different sequences of collectives "
+            "or checkpoints"
+        )
+
+    @staticmethod
+    def _needs_input(active: _Active, peer: int) -> bool:
+        stream = active.plan.in_streams.get(peer)
+        return stream is not None and (
+            active.plan.received[peer] < stream.length or active.frames_seen[peer] == 0
+        )
 
     def _size_broadcast(self, plan: TreeBroadcast, frame: FrameHeader, active: _Active) -> None:
         """The first frame from the root's side says how large the broadcast is."""
@@ -545,7 +562,8 @@ class Agent:
                         return cmds
                     cmds.append(ResumeReading(peer))
                 elif link.frame.call_id < call_id:
-                    self._fail(ProtocolError(f"stale frame from rank {peer}"), cmds, close=peer)
+                    # this rank skipped the call that frame belongs to
+                    self._fail(self._diverged(peer, link.frame.call_id, call_id), cmds)
                     return cmds
         self._pump(active, cmds)
         self._maybe_complete(active, cmds)
@@ -664,13 +682,9 @@ class Agent:
 
     @staticmethod
     def _needs(active: _Active, peer: int) -> bool:
-        plan = active.plan
-        stream = plan.in_streams.get(peer)
-        if stream is not None and (
-            plan.received[peer] < stream.length or active.frames_seen[peer] == 0
-        ):
+        if Agent._needs_input(active, peer):
             return True
-        out = plan.out_streams.get(peer)
+        out = active.plan.out_streams.get(peer)
         if out is None:
             return False
         if out.length == 0:
