@@ -218,3 +218,25 @@ def test_cli_interrupt_leaves_no_worker(worker: Path) -> None:
     assert proc.returncode == EXIT_INTERRUPTED, stderr
     assert "interrupted" in stderr and "killed" in stderr
     assert_all_dead(pid_dir)
+
+
+def test_bind_cpu_for_pins_round_robin_only_when_asked_or_not_oversubscribed() -> None:
+    from tracker.submit import bind_cpu_for  # noqa: PLC0415
+
+    cpus = [2, 5]
+    assert [bind_cpu_for(t, 2, "auto", cpus) for t in range(2)] == [2, 5]
+    assert [bind_cpu_for(t, 4, "auto", cpus) for t in range(4)] == [None] * 4
+    assert [bind_cpu_for(t, 4, "core", cpus) for t in range(4)] == [2, 5, 2, 5]
+    assert bind_cpu_for(0, 1, "none", cpus) is None
+    env = build_worker_env({}, {}, task_id=1, attempt=0, bind_cpu=5)
+    assert env["RABIT2_BIND_CPU"] == "5"
+    assert "RABIT2_BIND_CPU" not in build_worker_env({}, {}, task_id=1, attempt=0)
+
+
+def test_bind_and_heartbeat_options_are_parsed_and_checked() -> None:
+    options = parse_args(["-n", "2", "--bind", "none", "--heartbeat-timeout", "2.5", "--",
+                          "true"])
+    assert (options.bind, options.heartbeat_timeout) == ("none", 2.5)
+    for bad in (["--bind", "socket"], ["--heartbeat-timeout", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(["-n", "2", *bad, "--", "true"])
