@@ -171,3 +171,32 @@ def test_diverging_call_sequences_fail_fast_with_a_sequence_mismatch() -> None:
         found = re.search(rf"DIVERGED {rank} after ([0-9.]+)s: .*sequence mismatch", out)
         assert found, out[-3000:]
         assert float(found.group(1)) < 10
+
+
+@pytest.mark.integration
+def test_root_does_not_wait_forever_for_a_paused_receiver_to_drain() -> None:
+    """The root hands its last bytes to the kernel, the receiver is paused mid-transfer and
+    never reads them: the root must come back (done or a typed error) soon after the
+    tracker declares the receiver lost, not after the outer bound of an hour."""
+    code = (
+        "import os, signal, sys, threading, time, numpy as np, rabit2\n"
+        "rabit2.init()\n"
+        "r = rabit2.get_rank()\n"
+        "data = np.ones(64 << 20, np.uint8) if r == 0 else None\n"
+        "if r == 1:\n"
+        "    threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGSTOP)).start()\n"
+        "t = time.monotonic()\n"
+        "try:\n"
+        "    rabit2.broadcast(data, 0)\n"
+        "    print(f'ROOT DONE {r} after {time.monotonic() - t:.1f}s', flush=True)\n"
+        "except rabit2.errors.RabitError as exc:\n"
+        "    print(f'ROOT DONE {r} after {time.monotonic() - t:.1f}s: {type(exc).__name__}',"
+        " flush=True)\n"
+        "rabit2.finalize()\n"
+    )
+    proc = submit(2, sys.executable, "-c", code, timeout=120,
+                  extra=("--heartbeat-timeout", "3", "--kill-grace", "1"))
+    out = proc.stdout + proc.stderr
+    found = re.search(r"ROOT DONE 0 after ([0-9.]+)s", out)
+    assert found, out[-3000:]
+    assert float(found.group(1)) < 30

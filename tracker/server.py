@@ -36,6 +36,7 @@ from rabit2.errors import CollectiveTimeoutError, ProtocolError, RabitError
 from rabit2.io.handshake import server_handshake, tune_socket
 
 logger = logging.getLogger("rabit2.tracker")
+SILENCE_REASON = "no message for"  # how a heartbeat timeout is reported
 
 _READ_SIZE = 65536
 _MAX_TASK_ID = 256  # task ids are labels; bound them like every other wire length
@@ -348,7 +349,7 @@ class Tracker:
             except TimeoutError as exc:
                 if exc.errno is not None:  # the kernel's ETIMEDOUT, not our deadline
                     return f"connection timed out: {exc}"
-                return f"no message for {timeout:g}s"
+                return f"{SILENCE_REASON} {timeout:g}s"
             if not data:
                 return "connection closed by the worker"
             for msg in decoder.feed(data):
@@ -558,7 +559,22 @@ class TrackerThread:
         self._started = concurrent.futures.Future[None]()
         self._ranks: dict[str, int] = {}
         self._ranks_lock = threading.Lock()
+        self._silent: list[str] = []
         self.tracker.on_rank_assigned = self._remember_rank
+        self.tracker.on_worker_lost = self._worker_lost
+
+    def _worker_lost(self, task_id: str, rank: int | None, reason: str) -> None:
+        del rank
+        if reason.startswith(SILENCE_REASON):
+            with self._ranks_lock:
+                self._silent.append(task_id)
+
+    def take_silent(self) -> list[str]:
+        """Task ids the tracker gave up on for silence (a paused or wedged process that
+        still holds its connection) since the last call; the launcher stops them."""
+        with self._ranks_lock:
+            silent, self._silent = self._silent, []
+        return silent
 
     def start(self, timeout: float = 10.0) -> None:
         """Start the thread and bind.  Raises what :meth:`Tracker.start` raised."""

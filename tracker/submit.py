@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import os
 import secrets
@@ -284,7 +285,14 @@ class LocalLauncher:
         if self._abort_seen_at is not None and now - self._abort_seen_at > _ABORT_GRACE_SEC:
             self._note("workers did not exit after the abort; stopping them")
             return False
+        silent = set(self.tracker.take_silent())
         for task in self.tasks:
+            if str(task.task_id) in silent and task.proc is not None and task.status == "running":
+                # a paused or wedged worker keeps its process alive but answers nothing: stop
+                # it, so that the usual restart-or-give-up logic runs instead of waiting
+                self._note(f"task {task.task_id} went silent; killing it")
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(task.proc.pid, signal.SIGKILL)
             if task.status == "restarting" and now >= task.restart_at:
                 self._spawn(task)
             if task.proc is None or task.status != "running":

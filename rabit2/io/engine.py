@@ -369,6 +369,11 @@ class Engine:
             elif isinstance(cmd, CallComplete):
                 self._completed = True
                 self.on_drained()
+                if self._pending is not None:
+                    # the last bytes are queued on a link whose peer stopped reading: that
+                    # wait has the same progress deadline as the call itself
+                    waiting = self._pending
+                    self.loop.call_later(self.config.timeout_sec, self._drain_deadline, waiting)
             elif isinstance(cmd, CallFailed):
                 waiter, self._pending = self._pending, None
                 if waiter is not None:
@@ -407,12 +412,26 @@ class Engine:
         self._completed = False
         waiter.finish(None)
 
+    def _drain_deadline(self, waiter: _Waiter) -> None:
+        if self._pending is waiter:
+            self._pending, self._completed = None, False
+            blocked = [p for p, link in self.links.items() if link.write_blocked]
+            waiter.finish(CollectiveTimeoutError(
+                f"rank {self.agent.rank}: ranks {blocked} did not read this call's last bytes "
+                f"within {self.config.timeout_sec:g} s"
+            ))
+
     def _on_peer_lost(self, rank: int, incarnation: int, reason: str) -> None:
         """The tracker saw a neighbour die or go silent (a paused process keeps its TCP
         links open, so only the tracker's heartbeat deadline can tell): treat it as that
         link's hang-up, so a call that needs it fails now instead of at the progress
         deadline."""
         del incarnation
+        link = self.links.get(rank)
+        if link is not None and link.write_blocked and link.transport is not None:
+            # bytes queued for a peer that will never read them: drop the link, so that a
+            # finished call stops waiting for them (connection_lost clears the flag)
+            link.transport.abort()
         self.on_hangup(rank, f"the tracker lost rank {rank}: {reason}")
 
     def _on_abort(self, reason: str) -> None:
