@@ -165,9 +165,12 @@ def _run(call: Call) -> None:
     state = _require()
     if state.engine is None:
         return
-    kill_after = _mock_hit(call.kind.name.lower())
-    state.engine.run_call(call, kill_after)
-    state.seqno += 1
+    # one collective at a time per process: calls from several threads queue here (their
+    # order must still be the same on every rank, or the ranks get a MismatchError)
+    with state.lock:
+        kill_after = _mock_hit(call.kind.name.lower())
+        state.engine.run_call(call, kill_after)
+        state.seqno += 1
 
 
 # ----------------------------------------------------------------------------- allreduce
