@@ -859,3 +859,16 @@ def test_fuzz_broadcast_and_allgather(world: int, count: int, max_piece: int, se
              for r in range(world)})
     assert net.failed == {} and set(net.done) == set(range(world))
     assert all(b.tobytes() == full.tobytes() for b in gbufs)
+
+
+def test_early_frame_of_a_later_call_that_this_call_needs_is_a_sequence_mismatch() -> None:
+    """The frame arrived (and was held) before this rank began the call that needs that
+    peer's bytes: beginning the call must see the divergence, not wait for the deadline."""
+    agent, _, _ = rank0_of_two_receiving(4)
+    desc = bcast_desc(1, 4)
+    feed(agent, 1, data_frame(desc, (0, 0), 0, b"abcd"))
+    cmds, _ = feed(agent, 1, data_frame(desc, (1, 0), 0, b"wxyz"))  # the peer checkpointed
+    assert cmds == [PauseReading(1)]
+    cmds = agent.begin(bcast_call(np.zeros(4, np.uint8), 1), 0.0)  # this rank did not
+    error = only_failure(cmds).error
+    assert isinstance(error, MismatchError) and "sequence mismatch" in str(error)

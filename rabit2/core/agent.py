@@ -561,8 +561,9 @@ class Agent:
                         self._fail(exc, cmds, source=peer, close=peer)
                         return cmds
                     cmds.append(ResumeReading(peer))
-                elif link.frame.call_id < call_id:
-                    # this rank skipped the call that frame belongs to
+                elif link.frame.call_id < call_id or self._needs_input(active, peer):
+                    # this rank skipped the call that frame belongs to, or the peer already
+                    # moved past this call although this call needs its bytes
                     self._fail(self._diverged(peer, link.frame.call_id, call_id), cmds)
                     return cmds
         self._pump(active, cmds)
