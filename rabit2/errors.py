@@ -34,6 +34,12 @@ class PeerLostError(RabitError):
     """A peer link failed and the operation cannot complete."""
 
 
+class UnrecoverableError(RabitError):
+    """A lost worker cannot be brought back: something its recovery needs is gone from every
+    live rank (a checkpoint version or a retained result), or the survivors' states
+    contradict each other.  Raised on every rank."""
+
+
 class CollectiveTimeoutError(RabitError):
     """A wait exceeded its progress deadline (no byte moved for ``timeout`` seconds)."""
 
@@ -60,4 +66,5 @@ __all__ = [
     "ProtocolError",
     "RabitError",
     "TrackerError",
+    "UnrecoverableError",
 ]

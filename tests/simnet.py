@@ -17,6 +17,7 @@ from rabit2.core.agent import (
     Call,
     CallComplete,
     CallFailed,
+    CheckpointLoaded,
     CloseLink,
     Command,
     PauseReading,
@@ -36,6 +37,9 @@ class SimNet:
         self.closed: set[tuple[int, int]] = set()
         self.done: dict[int, tuple[int, int]] = {}
         self.failed: dict[int, Exception] = {}
+        self.loaded: dict[int, tuple[int, bytes | None]] = {}
+        self.dead: set[int] = set()
+        self.agent_kw = agent_kw
         self.now = 0.0
         self.bytes_on_link: dict[tuple[int, int], int] = {}
         for rank in range(world):
@@ -69,6 +73,49 @@ class SimNet:
             elif isinstance(cmd, CloseLink):
                 self.closed.add((rank, cmd.peer))
                 self.closed.add((cmd.peer, rank))
+            elif isinstance(cmd, CheckpointLoaded):
+                self.loaded[rank] = (cmd.version, cmd.blob)
+
+    # -- faults: a rank dies (its links drop, in-flight bytes are cut) and comes back ----------
+
+    def kill(self, rank: int) -> None:
+        """SIGKILL: bytes to the victim are lost; of the bytes it had queued, a random
+        prefix still arrives (the kernel may have sent some before the reset)."""
+        self.dead.add(rank)
+        self.done.pop(rank, None)
+        for peer in self.agents[rank].links:
+            del self.queues[(peer, rank)][:]
+            q = self.queues[(rank, peer)]
+            del q[self.rng.randint(0, len(q)) :]
+        for peer in self.agents[rank].links:
+            self.closed.add((rank, peer))
+            if peer not in self.dead:
+                self.execute(peer, self.agents[peer].on_hangup(rank, "killed", self.now))
+
+    def restart(self, rank: int, incarnation: int) -> Agent:
+        """The launcher's restart: a fresh agent for ``rank``; links come up both ways."""
+        # the victim's last bytes were either delivered or lost with the connection
+        for peer in self.agents[rank].links:
+            del self.queues[(rank, peer)][:]
+        agent = Agent(**self.agent_kw)  # type: ignore[arg-type]
+        agent.incarnation = incarnation
+        agent.restarted = True
+        agent.start()
+        agent.connect_tracker(rank, self.world)
+        agent.connect_peers()
+        agent.accept_peers(self.now)
+        self.agents[rank] = agent
+        self.dead.discard(rank)
+        self.failed.pop(rank, None)
+        self.loaded.pop(rank, None)
+        for peer in agent.links:
+            self.closed.discard((rank, peer))
+            self.closed.discard((peer, rank))
+            self.paused.discard((rank, peer))
+            self.paused.discard((peer, rank))
+            self.execute(peer, self.agents[peer].on_link_up(rank, incarnation, self.now))
+            self.execute(rank, agent.on_link_up(peer, self.agents[peer].incarnation, self.now))
+        return agent
 
     def begin(self, calls: dict[int, Call]) -> None:
         self.done.clear()
@@ -92,6 +139,9 @@ class SimNet:
         if not ready:
             return False
         src, dst = self.rng.choice(ready)
+        if dst in self.dead:
+            del self.queues[(src, dst)][:]
+            return True
         q = self.queues[(src, dst)]
         agent = self.agents[dst]
         target = agent.recv_buffer(src)

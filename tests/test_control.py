@@ -33,6 +33,7 @@ _SAMPLE_VALUES: dict[type, Any] = {
     str: "hé llo",
     int: 7,
     list: [1, 2],
+    bool: True,
 }
 
 EXAMPLES: list[dict[str, Any]] = [
@@ -48,7 +49,8 @@ def _raw_frame(body_map: object) -> bytes:
 
 def test_message_table_covers_the_protocol() -> None:
     required = {"challenge", "auth", "ok", "refuse", "register", "assign", "print", "heartbeat",
-                "shutdown", "bye", "error", "abort", "status", "status_reply"}
+                "shutdown", "bye", "error", "abort", "status", "status_reply",
+                "state", "need", "fetch", "reply"}
     assert required <= set(MESSAGE_FIELDS)
 
 

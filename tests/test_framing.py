@@ -108,7 +108,7 @@ def test_parse_rejects_bad_magic(magic: int) -> None:
         parse_header(_raw(magic=magic))
 
 
-@pytest.mark.parametrize("kind", [0, 3, 0x7F, 0xFF])
+@pytest.mark.parametrize("kind", [0, 5, 0x7F, 0xFF])
 def test_parse_rejects_unknown_frame_kind(kind: int) -> None:
     with pytest.raises(ProtocolError, match="frame kind"):
         parse_header(_raw(kind=kind))

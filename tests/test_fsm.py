@@ -128,12 +128,18 @@ def test_failed_is_only_left_by_shutdown() -> None:
 
 
 def test_every_state_reachable_from_idle() -> None:
-    # PEER_ERROR is reserved for lazy recovery (issue 3, see the comment in fsm.py): the
-    # table has transitions out of it but none into it yet.  When an edge into it lands,
-    # this test fails on purpose: drop the exception.
-    reserved = {State.PEER_ERROR}
-    assert _reachable(State.IDLE) == set(State) - reserved
-    assert not any(nxt in reserved for (src, _), nxt in TRANSITIONS.items() if src not in reserved)
+    assert _reachable(State.IDLE) == set(State)
+
+
+def test_peer_error_returns_to_the_call_it_interrupted() -> None:
+    for call_state, resume in [(State.ALLREDUCE, Event.RESUME_ALLREDUCE),
+                               (State.BROADCAST, Event.RESUME_BROADCAST),
+                               (State.ALLGATHER, Event.RESUME_ALLGATHER)]:
+        assert transition(call_state, Event.PEER_DOWN) is State.PEER_ERROR
+        assert transition(State.PEER_ERROR, resume) is call_state
+    assert transition(State.PEER_ERROR, Event.OP_COMPLETE) is State.READY
+    with pytest.raises(InvalidTransition):
+        transition(State.READY, Event.PEER_DOWN)
 
 
 def test_calls_start_only_from_ready() -> None:

@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from rabit2.core import fsm
+from rabit2.core.control import decode_body, encode_body
 from rabit2.core.framing import (
     CALL_PREFIX_SIZE,
     HEADER_SIZE,
@@ -40,6 +43,19 @@ from rabit2.core.framing import (
     unpack_tail,
 )
 from rabit2.core.ops import Op, dtype_code
+from rabit2.core.recovery import (
+    DEFAULT_RETAIN_BYTES,
+    GENERATIONS,
+    CallId,
+    PeerState,
+    ResultStore,
+    Role,
+    call_id,
+    checkpoint_version,
+    descriptor_from_wire,
+    descriptor_to_wire,
+    role_of,
+)
 from rabit2.core.schedule import (
     PairExchange,
     PayloadFn,
@@ -57,6 +73,7 @@ from rabit2.errors import (
     PeerLostError,
     ProtocolError,
     RabitError,
+    UnrecoverableError,
 )
 
 State, Event = fsm.State, fsm.Event
@@ -67,6 +84,7 @@ _ERROR_CLASSES: dict[str, type[RabitError]] = {
     "protocol": ProtocolError,
     "timeout": CollectiveTimeoutError,
     "aborted": JobAbortedError,
+    "unrecoverable": UnrecoverableError,
 }
 _ERROR_NAMES = {cls: name for name, cls in _ERROR_CLASSES.items()}
 
@@ -111,7 +129,16 @@ class CloseLink:
     reason: str
 
 
-Command = Send | PauseReading | ResumeReading | CallComplete | CallFailed | CloseLink
+@dataclasses.dataclass(frozen=True, slots=True)
+class CheckpointLoaded:
+    """A restarted rank fetched the checkpoint it resumes from (``blob`` None: version 0)."""
+
+    version: int
+    blob: bytes | None
+
+
+Command = (Send | PauseReading | ResumeReading | CallComplete | CallFailed | CloseLink
+           | CheckpointLoaded)
 
 
 # ----------------------------------------------------------------------------- calls
@@ -134,6 +161,17 @@ class Call:
     head_size: int = 0
 
 
+_NO_CALL = CallDescriptor(CollectiveKind.BROADCAST, NONE_U8, NONE_U8, NONE_U16, 0)
+"""The descriptor of frames that belong to no call (ERROR, CONTROL)."""
+
+_RESUME_EVENTS = {
+    CollectiveKind.ALLREDUCE_TREE: Event.RESUME_ALLREDUCE,
+    CollectiveKind.ALLREDUCE_RING: Event.RESUME_ALLREDUCE,
+    CollectiveKind.ALLREDUCE_PAIR: Event.RESUME_ALLREDUCE,
+    CollectiveKind.BROADCAST: Event.RESUME_BROADCAST,
+    CollectiveKind.ALLGATHER: Event.RESUME_ALLGATHER,
+}
+
 _CALL_EVENTS = {
     CollectiveKind.ALLREDUCE_TREE: Event.CALL_ALLREDUCE,
     CollectiveKind.ALLREDUCE_RING: Event.CALL_ALLREDUCE,
@@ -150,15 +188,17 @@ STAGE_SIZE = 16 * 1024  # holds a small call whole; larger payloads land zero-co
 class _Mode(enum.Enum):
     HEADER = 1
     PAYLOAD = 2
-    ERROR_PAYLOAD = 3
+    BODY = 3  # the msgpack payload of an ERROR or CONTROL frame
     HELD = 4  # a header of a later call was read; the link is paused until that call starts
+    BLOB = 5  # the raw bytes a "reply" announced, landing where the fetch said
 
 
 class _Link:
     """Receive-side framing state of one peer link."""
 
-    __slots__ = ("end", "error_buf", "filled", "frame", "mode", "pos", "remaining", "scratch",
-                 "send_scratch", "stage", "start")
+    __slots__ = ("awaiting_need", "blob", "blob_fetch", "body_kind", "end", "error_buf",
+                 "filled", "frame", "incarnation", "mode", "pos", "remaining", "scratch",
+                 "send_scratch", "stage", "start", "state", "up")
 
     def __init__(self) -> None:
         # headers are read into this staging buffer together with whatever follows them, so
@@ -171,16 +211,46 @@ class _Link:
         self.frame: FrameHeader | None = None
         self.pos = 0  # stream position of the next payload byte
         self.remaining = 0  # payload bytes left in the current frame
-        self.error_buf = bytearray()
+        self.error_buf = bytearray()  # the body of an ERROR or CONTROL frame
+        self.body_kind = FrameKind.ERROR
+        self.blob = memoryview(b"")  # where the BLOB frame announced by a reply lands
+        self.blob_fetch: _Fetch | None = None
         self.scratch = np.empty(0, dtype=np.uint8)
         self.send_scratch = np.empty(0, dtype=np.uint8)
+        # recovery (docs/recovery.md)
+        self.up = True  # connected; False after a hang-up until the link comes up again
+        self.incarnation = 0  # of the peer process at the other end
+        self.state: PeerState | None = None  # what the peer said when the link came up
+        # the link came up during a call: send nothing of that call until the peer says
+        # from which offset it needs our stream (its "need")
+        self.awaiting_need = False
+
+    def reset_framing(self, pos: int) -> None:
+        """A new connection: nothing of the old one's partial frames carries over."""
+        self.mode = _Mode.HEADER
+        self.start = self.end = self.filled = self.remaining = 0
+        self.frame = None
+        self.pos = pos
+        self.blob_fetch = None
+
+
+class _Fetch:
+    """A request this rank sent with ``fetch`` and the place its answer goes."""
+
+    __slots__ = ("call", "dest", "peer", "request", "what", "whole")
+
+    def __init__(self, request: int, peer: int, what: str, call: CallId, whole: bool,
+                 dest: memoryview | None) -> None:
+        self.request, self.peer, self.what, self.call = request, peer, what, call
+        self.whole = whole  # the whole result or checkpoint, not a byte range of it
+        self.dest = dest  # None: a blob of the announced size is allocated (checkpoints)
 
 
 class _Active:
     """Bookkeeping of the call in progress."""
 
-    __slots__ = ("call", "call_id", "desc", "frames_seen", "plan", "prefix", "sent",
-                 "started_empty")
+    __slots__ = ("call", "call_id", "desc", "fetching", "final", "frames_seen", "plan",
+                 "prefix", "sent", "skip_in", "started_empty")
 
     def __init__(self, call: Call, call_id: tuple[int, int], desc: CallDescriptor,
                  plan: Plan) -> None:
@@ -191,6 +261,10 @@ class _Active:
         self.sent = dict.fromkeys(plan.out_streams, 0)
         self.frames_seen = dict.fromkeys(plan.in_streams, 0)
         self.started_empty: set[int] = set()
+        # recovery of this call on a restarted rank (docs/recovery.md)
+        self.fetching = 0  # fetches whose bytes this call still waits for
+        self.final = False  # the whole result is fetched: every out-stream can be served
+        self.skip_in: set[int] = set()  # in-streams this call does not wait for any more
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -214,7 +288,13 @@ class Agent:
         ring_mincount: int = 32768,
         tree_chunk: int = 1 << 20,
         timeout: float = 1800.0,
+        recover: bool = False,
+        recover_timeout: float = 300.0,
+        retain_bytes: int = DEFAULT_RETAIN_BYTES,
     ) -> None:
+        """``recover``: a lost link the call needs makes the call wait (up to
+        ``recover_timeout`` seconds) for the peer's replacement instead of failing, and
+        every finished call's result is kept for replay (``docs/recovery.md``)."""
         self.state = State.IDLE
         self.rank = 0
         self.world = 1
@@ -234,6 +314,21 @@ class Agent:
         self._bytes_received = 0
         self._frames_sent = 0
         self._frames_received = 0
+        # recovery
+        self.recover = recover
+        self.recover_timeout = recover_timeout
+        self.incarnation = 0
+        self.results = ResultStore(retain_bytes)
+        self.checkpoints: dict[int, bytes | Callable[[], bytes]] = {}
+        self.down_since: dict[int, float] = {}  # lost links the job waits to come back
+        # a restarted rank: what each neighbour said when its link came up
+        self.peer_states: dict[int, PeerState] = {}
+        self.restarted = False
+        self._replay_until: CallId = (0, 0)  # calls before this were finished by a neighbour
+        self._fetches: dict[int, _Fetch] = {}
+        self._next_request = 1
+        self._recovery_stats = {"links_up": 0, "fetched_bytes": 0, "resent_bytes": 0,
+                                "replayed_calls": 0, "resumed_calls": 0}
 
     # ------------------------------------------------------------------ lifecycle events
 
@@ -282,8 +377,10 @@ class Agent:
             active = self.active
             assert active is not None
             return active.plan.in_streams[peer].view(link.pos, link.remaining)
-        if mode is _Mode.ERROR_PAYLOAD:
+        if mode is _Mode.BODY:
             return memoryview(link.error_buf)[link.filled :]
+        if mode is _Mode.BLOB:
+            return link.blob[link.filled : link.filled + link.remaining]
         # HEADER (HELD only if the loop delivers bytes it read before the pause took effect,
         # which on_bytes reports as a protocol breach)
         return link.stage[link.end :]
@@ -312,20 +409,26 @@ class Agent:
             elif link.mode is _Mode.HEADER:
                 link.end += nbytes
                 self._drain(peer, link, now, cmds)
-            elif link.mode is _Mode.ERROR_PAYLOAD:
+            elif link.mode is _Mode.BODY:
                 link.filled += nbytes
                 if link.filled == len(link.error_buf):
                     link.mode, link.filled = _Mode.HEADER, 0
-                    error_type, reason, origin = decode_error(link.error_buf)
-                    self._remote_error(peer, error_type, reason, origin, cmds)
+                    self._on_body(peer, link, now, cmds)
                 else:
                     return cmds
                 self._drain(peer, link, now, cmds)
+            elif link.mode is _Mode.BLOB:
+                self.last_progress = now
+                link.filled += nbytes
+                link.remaining -= nbytes
+                if not link.remaining:
+                    self._blob_done(peer, link, cmds)
+                    self._drain(peer, link, now, cmds)
             else:
                 raise ProtocolError(f"bytes from rank {peer} while its link is held")
         except ProtocolError as exc:
             self._fail(exc, cmds, source=peer, close=peer)
-        except MismatchError as exc:
+        except (MismatchError, UnrecoverableError) as exc:
             self._fail(exc, cmds)  # the peer that disagrees must hear it too
         return cmds
 
@@ -387,7 +490,7 @@ class Agent:
             self.last_progress = now
             if not link.remaining:
                 link.mode = _Mode.HEADER
-        elif link.mode is _Mode.ERROR_PAYLOAD:
+        elif link.mode is _Mode.BODY:
             take = min(avail, len(link.error_buf) - link.filled)
             link.error_buf[link.filled : link.filled + take] = link.stage[
                 link.start : link.start + take
@@ -396,8 +499,17 @@ class Agent:
             link.filled += take
             if link.filled == len(link.error_buf):
                 link.mode, link.filled = _Mode.HEADER, 0
-                error_type, reason, origin = decode_error(link.error_buf)
-                self._remote_error(peer, error_type, reason, origin, cmds)
+                self._on_body(peer, link, now, cmds)
+        elif link.mode is _Mode.BLOB:
+            take = min(avail, link.remaining)
+            link.blob[link.filled : link.filled + take] = link.stage[
+                link.start : link.start + take
+            ]
+            link.start += take
+            link.filled += take
+            link.remaining -= take
+            if not link.remaining:
+                self._blob_done(peer, link, cmds)
 
     @staticmethod
     def _received(plan: Plan, peer: int, pos: int) -> None:
@@ -409,11 +521,19 @@ class Agent:
 
     def _dispatch_header(self, peer: int, link: _Link, frame: FrameHeader, now: float,
                          cmds: list[Command]) -> None:
-        if frame.kind is FrameKind.ERROR:
-            link.error_buf = bytearray(frame.length)
-            link.mode = _Mode.ERROR_PAYLOAD if frame.length else _Mode.HEADER
+        if frame.kind in (FrameKind.ERROR, FrameKind.CONTROL):
             if not frame.length:
-                raise ProtocolError(f"empty error frame from rank {peer}")
+                raise ProtocolError(f"empty {frame.kind.name.lower()} frame from rank {peer}")
+            link.error_buf = bytearray(frame.length)
+            link.body_kind = frame.kind
+            link.mode, link.filled = _Mode.BODY, 0
+            return
+        if frame.kind is FrameKind.BLOB:
+            fetch = link.blob_fetch
+            if fetch is None or frame.length != len(link.blob):
+                raise ProtocolError(f"rank {peer} sent a blob of {frame.length} B that no "
+                                    "reply announced")
+            link.mode, link.filled, link.remaining = _Mode.BLOB, 0, frame.length
             return
         active = self.active
         current = active.call_id if active is not None else (self.version, self.seqno)
@@ -432,6 +552,26 @@ class Agent:
             return
         self._accept_frame(peer, link, frame, active, now, cmds)
 
+    def _on_body(self, peer: int, link: _Link, now: float, cmds: list[Command]) -> None:
+        """A whole ERROR or CONTROL payload arrived."""
+        body = bytes(link.error_buf)
+        if link.body_kind is FrameKind.ERROR:
+            error_type, reason, origin = decode_error(body)
+            self._remote_error(peer, error_type, reason, origin, cmds)
+            return
+        msg = decode_body(body)
+        kind = msg["t"]
+        if kind == "state":
+            self._on_state(peer, link, PeerState.from_msg(msg), now, cmds)
+        elif kind == "need":
+            self._on_need(peer, link, call_id(msg["call"], "need.call"), msg["from"], cmds)
+        elif kind == "fetch":
+            self._on_fetch(peer, msg, cmds)
+        elif kind == "reply":
+            self._on_reply(peer, link, msg, cmds)
+        else:
+            raise ProtocolError(f"rank {peer} sent a {kind!r} message on a peer link")
+
     def _diverged(self, peer: int, theirs: tuple[int, int], ours: tuple[int, int]) -> MismatchError:
         return MismatchError(
             f"sequence mismatch: rank {peer} is at call {theirs} (version, seqno) while rank "
@@ -441,6 +581,8 @@ class Agent:
 
     @staticmethod
     def _needs_input(active: _Active, peer: int) -> bool:
+        if peer in active.skip_in:
+            return False
         stream = active.plan.in_streams.get(peer)
         return stream is not None and (
             active.plan.received[peer] < stream.length or active.frames_seen[peer] == 0
@@ -453,6 +595,9 @@ class Agent:
             raise ProtocolError(f"broadcast size {total} from the wire is out of bounds")
         if frame.call.root != active.desc.root or frame.call.kind is not active.desc.kind:
             return  # the descriptor check reports the mismatch
+        self._size_to(plan, total, active)
+
+    def _size_to(self, plan: TreeBroadcast, total: int, active: _Active) -> None:
         try:
             plan.size(total)
         except (ValueError, TypeError, MemoryError) as exc:
@@ -539,13 +684,24 @@ class Agent:
         self.active = active
         self.last_progress = now
         cmds: list[Command] = []
-        for peer in self.dead_links:
-            if peer in plan.in_streams or peer in plan.out_streams:
-                self._fail(self._lost(peer), cmds, source=peer)
-                return cmds
+        if not self.recover:
+            for peer in self.dead_links:
+                if peer in plan.in_streams or peer in plan.out_streams:
+                    self._fail(self._lost(peer), cmds, source=peer)
+                    return cmds
+        for link in self.links.values():
+            link.pos = 0
+            link.awaiting_need = False  # it was about the call that ended before this one
+            if link.mode is not _Mode.BLOB:
+                link.remaining = 0
+        try:
+            if self.restarted:
+                self._begin_replay(active, cmds)
+        except RabitError as exc:
+            self._fail(exc, cmds)
+            return cmds
         # frames of this call that arrived early were held: replay their headers now
         for peer, link in self.links.items():
-            link.pos = link.remaining = 0
             if link.mode is _Mode.HELD:
                 assert link.frame is not None
                 if link.frame.call_id == call_id:
@@ -554,7 +710,7 @@ class Agent:
                         self._accept_frame(peer, link, link.frame, active, now, cmds)
                         self._take_staged(peer, link, now, cmds)
                         self._drain(peer, link, now, cmds)
-                    except MismatchError as exc:
+                    except (MismatchError, UnrecoverableError) as exc:
                         self._fail(exc, cmds)
                         return cmds
                     except ProtocolError as exc:
@@ -566,6 +722,11 @@ class Agent:
                     # moved past this call although this call needs its bytes
                     self._fail(self._diverged(peer, link.frame.call_id, call_id), cmds)
                     return cmds
+        if self.active is not active:
+            return cmds
+        if self.recover and any(not self.links[p].up and self._needs_input(active, p)
+                                for p in plan.in_streams):
+            self._go(Event.PEER_DOWN)  # a lost neighbour's input: wait for its replacement
         self._pump(active, cmds)
         self._maybe_complete(active, cmds)
         return cmds
@@ -583,11 +744,14 @@ class Agent:
                 return PairExchange(call.buf, call.dtype, call.op, self.rank, 1 - self.rank,
                                     self._scratch, self._send_scratch)
             if kind is CollectiveKind.ALLREDUCE_RING:
+                stage = self._send_scratch if self.recover and self.world == 2 else None
                 return RingAllreduce(call.buf, call.dtype, call.op, self.rank, self.world,
-                                     self._scratch)
+                                     self._scratch, stage)
             topo = topology(self.rank, self.world)
+            # with recovery on, the root's children stage its result (docs/recovery.md)
             return TreeAllreduce(call.buf, call.dtype, call.op, topo.parent, topo.children,
-                                 self._scratch, self.tree_chunk)
+                                 self._scratch, self.tree_chunk,
+                                 stage_down=self.recover and topo.parent == 0)
         if kind is CollectiveKind.BROADCAST:
             in_link, out_links = broadcast_route(self.rank, call.root, self.world)
             if call.receive is not None and in_link < 0:
@@ -610,10 +774,17 @@ class Agent:
 
     def _pump(self, active: _Active, cmds: list[Command]) -> None:
         """Send every out-stream byte that has become ready."""
+        if active.fetching:
+            return  # a restarted rank sends nothing until the result it resumes from is in
         plan = active.plan
         desc = active.desc
         version, seqno = active.call_id
+        final = active.final
+        links = self.links
         for peer, stream in plan.out_streams.items():
+            link = links[peer]
+            if link.awaiting_need or not link.up:
+                continue
             sent = active.sent.get(peer, 0)
             if stream.length == 0:
                 if peer not in active.started_empty:
@@ -622,7 +793,7 @@ class Agent:
                     cmds.append(Send(peer, [header]))
                     self._frames_sent += 1
                 continue
-            ready = plan.out_ready(peer)
+            ready = stream.length if final else plan.out_ready(peer)
             while ready > sent:
                 end = min(ready, sent + MAX_PAYLOAD)  # a frame's length is a u32
                 header = pack_header(FrameKind.DATA, desc, version, seqno, sent, end - sent)
@@ -635,45 +806,87 @@ class Agent:
     def _maybe_complete(self, active: _Active, cmds: list[Command]) -> None:
         if self.active is not active:
             return  # already completed (or failed) earlier in this event
-        plan = active.plan
-        if not plan.receiving_done():
+        if active.fetching:
             return
-        if any(n == 0 for n in active.frames_seen.values()):
+        plan = active.plan
+        if not active.skip_in:
+            if not plan.receiving_done():
+                return
+            if any(n == 0 for n in active.frames_seen.values()):
+                return
+        elif any(self._needs_input(active, p) for p in plan.in_streams):
             return
         for peer, stream in plan.out_streams.items():
+            link = self.links[peer]
+            if link.awaiting_need:
+                # a replacement is connected and about to say what it needs of this call:
+                # answer that before moving on, so no later frame overtakes the answer
+                return
+            if not link.up:
+                continue  # a lost peer's share is served later, from the retained result
             if active.sent.get(peer, 0) != stream.length:
                 return
             if stream.length == 0 and peer not in active.started_empty:
                 return
         self.active = None
         self._calls_completed += 1
+        if self.recover:
+            self.results.add(active.call_id, active.desc, self._result_bytes(active))
         self._go(Event.OP_COMPLETE)
         cmds.append(CallComplete(active.call_id))
 
     # ------------------------------------------------------------------ checkpoints
 
-    def checkpoint(self) -> int:
-        """Start a new version: sequence numbers restart at zero (rabit's call identity)."""
+    def checkpoint(self, blob: bytes | Callable[[], bytes] | None = None) -> int:
+        """Start a new version: sequence numbers restart at zero (rabit's call identity).
+
+        With recovery on, ``blob`` (the pickled global model, or a function that pickles it
+        when a restarted neighbour asks) is kept for :data:`GENERATIONS` versions, and so
+        are the results of the calls made in them."""
         if self.active is not None:
             raise RabitError("checkpoint inside a collective")
         self.version += 1
         self.seqno = 0
+        if self.recover:
+            if blob is not None:
+                self.checkpoints[self.version] = blob
+            for old in [v for v in self.checkpoints if v <= self.version - GENERATIONS]:
+                del self.checkpoints[old]
+            self.results.on_checkpoint(self.version)
         return self.version
 
     # ------------------------------------------------------------------ failures
 
     def on_hangup(self, peer: int, reason: str, now: float) -> list[Command]:
         """The link to ``peer`` closed or failed."""
-        del now
         self._go(Event.HANGUP)
         cmds: list[Command] = []
         if peer in self.dead_links or self.state in (State.FAILED, State.TASK_COMPLETE):
             return cmds
         self.dead_links[peer] = reason
-        # a peer that finished its last call closes its links; that is only an error if
-        # the call in progress still needs that link
-        if self.active is not None and self._needs(self.active, peer):
-            self._fail(self._lost(peer), cmds, source=peer)
+        active = self.active
+        if not self.recover:
+            # a peer that finished its last call closes its links; that is only an error if
+            # the call in progress still needs that link
+            if active is not None and self._needs(active, peer):
+                self._fail(self._lost(peer), cmds, source=peer)
+            return cmds
+        link = self.links[peer]
+        link.up = False
+        link.awaiting_need = False
+        self.down_since[peer] = now
+        try:
+            for fetch in [f for f in self._fetches.values() if f.peer == peer]:
+                self._refetch(fetch, cmds)
+        except RabitError as exc:
+            self._fail(exc, cmds)
+            return cmds
+        if active is not None and self.active is active:
+            if self._needs_input(active, peer):
+                if self.state is not State.PEER_ERROR:
+                    self._go(Event.PEER_DOWN)  # wait for the replacement, only on this input
+            else:
+                self._maybe_complete(active, cmds)  # its share is served later, if at all
         return cmds
 
     def _lost(self, peer: int) -> PeerLostError:
@@ -693,17 +906,28 @@ class Agent:
         return active.sent.get(peer, 0) < out.length
 
     def on_tick(self, now: float) -> list[Command]:
-        """Check the progress deadline: no byte moved for ``timeout`` seconds fails the call."""
+        """Check the deadlines: no byte moved for ``timeout`` seconds, or a lost input not
+        back within ``recover_timeout``, fails the call."""
         self._go(Event.TIMEOUT)
         cmds: list[Command] = []
-        if self.active is not None and now - self.last_progress > self.timeout:
+        active = self.active
+        if active is None:
+            return cmds
+        if now - self.last_progress > self.timeout:
             self._fail(
                 CollectiveTimeoutError(
-                    f"rank {self.rank}: no progress in call {self.active.call_id} for "
+                    f"rank {self.rank}: no progress in call {active.call_id} for "
                     f"{self.timeout:g} s"
                 ),
                 cmds,
             )
+            return cmds
+        for peer, since in self.down_since.items():
+            if now - since > self.recover_timeout and self._needs_input(active, peer):
+                self._fail(PeerLostError(
+                    f"rank {self.rank}: rank {peer} did not come back within "
+                    f"{self.recover_timeout:g} s ({self.dead_links.get(peer, 'lost')})"), cmds)
+                break
         return cmds
 
     def abort(self, reason: str) -> list[Command]:
@@ -756,6 +980,383 @@ class Agent:
             if peer != source:
                 cmds.append(Send(peer, [header, payload]))
                 self._frames_sent += 1
+
+    # ------------------------------------------------------------------ recovery
+
+    def on_link_up(self, peer: int, incarnation: int, now: float) -> list[Command]:
+        """A (new) connection to ``peer`` is ready: tell it where this rank stands.
+
+        Called for every link at ``init`` and again whenever a lost neighbour's
+        replacement (or the same process, after a reset) connects.  Framing starts afresh;
+        a call in progress sends nothing more to ``peer`` until ``peer`` says with a
+        ``need`` from which offset it wants this rank's stream (``docs/recovery.md``)."""
+        self._go(Event.LINK_UP)
+        cmds: list[Command] = []
+        link = self.links[peer]
+        if incarnation < link.incarnation:
+            raise ProtocolError(f"rank {peer} came back as incarnation {incarnation} after "
+                                f"{link.incarnation}")
+        was_down = not link.up
+        link.incarnation = incarnation
+        link.up = True
+        link.state = None
+        self.dead_links.pop(peer, None)
+        self.down_since.pop(peer, None)
+        active = self.active
+        link.reset_framing(active.plan.received.get(peer, 0) if active is not None else 0)
+        if was_down:
+            self._recovery_stats["links_up"] += 1
+            if active is not None and peer in active.plan.out_streams:
+                link.awaiting_need = True
+        self._send_control(peer, self._state_for(peer).to_msg(), cmds)
+        if (active is not None and self.state is State.PEER_ERROR
+                and all(self.links[p].up for p in active.plan.in_streams)):
+            self._go(_RESUME_EVENTS[active.call.kind])
+        del now
+        return cmds
+
+    def _state_for(self, peer: int) -> PeerState:
+        active = self.active
+        at = active.call_id if active is not None else (self.version, self.seqno)
+        need, seen = -1, False
+        if active is not None and peer in active.plan.in_streams:
+            need = active.plan.received[peer]
+            seen = active.frames_seen.get(peer, 0) > 0
+        return PeerState(self.incarnation, at, active is not None, need, seen,
+                         self.restarted, tuple(sorted(self.checkpoints)), self.results.oldest)
+
+    def _on_state(self, peer: int, link: _Link, state: PeerState, now: float,
+                  cmds: list[Command]) -> None:
+        del now, cmds
+        if state.incarnation != link.incarnation:
+            raise ProtocolError(f"rank {peer} states incarnation {state.incarnation} on a "
+                                f"link opened by incarnation {link.incarnation}")
+        link.state = state
+        if self.restarted:
+            self.peer_states[peer] = state
+
+    def states_known(self) -> bool:
+        """Every neighbour has sent its state (a restarted rank waits for this in init)."""
+        return all(link.state is not None for link in self.links.values())
+
+    def _live_frontier(self) -> CallId:
+        """The furthest call a surviving neighbour has reached: replay runs up to it."""
+        ats = [st.at for st in self.peer_states.values() if not st.recovering]
+        return max(ats) if ats else (0, 0)
+
+    def replays(self) -> bool:
+        """True if the next call's result will be fetched from a neighbour (a restarted
+        rank replaying a call the others finished): ``prepare_fun`` is not called then."""
+        nxt = (self.version, self.seqno)
+        return self.restarted and any(role_of(st, nxt) is Role.FINISHED
+                                      for st in self.peer_states.values())
+
+    def _begin_replay(self, active: _Active, cmds: list[Command]) -> None:
+        """A restarted rank starts a call: fetch it, resume it, or run it as usual."""
+        call = active.call_id
+        if any(st.recovering for st in self.peer_states.values()):
+            raise UnrecoverableError(
+                f"rank {self.rank} and a neighbour are both being restarted: recovering two "
+                "adjacent ranks at once is not supported (docs/recovery.md)")
+        if call > self._live_frontier():
+            self.restarted = False  # caught up: from here on this rank is a survivor
+            self.peer_states.clear()
+            return
+        roles = {p: role_of(st, call) for p, st in self.peer_states.items()}
+        finished = [p for p, role in roles.items() if role is Role.FINISHED]
+        live = [p for p, role in roles.items() if role is Role.LIVE]
+        if not finished and not live:
+            return
+        plan = active.plan
+        if finished:
+            self._recovery_stats["replayed_calls"] += 1
+            self._fetch_result(active, finished, cmds)
+            needs = {p: -1 for p in live}  # their streams of this call are not needed now
+            active.skip_in.update(p for p, role in roles.items() if role is not Role.FRESH)
+            for q, role in roles.items():
+                # a neighbour that finished needs nothing; one that has not started needs
+                # the whole stream, which must then be made of result bytes
+                if role is not Role.LIVE:
+                    self._apply_need(active, q, -1 if role is Role.FINISHED else 0, cmds)
+        else:
+            self._recovery_stats["resumed_calls"] += 1
+            resume = plan.resume({q: max(0, self.peer_states[q].need) for q in live})
+            needs = {p: resume.in_from.get(p, -1) for p in live}
+            for p, offset in resume.in_from.items():
+                self.links[p].pos = offset
+                stream = plan.in_streams[p]
+                if offset and roles[p] is not Role.LIVE:
+                    raise UnrecoverableError(
+                        f"rank {self.rank} must resume call {call} at byte {offset} of rank "
+                        f"{p}'s stream, but rank {p} has not started that call")
+                if offset >= stream.length > 0:
+                    active.frames_seen[p] = 1  # nothing is left to come from there
+            for peer, lo, hi in resume.fetch:
+                self._request(peer, "result", call, lo, hi, active.call.buf[lo:hi], cmds,
+                              active)
+        for q in live:
+            st = self.peer_states[q]
+            self._apply_need(active, q, st.need, cmds, seen=st.seen)
+            if q in plan.in_streams:
+                self._send_control(q, {"t": "need", "call": list(call), "from": needs[q]},
+                                   cmds)
+
+    def _fetch_result(self, active: _Active, finished: list[int], cmds: list[Command]) -> None:
+        call = active.call_id
+        sources = [p for p in finished
+                   if self.links[p].up and self.peer_states[p].oldest <= call]
+        if not sources:
+            raise UnrecoverableError(
+                f"rank {self.rank} replays call {call}, but no live neighbour retains its "
+                "result any more (raise rabit2_replay_mb, or checkpoint more often)")
+        active.final = True
+        dest = None if active.call.kind is CollectiveKind.BROADCAST else active.call.buf
+        self._request(sources[0], "result", call, 0, -1, dest, cmds, active)
+
+    def _on_need(self, peer: int, link: _Link, call: CallId, offset: int,
+                 cmds: list[Command]) -> None:
+        """``peer`` holds ``offset`` bytes of our stream of ``call`` (-1: wants none of it)."""
+        active = self.active
+        current = active.call_id if active is not None else (self.version, self.seqno)
+        if active is not None and call == current:
+            link.awaiting_need = False
+            self._apply_need(active, peer, offset, cmds)
+            self._pump(active, cmds)
+            self._maybe_complete(active, cmds)
+        elif call < current:
+            if offset < 0:
+                return
+            # the call finished here meanwhile: the result stands in for the stream
+            got = self.results.get(call)
+            if got is None:
+                raise UnrecoverableError(f"rank {peer} resumes call {call}, which rank "
+                                         f"{self.rank} finished and no longer retains")
+            self._reply(peer, 0, call, got[0], memoryview(got[1]), cmds)
+        else:
+            raise ProtocolError(f"rank {peer} resumes call {call}, which rank {self.rank} "
+                                "has not started")
+
+    def _apply_need(self, active: _Active, peer: int, offset: int, cmds: list[Command],
+                    seen: bool = False) -> None:
+        stream = active.plan.out_streams.get(peer)
+        if stream is None:
+            return
+        if offset < 0 or (seen and offset >= stream.length):
+            active.sent[peer] = stream.length
+            active.started_empty.add(peer)
+            return
+        if offset > stream.length:
+            raise ProtocolError(f"rank {peer} needs call {active.call_id} from byte {offset} "
+                                f"of a {stream.length} B stream")
+        if active.final and offset < stream.length and offset < active.plan.final_from(peer):
+            raise UnrecoverableError(
+                f"rank {peer} needs partial sums of call {active.call_id} from byte {offset}, "
+                f"but rank {self.rank} restarted and holds only that call's result")
+        old = active.sent.get(peer, 0)
+        self._recovery_stats["resent_bytes"] += max(0, old - offset)
+        active.sent[peer] = offset
+        active.started_empty.discard(peer)
+        del cmds
+
+    def _request(self, peer: int, what: str, call: CallId, lo: int, hi: int,
+                 dest: memoryview | None, cmds: list[Command],
+                 active: _Active | None = None) -> None:
+        request = self._next_request
+        self._next_request += 1
+        self._fetches[request] = _Fetch(request, peer, what, call, lo == 0 and hi < 0, dest)
+        if active is not None:
+            active.fetching += 1
+        self._send_control(peer, {"t": "fetch", "id": request, "what": what,
+                                  "call": list(call), "lo": lo, "hi": hi}, cmds)
+
+    def _refetch(self, fetch: _Fetch, cmds: list[Command]) -> None:
+        """The neighbour a fetch went to was lost: ask another one that holds the same."""
+        del self._fetches[fetch.request]
+        active = self.active
+        if active is not None and active.call_id == fetch.call and fetch.what == "result":
+            active.fetching -= 1
+        for peer, st in self.peer_states.items():
+            if peer == fetch.peer or not self.links[peer].up:
+                continue
+            if fetch.what == "checkpoint" and fetch.call[0] in st.versions:
+                self._request(peer, "checkpoint", fetch.call, 0, -1, None, cmds)
+                return
+            if (fetch.what == "result" and fetch.whole and active is not None
+                    and role_of(st, fetch.call) is Role.FINISHED and st.oldest <= fetch.call):
+                self._request(peer, "result", fetch.call, 0, -1, fetch.dest, cmds, active)
+                return
+        raise UnrecoverableError(
+            f"rank {self.rank} lost rank {fetch.peer} while fetching {fetch.what} "
+            f"{fetch.call}, and no other neighbour holds it")
+
+    def _on_fetch(self, peer: int, msg: dict[str, Any], cmds: list[Command]) -> None:
+        what, call = msg["what"], call_id(msg["call"], "fetch.call")
+        request, lo, hi = msg["id"], msg["lo"], msg["hi"]
+        none = CallDescriptor(CollectiveKind.BROADCAST, NONE_U8, NONE_U8, NONE_U16, 0)
+        data: memoryview | None = None
+        desc = none
+        reason = ""
+        if what == "checkpoint":
+            blob = self.checkpoints.get(call[0])
+            if callable(blob):
+                blob = self.checkpoints[call[0]] = blob()  # a lazy checkpoint, pickled now
+            if blob is None:
+                reason = f"rank {self.rank} holds no checkpoint of version {call[0]}"
+            else:
+                data = memoryview(blob)
+        elif what == "result":
+            active = self.active
+            if (active is not None and active.call_id == call
+                    and active.call.kind is not CollectiveKind.BROADCAST):
+                desc, data = active.desc, active.call.buf  # final bytes, by the asker's reckoning
+            elif (got := self.results.get(call)) is not None:
+                desc, data = got[0], memoryview(got[1])
+            else:
+                reason = f"rank {self.rank} retains no result of call {call}"
+        else:
+            raise ProtocolError(f"rank {peer} fetches {what!r}")
+        if data is not None:
+            end = len(data) if hi < 0 else hi
+            if not 0 <= lo <= end <= len(data):
+                raise ProtocolError(f"rank {peer} fetches bytes [{lo}, {hi}) of {len(data)}")
+            data = data[lo:end]
+        self._reply(peer, request, call, desc, data, cmds, reason)
+
+    def _reply(self, peer: int, request: int, call: CallId, desc: CallDescriptor,
+               data: memoryview | None, cmds: list[Command], reason: str = "") -> None:
+        size = 0 if data is None else len(data)
+        self._send_control(peer, {"t": "reply", "id": request, "call": list(call),
+                                  "found": data is not None, "size": size,
+                                  "desc": descriptor_to_wire(desc), "reason": reason}, cmds)
+        if data is not None and size:
+            header = pack_header(FrameKind.BLOB, desc, call[0], call[1], 0, size,
+                                 self.incarnation)
+            cmds.append(Send(peer, [header, data]))
+            self._frames_sent += 1
+
+    def _on_reply(self, peer: int, link: _Link, msg: dict[str, Any],
+                  cmds: list[Command]) -> None:
+        call = call_id(msg["call"], "reply.call")
+        size = msg["size"]
+        if not 0 <= size <= MAX_BROADCAST:
+            raise ProtocolError(f"rank {peer} replies with {size} B")
+        request = msg["id"]
+        active = self.active
+        if request == 0:
+            # our need reached a rank that had finished the call: it sent the result
+            if active is None or active.call_id != call or active.final:
+                raise ProtocolError(f"rank {peer} sent an unasked result of call {call}")
+            active.final = True
+            active.skip_in.add(peer)
+            dest = None if active.call.kind is CollectiveKind.BROADCAST else active.call.buf
+            fetch = _Fetch(0, peer, "result", call, True, dest)
+            active.fetching += 1
+        else:
+            found = self._fetches.get(request)
+            if found is None or found.peer != peer or found.call != call:
+                raise ProtocolError(f"rank {peer} replies to request {request} nobody made")
+            fetch = found
+        if not msg["found"]:
+            raise UnrecoverableError(f"rank {self.rank} cannot recover: {msg['reason']}")
+        if fetch.what == "result":
+            desc = descriptor_from_wire(msg["desc"])
+            if active is None or active.call_id != call or not desc.agrees_with(active.desc):
+                mine = "no call" if active is None else active.desc.describe()
+                raise MismatchError(
+                    f"sequence mismatch: restarted rank {self.rank} replays call {call} as "
+                    f"{mine}, but rank {peer} made it as {desc.describe()}")
+        dest = fetch.dest
+        if dest is None:
+            dest = memoryview(bytearray(size))
+        elif len(dest) != size:
+            raise MismatchError(f"sequence mismatch: rank {peer} holds {size} B of call "
+                                f"{call}, restarted rank {self.rank} asked for {len(dest)} B")
+        fetch.dest = dest
+        link.blob, link.blob_fetch = dest, fetch
+        if not size:
+            self._blob_done(peer, link, cmds)
+
+    def _blob_done(self, peer: int, link: _Link, cmds: list[Command]) -> None:
+        fetch = link.blob_fetch
+        assert fetch is not None and fetch.dest is not None
+        link.blob_fetch = None
+        link.mode, link.filled, link.remaining = _Mode.HEADER, 0, 0
+        self._fetches.pop(fetch.request, None)
+        self._recovery_stats["fetched_bytes"] += len(fetch.dest)
+        if fetch.what == "checkpoint":
+            blob = bytes(fetch.dest)
+            self.checkpoints[fetch.call[0]] = blob
+            cmds.append(CheckpointLoaded(fetch.call[0], blob))
+            return
+        active = self.active
+        if active is None or active.call_id != fetch.call:
+            return
+        if active.call.kind is CollectiveKind.BROADCAST:
+            self._land_broadcast(active, fetch.dest)
+        active.fetching -= 1
+        self._pump(active, cmds)
+        self._maybe_complete(active, cmds)
+        del peer
+
+    def _land_broadcast(self, active: _Active, data: memoryview) -> None:
+        """A fetched broadcast result: the stream as the in-link would have delivered it."""
+        plan = active.plan
+        assert isinstance(plan, TreeBroadcast)
+        if plan.in_link < 0:
+            return  # the root replays its own data
+        if not plan.sized:
+            self._size_to(plan, len(data), active)
+        if plan.length != len(data):
+            raise MismatchError(f"sequence mismatch: the broadcast of call {active.call_id} "
+                                f"has {len(data)} B, this rank expected {plan.length} B")
+        stream, pos = plan.in_streams[plan.in_link], 0
+        while pos < len(data):
+            dest = stream.view(pos, len(data) - pos)
+            dest[:] = data[pos : pos + len(dest)]
+            pos += len(dest)
+            self._received(plan, plan.in_link, pos)
+
+    def load_checkpoint(self) -> list[Command]:
+        """A restarted rank asks a neighbour for the checkpoint it resumes from; the answer
+        comes as :class:`CheckpointLoaded`.  Raises :class:`UnrecoverableError` if no live
+        neighbour holds that version."""
+        version = checkpoint_version(self.peer_states) if self.restarted else self.version
+        cmds: list[Command] = []
+        if version == 0:
+            cmds.append(CheckpointLoaded(0, None))
+        else:
+            sources = [p for p, st in self.peer_states.items()
+                       if version in st.versions and self.links[p].up]
+            if not sources:
+                raise UnrecoverableError(f"no live neighbour of rank {self.rank} holds "
+                                         f"checkpoint version {version}")
+            self._request(sources[0], "checkpoint", (version, 0), 0, -1, None, cmds)
+        self.version, self.seqno = version, 0
+        return cmds
+
+    def _send_control(self, peer: int, msg: dict[str, Any], cmds: list[Command]) -> None:
+        body = encode_body(msg)
+        header = pack_header(FrameKind.CONTROL, _NO_CALL, self.version, self.seqno, 0,
+                             len(body), self.incarnation)
+        cmds.append(Send(peer, [header, body]))
+        self._frames_sent += 1
+
+    @staticmethod
+    def _result_bytes(active: _Active) -> bytes:
+        """What a finished call leaves behind for a replay: the result (a broadcast's
+        whole stream, head included)."""
+        plan = active.plan
+        if isinstance(plan, TreeBroadcast):
+            if plan.in_link >= 0:
+                return b"".join(plan.in_streams[plan.in_link].pieces)
+            return b"".join(active.call.pieces or (active.call.buf,))
+        return bytes(active.call.buf)
+
+    def recovery_statistics(self) -> dict[str, int]:
+        """Counters of the recovery protocol: links re-established, bytes fetched for
+        replay, bytes resent because a receiver asked for them again, calls replayed from
+        a neighbour's result and calls resumed at an offset."""
+        return dict(self._recovery_stats)
 
     # ------------------------------------------------------------------ introspection
 

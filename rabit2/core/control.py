@@ -69,6 +69,13 @@ MESSAGE_FIELDS: Final[Mapping[str, Mapping[str, type]]] = {
     "status_reply": {"status": dict},
     "peer_lost": {"rank": int, "incarnation": int, "reason": str},
     "peer_recovered": {"rank": int, "incarnation": int, "host": str, "port": int},
+    # peer links, recovery protocol (docs/recovery.md): CONTROL frames carry these bodies
+    "state": {"inc": int, "at": list, "active": bool, "need": int, "seen": bool,
+              "recovering": bool, "versions": list, "oldest": list},
+    "need": {"call": list, "from": int},
+    "fetch": {"id": int, "what": str, "call": list, "lo": int, "hi": int},
+    "reply": {"id": int, "call": list, "found": bool, "size": int, "desc": list,
+              "reason": str},
 }
 
 REFUSE_AUTH: Final[str] = "auth"
@@ -104,6 +111,15 @@ def _short(value: object, limit: int = 80) -> str:
     """A bounded repr for error messages: a hostile peer must not be able to flood the log."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def encode_body(msg: Mapping[str, Any]) -> bytes:
+    """Encode one control message as a bare msgpack body (no length prefix), adding ``"v"``.
+
+    Used inside peer CONTROL frames, whose 40-byte header already carries the length.
+    Raises ``ValueError`` as :func:`encode_frame` does.
+    """
+    return encode_frame(msg)[LENGTH_PREFIX_SIZE:]
 
 
 def encode_frame(msg: Mapping[str, Any]) -> bytes:

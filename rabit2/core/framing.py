@@ -31,11 +31,14 @@ MAX_PAYLOAD = (1 << 32) - 1  # a frame payload length is a u32
 MAX_ERROR_PAYLOAD = 64 * 1024  # an ERROR frame carries a short msgpack map
 UNKNOWN_TOTAL = (1 << 64) - 1  # a broadcast receiver that learns the size from the root
 MAX_BROADCAST = 1 << 40  # a size learned from the wire is bounded before anything is sized
+MAX_CONTROL_PAYLOAD = 1 << 20  # a recovery control message is a small msgpack map
 
 
 class FrameKind(enum.IntEnum):
     DATA = 1  # payload = raw bytes of the call's stream on this link
     ERROR = 2  # payload = msgpack {"type", "reason", "origin"}: the call failed somewhere
+    CONTROL = 3  # payload = msgpack map of the recovery protocol (state, need, fetch, reply)
+    BLOB = 4  # payload = the raw bytes a preceding CONTROL "reply" announced
 
 
 class CollectiveKind(enum.IntEnum):
@@ -156,11 +159,13 @@ def parse_header(data: bytes | bytearray | memoryview) -> FrameHeader:
         raise ProtocolError(f"unknown collective kind {ckind}") from None
     if frame_kind is FrameKind.ERROR and length > MAX_ERROR_PAYLOAD:
         raise ProtocolError(f"error frame of {length} B exceeds {MAX_ERROR_PAYLOAD} B")
+    if frame_kind is FrameKind.CONTROL and length > MAX_CONTROL_PAYLOAD:
+        raise ProtocolError(f"control frame of {length} B exceeds {MAX_CONTROL_PAYLOAD} B")
     call = CallDescriptor(call_kind, dtype_code, op_code, root, total)
     return FrameHeader(frame_kind, call, version, seqno, offset, length, incarnation)
 
 
-ERROR_TYPES = ("mismatch", "peer_lost", "protocol", "timeout", "aborted")
+ERROR_TYPES = ("mismatch", "peer_lost", "protocol", "timeout", "aborted", "unrecoverable")
 
 
 def encode_error(error_type: str, reason: str, origin: int) -> bytes:

@@ -8,7 +8,10 @@ Function-call events come from the API and the bootstrap code (``START``, ``CONN
 ``CONNECT_PEERS``, ``ACCEPT_PEERS``, ``CALL_*``, ``SHUTDOWN``); network events come from the
 links (``READABLE``, ``WRITABLE``, ``PRIORITY`` for an out-of-band error notice from a peer,
 ``ERROR``, ``HANGUP``); ``OP_COMPLETE``, ``OP_FAILED`` and ``TIMEOUT`` are raised by the agent
-itself when a schedule finishes, cannot finish, or stops making progress.
+itself when a schedule finishes, cannot finish, or stops making progress.  Lazy recovery adds
+``LINK_UP`` (a link connected or reconnected), ``PEER_DOWN`` (with recovery on, a link whose
+input the call still needs was lost: the call waits in ``PEER_ERROR`` for the replacement
+instead of failing) and ``RESUME_*`` (every lost input is back: the call goes on).
 """
 
 from __future__ import annotations
@@ -57,6 +60,12 @@ class Event(enum.Enum):
     OP_COMPLETE = "op-complete"
     OP_FAILED = "op-failed"
     TIMEOUT = "timeout"
+    # lazy recovery (docs/recovery.md)
+    LINK_UP = "link-up"  # a link (re)connected: both sides exchange their state
+    PEER_DOWN = "peer-down"  # a link the call still needs input from was lost
+    RESUME_ALLREDUCE = "resume-allreduce"  # every lost input is back: continue the call
+    RESUME_BROADCAST = "resume-broadcast"
+    RESUME_ALLGATHER = "resume-allgather"
 
 
 class InvalidTransition(RabitError):
@@ -91,14 +100,23 @@ _table: dict[tuple[State, Event], State] = {
     (S.READY, E.PRIORITY): S.FAILED,
     (S.READY, E.TIMEOUT): S.READY,
     (S.READY, E.SHUTDOWN): S.TASK_COMPLETE,
-    # reserved for lazy recovery (issue 3): a call blocked on one crashed input
+    (S.READY, E.LINK_UP): S.READY,
+    # a call blocked on a crashed input: every other link keeps moving; the replacement's
+    # link comes up, the call resumes at the byte offsets both sides hold
     (S.PEER_ERROR, E.READABLE): S.PEER_ERROR,
     (S.PEER_ERROR, E.WRITABLE): S.PEER_ERROR,
     (S.PEER_ERROR, E.HANGUP): S.PEER_ERROR,
     (S.PEER_ERROR, E.ERROR): S.PEER_ERROR,
-    (S.PEER_ERROR, E.PRIORITY): S.PEER_ERROR,
+    (S.PEER_ERROR, E.PEER_DOWN): S.PEER_ERROR,
+    (S.PEER_ERROR, E.LINK_UP): S.PEER_ERROR,
+    (S.PEER_ERROR, E.PRIORITY): S.FAILED,
     (S.PEER_ERROR, E.TIMEOUT): S.PEER_ERROR,
     (S.PEER_ERROR, E.OP_FAILED): S.FAILED,
+    # the lost peer only had to receive from us: our own result is complete without it
+    (S.PEER_ERROR, E.OP_COMPLETE): S.READY,
+    (S.PEER_ERROR, E.RESUME_ALLREDUCE): S.ALLREDUCE,
+    (S.PEER_ERROR, E.RESUME_BROADCAST): S.BROADCAST,
+    (S.PEER_ERROR, E.RESUME_ALLGATHER): S.ALLGATHER,
     (S.PEER_ERROR, E.SHUTDOWN): S.TASK_COMPLETE,
     # after a failure every call raises the recorded error; network noise is ignored
     (S.FAILED, E.READABLE): S.FAILED,
@@ -108,6 +126,7 @@ _table: dict[tuple[State, Event], State] = {
     (S.FAILED, E.PRIORITY): S.FAILED,
     (S.FAILED, E.TIMEOUT): S.FAILED,
     (S.FAILED, E.OP_FAILED): S.FAILED,
+    (S.FAILED, E.LINK_UP): S.FAILED,
     (S.FAILED, E.SHUTDOWN): S.TASK_COMPLETE,
     # wiring may finish after a neighbour already reported a failure: the failure stands
     (S.FAILED, E.CONNECT_PEERS): S.FAILED,
@@ -119,6 +138,7 @@ _table: dict[tuple[State, Event], State] = {
     (S.TASK_COMPLETE, E.ERROR): S.TASK_COMPLETE,
     (S.TASK_COMPLETE, E.SHUTDOWN): S.TASK_COMPLETE,
     (S.TASK_COMPLETE, E.TIMEOUT): S.TASK_COMPLETE,
+    (S.TASK_COMPLETE, E.LINK_UP): S.TASK_COMPLETE,
 }
 # a neighbour that finished wiring may start its first call while we are still wiring: the
 # agent holds its frames (pauses that link) until our call starts
@@ -130,6 +150,7 @@ for _state in (S.CONNECTING_PEERS, S.ACCEPTING_PEERS):
             (_state, E.HANGUP): _state,
             (_state, E.ERROR): _state,
             (_state, E.PRIORITY): S.FAILED,
+            (_state, E.LINK_UP): _state,
         }
     )
 for _state in _IN_CALL:
@@ -144,6 +165,8 @@ for _state in _IN_CALL:
             # a closed link fails the call only if the call still needs it (agent decides)
             (_state, E.HANGUP): _state,
             (_state, E.ERROR): _state,
+            (_state, E.PEER_DOWN): S.PEER_ERROR,
+            (_state, E.LINK_UP): _state,
         }
     )
 

@@ -80,6 +80,22 @@ class Stream:
 EMPTY = Stream(())
 
 
+class Resume:
+    """Where a restarted rank picks an interrupted call up (``docs/recovery.md``).
+
+    ``in_from[peer]``: the in-stream offset this rank asks ``peer`` to resend from;
+    ``fetch``: ``(peer, lo, hi)`` byte ranges of the result that ``peer`` holds as final
+    bytes and this rank must copy before its own result is complete.
+    """
+
+    __slots__ = ("fetch", "in_from")
+
+    def __init__(self, in_from: dict[int, int],
+                 fetch: Sequence[tuple[int, int, int]] = ()) -> None:
+        self.in_from = in_from
+        self.fetch = [f for f in fetch if f[2] > f[1]]
+
+
 class Plan:
     """Base of every schedule: streams per link plus the counters that gate them."""
 
@@ -109,6 +125,22 @@ class Plan:
         for peer, stream in self.out_streams.items():
             assert 0 <= self.out_ready(peer) <= stream.length, (peer, self.out_ready(peer))
 
+    # -- lazy recovery: only a restarted rank calls these, on a fresh plan ------------------
+
+    def resume(self, out_needs: dict[int, int]) -> Resume:
+        """Fast-forward a fresh plan so that the interrupted call continues where the live
+        neighbours stand.  ``out_needs[peer]`` is how many bytes of our out-stream ``peer``
+        already holds (0 for a neighbour that starts afresh).  Every in-stream starts at 0
+        unless a schedule knows better."""
+        del out_needs
+        return Resume(dict.fromkeys(self.in_streams, 0))
+
+    def final_from(self, peer: int) -> int:
+        """The out-stream offset from which the bytes sent to ``peer`` are final result
+        bytes (so that a rank holding only the final result can still serve them)."""
+        del peer
+        return 0
+
 
 class TreeAllreduce(Plan):
     """Reduce up the tree into ``buf`` and broadcast the result down, pipelined in chunks.
@@ -117,6 +149,12 @@ class TreeAllreduce(Plan):
     prefix of at least ``chunk`` more bytes (or everything), that prefix is reduced into
     ``buf`` and becomes sendable to the parent.  The root's reduced prefix is final; a
     non-root receives the final bytes from its parent straight into ``buf``.
+
+    With ``stage_down`` (the root's children), the final bytes from the parent land in the
+    parent link's scratch and are copied into ``buf`` one whole element at a time, so that
+    ``buf`` never holds an element that is half result and half contribution: if the root
+    dies mid-call, its replacement can take the result prefix from a child and the
+    contributions behind it from every child (``docs/recovery.md``).
     """
 
     def __init__(
@@ -128,6 +166,7 @@ class TreeAllreduce(Plan):
         children: Sequence[int],
         scratch: ScratchFn,
         chunk: int,
+        stage_down: bool = False,
     ) -> None:
         super().__init__()
         self.buf, self.dtype, self.op = buf, dtype, op
@@ -138,8 +177,14 @@ class TreeAllreduce(Plan):
         self.scratch = {c: scratch(c, n) for c in self.children}
         ins = {c: Stream([self.scratch[c]]) for c in self.children}
         outs = {c: Stream([buf]) for c in self.children}
+        self._down: memoryview | None = None
+        self.final = 0  # bytes of ``buf`` that hold the result (non-root)
         if parent >= 0:
-            ins[parent] = Stream([buf])
+            if stage_down:
+                self._down = scratch(parent, n)
+                ins[parent] = Stream([self._down])
+            else:
+                ins[parent] = Stream([buf])
             outs[parent] = Stream([buf])
         self._set_streams(ins, outs)
         self.reduced = 0 if self.children else n
@@ -148,6 +193,13 @@ class TreeAllreduce(Plan):
         self.received[peer] = pos
         if peer != self.parent:
             self._reduce()
+        elif self._down is None:
+            self.final = pos
+        else:
+            upto = pos - pos % self.dtype.itemsize
+            if upto > self.final:
+                self.buf[self.final : upto] = self._down[self.final : upto]
+                self.final = upto
 
     def _reduce(self) -> None:
         n = len(self.buf)
@@ -168,14 +220,44 @@ class TreeAllreduce(Plan):
             return self.reduced
         if self.parent < 0:
             return self.reduced
-        return self.received[self.parent]
+        return self.final
 
     def check_invariants(self) -> None:
         super().check_invariants()
         if self.children:
             assert self.reduced <= min(self.received[c] for c in self.children)
         if self.parent >= 0:
-            assert self.received[self.parent] <= self.reduced
+            assert self.final <= self.received[self.parent] <= self.reduced
+
+    def resume(self, out_needs: dict[int, int]) -> Resume:
+        """Non-root: the parent holds ``z`` bytes of our up-stream, so the children resend
+        their contributions from ``z`` (rounded down to an element: every final byte any
+        child holds lies below the root's reduced prefix, which is whole elements and at
+        most ``z``), and the parent resends the result from 0.  Root: the children hold the
+        result up to ``x_c``; take the result up to ``M`` = the furthest whole element from
+        that child, and every child's contribution from ``M`` on."""
+        itemsize = self.dtype.itemsize
+        if self.parent >= 0:
+            z = out_needs.get(self.parent, 0)
+            start = z - z % itemsize
+            if self.children:
+                self.reduced = start
+                for c in self.children:
+                    self.received[c] = start
+            return Resume({self.parent: 0, **dict.fromkeys(self.children, start)})
+        if not self.children:
+            return Resume({})
+        best = max(self.children, key=lambda c: out_needs.get(c, 0))
+        x = out_needs.get(best, 0)
+        start = x - x % itemsize
+        self.reduced = start
+        for c in self.children:
+            self.received[c] = start
+        return Resume(dict.fromkeys(self.children, start), [(best, 0, start)])
+
+    def final_from(self, peer: int) -> int:
+        # the up-stream carries partial sums (at the root there is none); down is the result
+        return len(self.buf) if peer == self.parent else 0
 
 
 class PairExchange(Plan):
@@ -220,6 +302,9 @@ class PairExchange(Plan):
         super().check_invariants()
         assert self.reduced <= self.received[self.peer]
 
+    def final_from(self, peer: int) -> int:
+        return len(self.copy)  # the stream is this rank's input, never the result
+
 
 def ring_segments(nbytes: int, itemsize: int, world: int) -> list[tuple[int, int]]:
     """Byte ranges of the ring segments: segment ``k`` is reduced by rank ``k``.
@@ -240,9 +325,11 @@ class _RingChain(Plan):
     """A ring pass where out-piece ``j`` (``j >= 1``) forwards in-piece ``j - 1``.
 
     Data flows from rank ``r + 1`` to rank ``r`` (receive from ``ring_next``, send to
-    ``ring_prev``), as in classic rabit.  In-pieces flagged ``reduce`` land in scratch and are
-    reduced into their place in ``buf``; the others land in ``buf`` directly.  An out byte is
-    ready once the in byte it forwards has been processed (received, and reduced if needed).
+    ``ring_prev``), as in classic rabit.  An in-piece is ``(landing, target, reduce)``: with
+    a target, it lands in scratch and is reduced into (``reduce``) or copied to (not
+    ``reduce``: staged, one whole element at a time) its place in ``buf``; without one it
+    lands in ``buf`` directly.  An out byte is ready once the in byte it forwards has been
+    processed (received, and reduced or copied if needed).
     """
 
     def __init__(
@@ -250,7 +337,7 @@ class _RingChain(Plan):
         buf: memoryview,
         prev: int,
         nxt: int,
-        in_pieces: Sequence[tuple[memoryview, memoryview | None]],
+        in_pieces: Sequence[tuple[memoryview, memoryview | None, bool]],
         out_pieces: Sequence[memoryview],
         dtype: np.dtype | None = None,
         op: Op | None = None,
@@ -258,16 +345,16 @@ class _RingChain(Plan):
         super().__init__()
         self.buf, self.dtype, self.op = buf, dtype, op
         self.prev, self.next = prev, nxt
-        # (landing view, reduce target or None) for every non-empty piece, in stream order
-        self._ins = [(land, target) for land, target in in_pieces if len(land)]
+        # (landing view, target or None, reduce?) for every non-empty piece, in stream order
+        self._ins = [piece for piece in in_pieces if len(piece[0])]
         self._in_starts: list[int] = []
         total = 0
-        for land, _ in self._ins:
+        for land, _, _ in self._ins:
             self._in_starts.append(total)
             total += len(land)
         self._first_out = len(out_pieces[0]) if out_pieces else 0
         self._set_streams(
-            {nxt: Stream([land for land, _ in self._ins])},
+            {nxt: Stream([land for land, _, _ in self._ins])},
             {prev: Stream(out_pieces)},
         )
         self.processed = 0
@@ -277,19 +364,26 @@ class _RingChain(Plan):
         self.received[peer] = pos
         itemsize = self.dtype.itemsize if self.dtype is not None else 1
         while self._piece < len(self._ins):
-            land, target = self._ins[self._piece]
+            land, target, reduce = self._ins[self._piece]
             start = self._in_starts[self._piece]
             end = start + len(land)
             upto = min(pos, end)
-            if target is None:
-                self.processed = upto
+            if not reduce:
+                # forward whole elements only: a result element must never be half written
+                # over a partial sum that a restarted neighbour may need (docs/recovery.md)
+                if upto != end:
+                    upto -= (upto - start) % itemsize
+                if target is not None and upto > self.processed:
+                    lo, hi = self.processed - start, upto - start
+                    target[lo:hi] = land[lo:hi]
+                self.processed = max(self.processed, upto)
             else:
                 upto -= (upto - start) % itemsize
                 if upto - self.processed < MIN_RING_REDUCE and upto != end:
                     return
                 if upto > self.processed:
                     lo, hi = self.processed - start, upto - start
-                    assert self.op is not None and self.dtype is not None
+                    assert self.op is not None and self.dtype is not None and target is not None
                     reduce_bytes(self.op, self.dtype, target[lo:hi], land[lo:hi])
                     self.processed = upto
             if upto < end:
@@ -303,6 +397,24 @@ class _RingChain(Plan):
         super().check_invariants()
         assert self.processed <= self.received[self.next]
 
+    def _skip_to(self, pos: int) -> None:
+        """Start the in-stream at ``pos`` (a piece boundary or a whole element into one)."""
+        self.processed = pos
+        self.received[self.next] = pos
+        self._piece = bisect.bisect_right(self._in_starts, pos) - 1 if self._ins else 0
+        if self._ins and pos >= self._in_starts[-1] + len(self._ins[-1][0]):
+            self._piece = len(self._ins)
+        self._piece = max(self._piece, 0)
+
+    def _align_in(self, pos: int) -> int:
+        """``pos`` rounded down to a whole element of the in-piece it falls in."""
+        itemsize = self.dtype.itemsize if self.dtype is not None else 1
+        i = bisect.bisect_right(self._in_starts, pos) - 1
+        if i < 0 or i >= len(self._ins):
+            return pos
+        start = self._in_starts[i]
+        return pos - (pos - start) % itemsize
+
 
 class RingAllreduce(_RingChain):
     """Reduce-scatter then allgather around the ring (each link carries 2(n-1)/n of the data)."""
@@ -315,7 +427,12 @@ class RingAllreduce(_RingChain):
         rank: int,
         world: int,
         scratch: ScratchFn,
+        stage_gather: ScratchFn | None = None,
     ) -> None:
+        """``stage_gather``: land the allgather's result segments in this scratch and copy
+        them in whole elements.  Needed for recovery at world size 2 only, where the rank
+        that receives our result segment is also the one whose input we reduce it from
+        (``docs/recovery.md``)."""
         segs = ring_segments(len(buf), dtype.itemsize, world)
         prev, nxt = (rank - 1) % world, (rank + 1) % world
 
@@ -326,16 +443,47 @@ class RingAllreduce(_RingChain):
         rs_in = [(rank + 2 + t) % world for t in range(world - 1)]
         rs_bytes = sum(segs[k][1] - segs[k][0] for k in rs_in)
         landing = scratch(nxt, rs_bytes)
-        in_pieces: list[tuple[memoryview, memoryview | None]] = []
+        in_pieces: list[tuple[memoryview, memoryview | None, bool]] = []
         off = 0
         for k in rs_in:
             size = segs[k][1] - segs[k][0]
-            in_pieces.append((landing[off : off + size], seg(k)))
+            in_pieces.append((landing[off : off + size], seg(k), True))
             off += size
-        in_pieces += [(seg(rank + 1 + t), None) for t in range(world - 1)]
+        if stage_gather is None:
+            in_pieces += [(seg(rank + 1 + t), None, False) for t in range(world - 1)]
+        else:
+            ag_bytes = len(buf) - (segs[rank][1] - segs[rank][0])
+            staged, off = stage_gather(nxt, ag_bytes), 0
+            for t in range(world - 1):
+                target = seg(rank + 1 + t)
+                in_pieces.append((staged[off : off + len(target)], target, False))
+                off += len(target)
         out_pieces = [seg(rank + 1 + t) for t in range(world - 1)]
         out_pieces += [seg(rank + t) for t in range(world - 1)]
         super().__init__(buf, prev, nxt, in_pieces, out_pieces, dtype, op)
+        self.rs_bytes = rs_bytes  # the reduce-scatter part of the in-stream comes first
+        own = segs[rank]
+        self.own_segment = own  # reduced last (the final in-piece of reduce-scatter)
+        self.own_in_start = rs_bytes - (own[1] - own[0])
+
+    def resume(self, out_needs: dict[int, int]) -> Resume:
+        """``prev`` holds ``z`` bytes of our stream.  Out byte ``q >= first_out`` forwards in
+        byte ``q - first_out``, so the next rank resends from there (whole elements), but
+        never from beyond the allgather part, whose segments are our own result.  If that
+        skips (part of) our own segment's last reduction, ``prev`` holds those final bytes:
+        it received them from us in the allgather.  ``docs/recovery.md`` shows that the next
+        rank still holds every byte asked for."""
+        z = out_needs.get(self.prev, 0)
+        pos = min(self._align_in(max(0, z - self._first_out)), self.rs_bytes)
+        self._skip_to(pos)
+        fetch = []
+        if pos > self.own_in_start:
+            lo = self.own_segment[0]
+            fetch.append((self.prev, lo, lo + pos - self.own_in_start))
+        return Resume({self.next: pos}, fetch)
+
+    def final_from(self, peer: int) -> int:
+        return self._first_out + self.own_in_start  # the allgather part of the out-stream
 
 
 class RingAllgather(_RingChain):
@@ -350,8 +498,8 @@ class RingAllgather(_RingChain):
             lo, hi = blocks[k % world]
             return buf[lo:hi]
 
-        in_pieces: list[tuple[memoryview, memoryview | None]] = [
-            (block(rank + 1 + t), None) for t in range(world - 1)
+        in_pieces: list[tuple[memoryview, memoryview | None, bool]] = [
+            (block(rank + 1 + t), None, False) for t in range(world - 1)
         ]
         out_pieces = [block(rank + t) for t in range(world - 1)]
         super().__init__(buf, prev, nxt, in_pieces, out_pieces)

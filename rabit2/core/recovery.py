@@ -1,0 +1,173 @@
+"""Lazy recovery, the pure parts: what a rank remembers for a restarted neighbour, what a
+restarted rank learns about its neighbours, and how it decides what to do with each call.
+
+The protocol is in ``docs/recovery.md``.  In short: when a link comes up after a failure,
+both sides send a ``state`` (which call they are in, how much of this peer's stream of that
+call they hold, which checkpoint versions and results they keep).  A restarted rank then
+replays its program: a call that some neighbour already finished is *fetched* (its result
+copied from that neighbour), a call that a neighbour is still blocked in is *resumed* (each
+side says with a ``need`` from which offset it wants the other's stream, and nothing that
+already arrived is sent again), any later call runs as usual.
+
+Nothing here touches a socket or a clock.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+from typing import Any
+
+from rabit2.core.framing import CallDescriptor, CollectiveKind
+from rabit2.errors import ProtocolError
+
+CallId = tuple[int, int]
+
+DEFAULT_RETAIN_BYTES = 512 << 20
+"""Bound on the results a rank keeps for replay (``rabit2_replay_mb``)."""
+GENERATIONS = 2
+"""Checkpoint versions (and the results of calls made in them) kept on every rank: the
+current one and the one before, so that a neighbour that checkpointed just before a peer
+died can still serve a neighbour that did not (``docs/recovery.md``, "Versions")."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PeerState:
+    """What a neighbour said about itself when the link came up."""
+
+    incarnation: int
+    at: CallId  # the call it is in (``active``) or the next call it will make
+    active: bool
+    need: int  # bytes of our stream of that call it holds; -1: it takes no stream from us
+    seen: bool  # it has seen at least one frame from us in that call
+    recovering: bool  # it is itself a restarted rank replaying its program
+    versions: tuple[int, ...]  # checkpoint versions it can serve
+    oldest: CallId  # every finished call from here up to ``at`` is retained there
+
+    def to_msg(self) -> dict[str, Any]:
+        return {"t": "state", "inc": self.incarnation, "at": list(self.at),
+                "active": self.active, "need": self.need, "seen": self.seen,
+                "recovering": self.recovering, "versions": list(self.versions),
+                "oldest": list(self.oldest)}
+
+    @classmethod
+    def from_msg(cls, msg: dict[str, Any]) -> PeerState:
+        """Validate a decoded ``state`` body.  Raises :class:`ProtocolError`."""
+        versions = msg["versions"]
+        if len(versions) > GENERATIONS + 1 or not all(_is_u32(v) for v in versions):
+            raise ProtocolError(f"state.versions {versions!r} is not a short list of versions")
+        if not _is_u32(msg["inc"]) or msg["need"] < -1:
+            raise ProtocolError("state: bad incarnation or need")
+        return cls(msg["inc"], call_id(msg["at"], "state.at"), msg["active"], msg["need"],
+                   msg["seen"], msg["recovering"], tuple(versions),
+                   call_id(msg["oldest"], "state.oldest"))
+
+
+def _is_u32(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 32
+
+
+def call_id(value: object, what: str) -> CallId:
+    """A ``[version, seqno]`` pair from the wire.  Raises :class:`ProtocolError`."""
+    if (not isinstance(value, list) or len(value) != 2
+            or not all(_is_u32(v) for v in value)):
+        raise ProtocolError(f"{what} {value!r} is not a [version, seqno] pair")
+    return (value[0], value[1])
+
+
+def descriptor_to_wire(desc: CallDescriptor) -> list[int]:
+    return [int(desc.kind), desc.dtype_code, desc.op_code, desc.root, desc.total_bytes]
+
+
+def descriptor_from_wire(value: object) -> CallDescriptor:
+    """Raises :class:`ProtocolError` for anything but five small ints naming a known kind."""
+    if (not isinstance(value, list) or len(value) != 5
+            or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 64
+                       for v in value)):
+        raise ProtocolError(f"reply.desc {value!r} is not a call descriptor")
+    try:
+        kind = CollectiveKind(value[0])
+    except ValueError:
+        raise ProtocolError(f"reply.desc names collective kind {value[0]}") from None
+    return CallDescriptor(kind, value[1], value[2], value[3], value[4])
+
+
+# ----------------------------------------------------------------------------- retention
+
+
+class ResultStore:
+    """Results of finished calls, kept for a restarted neighbour's replay.
+
+    Bounded twice: by checkpoint generation (calls of versions older than the previous
+    checkpoint are dropped) and by bytes (the oldest results go first).  Either way the
+    retained calls stay one contiguous run ``[oldest, newest]``, which is what ``state``
+    advertises.
+    """
+
+    def __init__(self, limit: int = DEFAULT_RETAIN_BYTES) -> None:
+        self.limit = limit
+        self._results: collections.OrderedDict[CallId, tuple[CallDescriptor, bytes]] = (
+            collections.OrderedDict())
+        self.nbytes = 0
+        self._dropped_upto: CallId = (0, 0)  # calls before this were dropped (or never made)
+
+    def add(self, call: CallId, desc: CallDescriptor, data: bytes) -> None:
+        if len(data) > self.limit:
+            self.clear_before((call[0], call[1] + 1))
+            return
+        self._results[call] = (desc, data)
+        self.nbytes += len(data)
+        while self.nbytes > self.limit:
+            old, (_, blob) = self._results.popitem(last=False)
+            self.nbytes -= len(blob)
+            self._dropped_upto = (old[0], old[1] + 1)
+
+    def get(self, call: CallId) -> tuple[CallDescriptor, bytes] | None:
+        return self._results.get(call)
+
+    def on_checkpoint(self, version: int) -> None:
+        """``version`` was just taken: keep the calls of ``version - 1`` on, drop the rest."""
+        self.clear_before((max(0, version - GENERATIONS + 1), 0))
+
+    def clear_before(self, call: CallId) -> None:
+        for key in [k for k in self._results if k < call]:
+            self.nbytes -= len(self._results.pop(key)[1])
+        self._dropped_upto = max(self._dropped_upto, call)
+
+    @property
+    def oldest(self) -> CallId:
+        """The first call that may be retained: everything before it is gone."""
+        return self._dropped_upto
+
+
+# ----------------------------------------------------------------------------- replay
+
+
+class Role(enum.Enum):
+    """How a restarted rank treats a neighbour for one call of its replay."""
+
+    FINISHED = "finished"  # the neighbour completed the call: it can serve the result
+    LIVE = "live"  # the neighbour is blocked in the call: resume it at the offsets
+    RECOVERING = "recovering"  # another restarted rank: it sends a need when it gets there
+    FRESH = "fresh"  # the neighbour has not started the call: it runs as usual
+
+
+def role_of(state: PeerState, call: CallId) -> Role:
+    if call < state.at:
+        return Role.FINISHED
+    if call == state.at and state.active and not state.recovering:
+        return Role.LIVE
+    if state.recovering:
+        return Role.RECOVERING
+    return Role.FRESH
+
+
+def checkpoint_version(states: dict[int, PeerState]) -> int:
+    """The version a restarted rank resumes at: the oldest one a neighbour is still in.
+
+    A neighbour that checkpointed after the failure may be one version ahead; the slower
+    ones may still need this rank's bytes of a call in the older version, so the older
+    version wins (every rank keeps :data:`GENERATIONS` of them)."""
+    live = [s.at[0] for s in states.values() if not s.recovering]
+    return min(live) if live else 0

@@ -1,0 +1,330 @@
+"""Lazy recovery in the simulation: ranks die at chosen points and come back, the job's
+results stay bit-identical to numpy, and survivors never restart a call.
+
+A :class:`Job` runs the same program on every rank of a :class:`SimNet`: iterations of
+collectives, a checkpoint after each.  A fault plan kills a rank once it has received a
+number of payload bytes of a given call; after a while the rank is restarted (a new agent,
+incarnation + 1), loads the checkpoint from its neighbours and replays.  Every result of
+every rank, replayed or not, is checked against numpy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from simnet import SimNet
+
+from rabit2.core.agent import Agent, Call
+from rabit2.core.framing import CollectiveKind
+from rabit2.core.fsm import State
+from rabit2.core.ops import Op
+from rabit2.core.topology import topology
+from rabit2.errors import MismatchError, PeerLostError, RabitError, UnrecoverableError
+
+BCAST = CollectiveKind.BROADCAST
+GATHER = CollectiveKind.ALLGATHER
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    """One collective of the program: ``kind`` is "allreduce", "broadcast" or "allgather"."""
+
+    kind: str
+    count: int
+    dtype: str = "int64"
+    op: Op = Op.SUM
+    root: int = 0
+
+
+def data_for(rank: int, it: int, j: int, spec: Spec) -> np.ndarray:
+    rng = np.random.default_rng([rank, it, j])
+    if np.dtype(spec.dtype).kind == "f":
+        return rng.standard_normal(spec.count).astype(spec.dtype)
+    return rng.integers(-1000, 1000, spec.count).astype(spec.dtype)
+
+
+def expected(world: int, it: int, j: int, spec: Spec) -> bytes:
+    inputs = [data_for(r, it, j, spec) for r in range(world)]
+    if spec.kind == "allreduce":
+        out = inputs[0].copy()
+        for x in inputs[1:]:
+            np.add(out, x, out=out)  # the tests use SUM on exact (integer) dtypes
+        return out.tobytes()
+    if spec.kind == "broadcast":
+        return inputs[spec.root % world].tobytes()
+    return b"".join(x.tobytes() for x in inputs)
+
+
+@dataclasses.dataclass
+class Kill:
+    rank: int
+    at: tuple[int, int]  # (iteration, index of the call in it)
+    after_bytes: int  # payload bytes of that call received before the kill
+    restart_after: int = 2000  # network steps before the launcher restarts it
+    killed_at_step: int = -1
+    incarnation: int = 0
+
+
+class Job:
+    def __init__(self, world: int, program: list[list[Spec]], *, seed: int = 0,
+                 max_piece: int = 1 << 12, kills: list[Kill] = (), **agent_kw: object) -> None:
+        agent_kw.setdefault("recover", True)
+        self.net = SimNet(world, seed, max_piece, **agent_kw)
+        self.world = world
+        self.program = program
+        self.pos = dict.fromkeys(range(world), (0, 0))
+        self.inflight: dict[int, tuple[int, int, np.ndarray, int]] = {}
+        self.results: dict[int, dict[tuple[int, int], bytes]] = {r: {} for r in range(world)}
+        self.loading: dict[int, str] = {}  # rank -> "states" | "checkpoint"
+        self.kills = list(kills)
+        self.steps = 0
+        self.calls_begun = dict.fromkeys(range(world), 0)
+        self.resumed_from: dict[int, int] = {}  # a restarted rank: the version it loaded
+
+    # -- the worker program -----------------------------------------------------------------
+
+    def _advance(self, rank: int) -> None:
+        """Begin the rank's next call (taking checkpoints on the way)."""
+        agent = self.net.agents[rank]
+        while True:
+            it, j = self.pos[rank]
+            if it == len(self.program):
+                return
+            if j == len(self.program[it]):
+                agent.checkpoint(f"model after iteration {it}".encode())
+                self.pos[rank] = (it + 1, 0)
+                continue
+            break
+        spec = self.program[it][j]
+        mine = data_for(rank, it, j, spec)
+        if spec.kind == "allreduce":
+            arr = mine.copy()
+            buf = arr.reshape(-1).view(np.uint8).data
+            kind = agent.choose_allreduce(len(buf), arr.dtype.itemsize)
+            call = Call(kind, buf, arr.dtype, spec.op)
+        elif spec.kind == "broadcast":
+            root = spec.root % self.world
+            arr = mine.copy() if rank == root else np.zeros_like(mine)
+            call = Call(BCAST, arr.view(np.uint8).data, root=root)
+        else:
+            arr = np.zeros(spec.count * self.world, dtype=spec.dtype)
+            arr[rank * spec.count : (rank + 1) * spec.count] = mine
+            size = spec.count * arr.dtype.itemsize
+            blocks = tuple((r * size, (r + 1) * size) for r in range(self.world))
+            call = Call(GATHER, arr.view(np.uint8).data, blocks=blocks)
+        base = agent.statistics().bytes_received
+        self.inflight[rank] = (it, j, arr, base)
+        self.calls_begun[rank] += 1
+        self.net.execute(rank, agent.begin(call, self.net.now))
+
+    def _collect(self) -> None:
+        for rank, call_id in list(self.net.done.items()):
+            if rank not in self.inflight:
+                continue
+            it, j, arr, _ = self.inflight.pop(rank)
+            del self.net.done[rank]
+            self.results[rank][(it, j)] = arr.tobytes()
+            self.pos[rank] = (it, j + 1)
+            del call_id
+
+    def _faults(self) -> None:
+        for kill in self.kills:
+            if kill.killed_at_step < 0:
+                flight = self.inflight.get(kill.rank)
+                if flight is None or (flight[0], flight[1]) != kill.at:
+                    continue
+                got = self.net.agents[kill.rank].statistics().bytes_received - flight[3]
+                if got < kill.after_bytes and kill.rank not in self.net.done:
+                    continue  # (a call that receives less than that dies when it completes)
+                self.net.kill(kill.rank)
+                self.inflight.pop(kill.rank, None)
+                kill.killed_at_step = self.steps
+            elif kill.rank in self.net.dead and self.steps - kill.killed_at_step >= (
+                    kill.restart_after):
+                kill.incarnation = self.net.agents[kill.rank].incarnation + 1
+                self.net.restart(kill.rank, kill.incarnation)
+                self.loading[kill.rank] = "states"
+
+    def _loading(self, rank: int) -> None:
+        agent = self.net.agents[rank]
+        if self.loading[rank] == "states":
+            if agent.states_known():
+                self.loading[rank] = "checkpoint"
+                self.net.execute(rank, agent.load_checkpoint())
+        elif rank in self.net.loaded:
+            version, blob = self.net.loaded.pop(rank)
+            if version:
+                assert blob == f"model after iteration {version - 1}".encode()
+            self.pos[rank] = (version, 0)
+            self.resumed_from[rank] = version
+            del self.loading[rank]
+
+    def run(self, max_steps: int = 3_000_000) -> None:
+        while self.steps < max_steps:
+            self.steps += 1
+            self._faults()  # first: a call that just completed can still be killed
+            self._collect()
+            if self.net.failed:
+                rank, error = next(iter(self.net.failed.items()))
+                raise error
+            for rank in range(self.world):
+                if rank in self.net.dead:
+                    continue
+                if rank in self.loading:
+                    self._loading(rank)
+                elif rank not in self.inflight:
+                    self._advance(rank)
+            moved = self.net.step()
+            if not moved and not self.net.dead and not self.loading:
+                if not self.inflight and all(
+                        pos[0] == len(self.program) for pos in self.pos.values()):
+                    return
+                if any(r not in self.inflight for r in range(self.world)) or self.net.done:
+                    continue
+                raise AssertionError(f"stuck: inflight {sorted(self.inflight)}, "
+                                     f"states {[a.state for a in self.net.agents.values()]}")
+        raise AssertionError("the job did not finish")
+
+    def check(self) -> None:
+        for rank in range(self.world):
+            for it, calls in enumerate(self.program):
+                for j, spec in enumerate(calls):
+                    got = self.results[rank].get((it, j))
+                    if got is None and it < self.resumed_from.get(rank, 0):
+                        continue  # died in an iteration its neighbours had checkpointed
+                    assert got is not None, (rank, it, j)
+                    assert got == expected(self.world, it, j, spec), (rank, it, j, spec)
+
+
+SMALL = Spec("allreduce", 100)  # tree (or pair at world 2)
+RING = Spec("allreduce", 5000)  # ring with ring_mincount below
+PROGRAM = [[SMALL, RING, Spec("broadcast", 300, root=1)],
+           [Spec("allgather", 50), RING, SMALL],
+           [SMALL, Spec("broadcast", 2000, root=2)]]
+KW = {"ring_mincount": 1000, "tree_chunk": 256}
+
+
+def run_job(world: int, kills: list[Kill], seed: int = 0, program: list[list[Spec]] = PROGRAM,
+            **kw: object) -> Job:
+    job = Job(world, program, seed=seed, kills=kills, **{**KW, **kw})
+    job.run()
+    job.check()
+    return job
+
+
+def test_no_fault_job_with_recovery_on() -> None:
+    job = run_job(5, [])
+    assert all(a.recovery_statistics()["links_up"] == 0 for a in job.net.agents.values())
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("at", [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 1)])
+@pytest.mark.parametrize("victim", [0, 1, -1])
+def test_kill_mid_call_then_restart(world: int, at: tuple[int, int], victim: int) -> None:
+    victim %= world
+    spec = PROGRAM[at[0]][at[1]]
+    nbytes = spec.count * 8
+    for seed, after in enumerate([0, nbytes // 3, nbytes - 1]):
+        job = run_job(world, [Kill(victim, at, after)], seed=seed)
+        assert job.net.agents[victim].incarnation == 1  # it was killed and came back
+        stats = job.net.agents[victim].recovery_statistics()
+        assert stats["fetched_bytes"] > 0 or at == (0, 0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_kill_at_random_points(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    world = int(rng.integers(2, 9))
+    it = int(rng.integers(0, len(PROGRAM)))
+    j = int(rng.integers(0, len(PROGRAM[it])))
+    kill = Kill(int(rng.integers(0, world)), (it, j), int(rng.integers(0, 30000)),
+                restart_after=int(rng.integers(1, 5000)))
+    run_job(world, [kill], seed=seed, max_piece=int(rng.integers(1, 5000)))
+
+
+def test_two_ranks_far_apart_killed_at_once() -> None:
+    world = 8
+    far = next(r for r in range(2, world) if r not in topology(0, world).neighbors)
+    run_job(world, [Kill(0, (1, 1), 3000), Kill(far, (1, 1), 1000)])
+
+
+def test_same_rank_killed_again_during_its_recovery() -> None:
+    run_job(5, [Kill(2, (1, 1), 5000, restart_after=100),
+                Kill(2, (2, 0), 100, restart_after=100)])
+
+
+def test_survivors_block_only_on_the_lost_input() -> None:
+    """While rank 4 is dead, ranks outside its subtree finish a broadcast from rank 0."""
+    world = 8
+    program = [[Spec("broadcast", 4000, root=0)]]
+    victim = next(r for r in range(1, world) if not topology(r, world).children)  # a leaf
+    job = Job(world, program, kills=[Kill(victim, (0, 0), 1000, restart_after=10**9)], **KW)
+    with pytest.raises(AssertionError, match="did not finish"):
+        job.run(max_steps=200_000)
+    others = [r for r in range(world) if r != victim]
+    assert all((0, 0) in job.results[r] for r in others)
+    assert all(job.results[r][(0, 0)] == expected(world, 0, 0, program[0][0]) for r in others)
+
+
+def test_no_survivor_resends_bytes_that_arrived() -> None:
+    """Resumed mid-ring: survivors resend only what the dead rank held."""
+    job = run_job(4, [Kill(2, (0, 1), 20000)], program=[[RING, RING]])
+    agents = job.net.agents
+    resent = sum(agents[r].recovery_statistics()["resent_bytes"] for r in range(4) if r != 2)
+    # at most what the victim itself had received of that call
+    assert resent <= 20000 + 5000 * 8
+
+
+def test_a_worker_that_never_returns_fails_every_neighbour_in_bounded_time() -> None:
+    job = Job(4, [[RING]], kills=[Kill(1, (0, 0), 100, restart_after=10**9)],
+              recover_timeout=5.0, **KW)
+    with pytest.raises(AssertionError):
+        job.run(max_steps=100_000)
+    net = job.net
+    for rank in range(4):
+        if rank != 1:
+            net.execute(rank, net.agents[rank].on_tick(net.now + 10.0))
+    while net.step():
+        pass
+    for rank in (0, 2, 3):
+        assert isinstance(net.failed.get(rank), PeerLostError), (rank, net.failed)
+
+
+def test_diverging_restarted_worker_gets_a_sequence_mismatch() -> None:
+    program = [[SMALL], [SMALL, SMALL]]
+    job = Job(3, program, kills=[Kill(1, (1, 1), 0, restart_after=10)], **KW)
+    original = job._advance
+
+    def diverge(rank: int) -> None:
+        if rank == 1 and job.net.agents[1].incarnation == 1:
+            job.program = [[SMALL], [Spec("allreduce", 101), SMALL]]  # the replay differs
+        original(rank)
+        job.program = program
+
+    job._advance = diverge  # type: ignore[method-assign]
+    with pytest.raises(MismatchError, match="sequence mismatch"):
+        job.run()
+
+
+def test_lost_retained_results_are_unrecoverable() -> None:
+    with pytest.raises(UnrecoverableError):
+        run_job(3, [Kill(1, (1, 1), 100)], retain_bytes=16)
+
+
+def test_recovering_agent_reports_its_state() -> None:
+    job = run_job(3, [Kill(2, (0, 1), 1000)])
+    assert all(a.state is State.READY for a in job.net.agents.values())
+    assert not any(a.restarted for a in job.net.agents.values())
+
+
+def test_without_recovery_a_kill_still_fails_fast() -> None:
+    job = Job(4, [[RING]], kills=[Kill(1, (0, 0), 100, restart_after=10**9)], recover=False,
+              **KW)
+    with pytest.raises(RabitError):
+        job.run(max_steps=100_000)
+
+
+def _unused(agent: Agent) -> None:
+    del agent
