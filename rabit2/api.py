@@ -24,7 +24,7 @@ from rabit2.config import Config, load_config
 from rabit2.core.agent import Call
 from rabit2.core.framing import CollectiveKind
 from rabit2.core.ops import Op, check_op_dtype, dtype_code, dtype_from_code
-from rabit2.errors import MismatchError, NotInitializedError
+from rabit2.errors import MismatchError, NotInitializedError, UnrecoverableError
 
 logger = logging.getLogger("rabit2")
 
@@ -48,6 +48,7 @@ class _State:
         self.global_model: bytes | None = None
         self.lazy_model: Any = None
         self.local_model: bytes | None = None
+        self.must_load = False  # a restarted worker whose checkpoint is with its neighbours
 
 
 _state = _State()
@@ -89,6 +90,7 @@ def init(args: Iterable[str | bytes] | None = None, **kwargs: Any) -> None:
             _state.engine = engine
             _state.rank = engine.assignment.rank
             _state.world = engine.assignment.world_size
+            _state.must_load = engine.restarted
         else:
             _state.engine = None
             _state.rank, _state.world = 0, 1
@@ -199,8 +201,9 @@ def allreduce(data: Any, op: Any, prepare_fun: Callable[[Any], None] | None = No
         raise TypeError(f"allreduce takes a numpy array, got {type(data).__name__}")
     opv, dtype = check_op_dtype(op, data.dtype)
     state = _require()
-    if prepare_fun is not None:
-        prepare_fun(data)
+    if prepare_fun is not None and not (state.engine is not None
+                                        and state.engine.replays_next()):
+        prepare_fun(data)  # (a restarted worker replaying a finished call gets its result)
     if state.engine is None or (data.size == 0 and state.world == 1):
         return data
     inplace = data.flags.c_contiguous and data.flags.writeable
@@ -375,7 +378,7 @@ def checkpoint(global_model: Any, local_model: Any = None) -> None:
     state.local_model = (
         None if local_model is None else pickle.dumps(local_model, pickle.HIGHEST_PROTOCOL)
     )
-    _advance_version(state)
+    _advance_version(state, state.global_model)
 
 
 def lazy_checkpoint(global_model: Any) -> None:
@@ -385,13 +388,15 @@ def lazy_checkpoint(global_model: Any) -> None:
     state.lazy_model = global_model
     state.global_model = None
     state.local_model = None
-    _advance_version(state)
+    # pickled on the loop thread only if a restarted neighbour asks for it
+    _advance_version(state, lambda: pickle.dumps(global_model, pickle.HIGHEST_PROTOCOL))
 
 
-def _advance_version(state: _State) -> None:
+def _advance_version(state: _State, blob: bytes | Callable[[], bytes]) -> None:
     _mock_hit("checkpoint")
+    state.must_load = False  # a program that checkpoints before loading starts afresh
     if state.engine is not None:
-        state.version = state.engine.checkpoint()
+        state.version = state.engine.checkpoint(blob)
     else:
         state.version += 1
     state.seqno = 0
@@ -399,8 +404,24 @@ def _advance_version(state: _State) -> None:
 
 def load_checkpoint(with_local: bool = False) -> tuple[Any, ...]:
     """Return ``(version, global_model)`` (or with ``local_model`` too); ``(0, None)`` on a
-    fresh start."""
+    fresh start.
+
+    In a worker that ``rabit2-submit`` restarted after a failure (recovery on), the first
+    call fetches the checkpoint from a live neighbour: the program then replays from that
+    version, and the results of calls the others already finished come from them.  Raises
+    :class:`~rabit2.errors.UnrecoverableError` if no live neighbour holds that version, or
+    if ``with_local`` asks for a local model there (local models are not replicated yet).
+    """
     state = _require()
+    if state.must_load:
+        state.must_load = False
+        version, blob = state.engine.load_checkpoint()
+        state.version, state.seqno = version, 0
+        state.global_model, state.lazy_model, state.local_model = blob, None, None
+        if with_local and version:
+            raise UnrecoverableError(
+                "a restarted worker cannot get its local model back: local checkpoints are "
+                "not replicated to neighbours yet (use the global model)")
     if state.version == 0:
         return (0, None, None) if with_local else (0, None)
     if state.lazy_model is not None:

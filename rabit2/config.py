@@ -52,6 +52,10 @@ class Config:
     loop: str = "uvloop"
     log_level: str = "WARNING"
     mock: tuple[MockSpec, ...] = ()
+    # lazy recovery (docs/recovery.md); rabit2-submit turns it on when it restarts workers
+    recover: bool = False
+    recover_timeout_sec: float = 300.0
+    replay_mb: int = 512
 
     @property
     def distributed(self) -> bool:
@@ -83,6 +87,9 @@ _ALIASES: dict[str, str] = {
     "rabit2_loop": "loop",
     "rabit2_log_level": "log_level",
     "mock": "mock",
+    "rabit2_recover": "recover",
+    "rabit2_recover_timeout_sec": "recover_timeout_sec",
+    "rabit2_replay_mb": "replay_mb",
 }
 # accepted for compatibility, no effect in rabit2 (documented in docs/user-guide.md)
 _IGNORED = {
@@ -116,6 +123,9 @@ _ENV_KEYS = (
     "RABIT2_HEARTBEAT_SEC",
     "RABIT2_LOOP",
     "RABIT2_LOG_LEVEL",
+    "RABIT2_RECOVER",
+    "RABIT2_RECOVER_TIMEOUT_SEC",
+    "RABIT2_REPLAY_MB",
 )
 _PREFIXES = ("rabit_", "dmlc_", "rabit2_")
 
@@ -140,13 +150,20 @@ def _convert(field: str, value: Any) -> Any:
             return bytes.fromhex(text)
         except ValueError:
             return text.encode()
+    if field == "recover":
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return True
+        if text in ("0", "false", "no", "off"):
+            return False
+        raise ValueError(f"recover: expected a boolean (1/0, true/false), got {value!r}")
     if field in ("tracker_port", "num_attempt", "world_size", "connect_retry",
-                 "reduce_ring_mincount", "tree_reduce_minsize"):
+                 "reduce_ring_mincount", "tree_reduce_minsize", "replay_mb"):
         try:
             return int(value)
         except (TypeError, ValueError):
             raise ValueError(f"{field}: expected an integer, got {value!r}") from None
-    if field in ("timeout_sec", "connect_timeout_sec", "heartbeat_sec"):
+    if field in ("timeout_sec", "connect_timeout_sec", "heartbeat_sec", "recover_timeout_sec"):
         try:
             seconds = float(value)
         except (TypeError, ValueError):
@@ -210,4 +227,6 @@ def load_config(
         raise ValueError("rabit_reduce_ring_mincount must be >= 0")
     if values.get("tree_reduce_minsize", 1) <= 0:
         raise ValueError("rabit_tree_reduce_minsize must be > 0")
+    if values.get("replay_mb", 0) < 0:
+        raise ValueError("rabit2_replay_mb must be >= 0")
     return Config(**values, mock=tuple(mocks))

@@ -92,6 +92,30 @@ class SimNet:
             if peer not in self.dead:
                 self.execute(peer, self.agents[peer].on_hangup(rank, "killed", self.now))
 
+    def reset(self, a: int, b: int) -> None:
+        """The link between two live ranks breaks (a reset) and is dialed again at once."""
+        for src, dst in ((a, b), (b, a)):
+            q = self.queues[(src, dst)]
+            del q[self.rng.randint(0, len(q)) :]  # part of what was in flight still arrives
+        pending = {(a, b): bytes(self.queues[(a, b)]), (b, a): bytes(self.queues[(b, a)])}
+        for src, dst in pending:
+            del self.queues[(src, dst)][:]
+        # deliver what arrived before the reset, then drop the connection
+        for (src, dst), data in pending.items():
+            pos = 0
+            while pos < len(data) and (dst, src) not in self.paused and dst not in self.failed:
+                target = self.agents[dst].recv_buffer(src)
+                n = min(len(target), len(data) - pos)
+                target[:n] = data[pos : pos + n]
+                pos += n
+                self.execute(dst, self.agents[dst].on_bytes(src, n, self.now))
+        self.paused.discard((a, b))
+        self.paused.discard((b, a))
+        self.execute(a, self.agents[a].on_hangup(b, "reset", self.now))
+        self.execute(b, self.agents[b].on_hangup(a, "reset", self.now))
+        self.execute(a, self.agents[a].on_link_up(b, self.agents[b].incarnation, self.now))
+        self.execute(b, self.agents[b].on_link_up(a, self.agents[a].incarnation, self.now))
+
     def restart(self, rank: int, incarnation: int) -> Agent:
         """The launcher's restart: a fresh agent for ``rank``; links come up both ways."""
         # the victim's last bytes were either delivered or lost with the connection

@@ -133,7 +133,7 @@ def test_kill_9_mid_transfer_fails_every_survivor_fast(count: int, victim: int,
     )
     # a second attempt keeps the launcher from stopping the survivors before they report
     proc = submit(5, sys.executable, "-c", code, f"mock={victim},0,1,0,{after}", timeout=120,
-                  extra=("--max-attempts", "2"))
+                  extra=("--max-attempts", "2", "--env", "RABIT2_RECOVER=0"))
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "killing rank" in out

@@ -141,7 +141,7 @@ class Job:
                 self.net.kill(kill.rank)
                 self.inflight.pop(kill.rank, None)
                 kill.killed_at_step = self.steps
-            elif kill.rank in self.net.dead and self.steps - kill.killed_at_step >= (
+            elif kill.incarnation == 0 and self.steps - kill.killed_at_step >= (
                     kill.restart_after):
                 kill.incarnation = self.net.agents[kill.rank].incarnation + 1
                 self.net.restart(kill.rank, kill.incarnation)
@@ -328,3 +328,47 @@ def test_without_recovery_a_kill_still_fails_fast() -> None:
 
 def _unused(agent: Agent) -> None:
     del agent
+
+
+@dataclasses.dataclass
+class Reset:
+    a: int
+    b: int
+    at: tuple[int, int]  # when rank ``a`` is in this call ...
+    after_bytes: int  # ... and has received this many payload bytes of it
+    done: bool = False
+
+
+class ResetJob(Job):
+    def __init__(self, *args: object, resets: list[Reset], **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.resets = resets
+
+    def _faults(self) -> None:
+        super()._faults()
+        for reset in self.resets:
+            flight = self.inflight.get(reset.a)
+            if reset.done or flight is None or (flight[0], flight[1]) != reset.at:
+                continue
+            got = self.net.agents[reset.a].statistics().bytes_received - flight[3]
+            if got >= reset.after_bytes or reset.a in self.net.done:
+                self.net.reset(reset.a, reset.b)
+                reset.done = True
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 6])
+@pytest.mark.parametrize("at", [(0, 0), (0, 1), (0, 2), (1, 0)])
+@pytest.mark.parametrize("seed", range(3))
+def test_connection_reset_between_live_ranks_resumes_without_restart(
+        world: int, at: tuple[int, int], seed: int) -> None:
+    rng = np.random.default_rng([world, seed, *at])
+    a = int(rng.integers(0, world))
+    b = int(rng.choice(topology(a, world).neighbors))
+    reset = Reset(a, b, at, int(rng.integers(0, 20000)))
+    job = ResetJob(world, PROGRAM, seed=seed, resets=[reset], **KW)
+    job.run()
+    job.check()
+    assert reset.done
+    assert all(agent.incarnation == 0 for agent in job.net.agents.values())  # no restart
+    assert job.net.agents[a].recovery_statistics()["links_up"] == 1
+    assert not job.resumed_from  # and no replay

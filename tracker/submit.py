@@ -166,8 +166,12 @@ def build_worker_env(
     attempt: int,
     extra: Sequence[tuple[str, str]] = (),
     bind_cpu: int | None = None,
+    recover: bool = False,
 ) -> dict[str, str]:
     """The environment of one worker attempt (pure).
+
+    ``recover``: the launcher restarts failed workers, so survivors wait for the restarted
+    one instead of failing (``RABIT2_RECOVER=1``, unless the environment already says).
 
     ``bind_cpu`` asks the worker to pin itself (and its loop thread) to that CPU: the API
     thread and the loop thread then hand calls over on one core, which costs a context
@@ -184,6 +188,8 @@ def build_worker_env(
     )
     if bind_cpu is not None:
         env["RABIT2_BIND_CPU"] = str(bind_cpu)
+    if "RABIT2_RECOVER" not in base:
+        env["RABIT2_RECOVER"] = "1" if recover else "0"
     env.update(extra)
     return env
 
@@ -330,7 +336,8 @@ class LocalLauncher:
 
     def _spawn(self, task: TaskRun) -> None:
         env = build_worker_env(os.environ, self.tracker.worker_env(), task.task_id,
-                               task.attempts, self.options.env, self._bind_cpu(task.task_id))
+                               task.attempts, self.options.env, self._bind_cpu(task.task_id),
+                               recover=self.options.max_attempts > 1)
         # A session of its own: Ctrl-C in the terminal reaches only the launcher (which then
         # stops the workers in order), and killpg also reaches the worker's own children.
         proc = subprocess.Popen(

@@ -196,9 +196,10 @@ class _Mode(enum.Enum):
 class _Link:
     """Receive-side framing state of one peer link."""
 
-    __slots__ = ("awaiting_need", "blob", "blob_fetch", "body_kind", "end", "error_buf",
-                 "filled", "frame", "incarnation", "mode", "pos", "remaining", "scratch",
-                 "send_scratch", "stage", "start", "state", "up")
+    __slots__ = ("awaiting_need", "awaiting_state", "blob", "blob_fetch", "body_kind", "end",
+                 "error_buf", "filled", "frame", "incarnation", "mode", "pending", "pos",
+                 "remaining", "scratch", "send_scratch", "stage", "start", "state", "up",
+                 "up_at", "up_call")
 
     def __init__(self) -> None:
         # headers are read into this staging buffer together with whatever follows them, so
@@ -218,12 +219,18 @@ class _Link:
         self.scratch = np.empty(0, dtype=np.uint8)
         self.send_scratch = np.empty(0, dtype=np.uint8)
         # recovery (docs/recovery.md)
+        self.pending: PeerState | None = None  # a reset peer's state for a call not begun
+        self.up_call: CallId | None = None  # the call in progress when the link came up
+        self.up_at: CallId = (0, 0)  # where this rank stood then (the "at" of its state)
         self.up = True  # connected; False after a hang-up until the link comes up again
         self.incarnation = 0  # of the peer process at the other end
         self.state: PeerState | None = None  # what the peer said when the link came up
         # the link came up during a call: send nothing of that call until the peer says
         # from which offset it needs our stream (its "need")
         self.awaiting_need = False
+        # the link just came up: send nothing of any call until the peer's state arrived
+        # (what we send may depend on it, and an answer to it must not be overtaken)
+        self.awaiting_state = False
 
     def reset_framing(self, pos: int) -> None:
         """A new connection: nothing of the old one's partial frames carries over."""
@@ -384,6 +391,10 @@ class Agent:
         # HEADER (HELD only if the loop delivers bytes it read before the pause took effect,
         # which on_bytes reports as a protocol breach)
         return link.stage[link.end :]
+
+    def discard_buffer(self) -> memoryview:
+        """Where bytes of a connection that was replaced go (they are never looked at)."""
+        return self._discard
 
     def on_bytes(self, peer: int, nbytes: int, now: float) -> list[Command]:
         """``nbytes`` landed in the buffer returned by the last :meth:`recv_buffer`."""
@@ -697,6 +708,15 @@ class Agent:
         try:
             if self.restarted:
                 self._begin_replay(active, cmds)
+            for peer, link in self.links.items():
+                state, link.pending = link.pending, None
+                if state is not None and state.at == call_id and link.up:
+                    # a peer whose link was reset waits in this call; if we were behind when
+                    # the link came up it waits to hear that we hold none of its stream
+                    self._apply_need(active, peer, state.need, cmds, seen=state.seen)
+                    if link.up_at < call_id and peer in plan.in_streams:
+                        self._send_control(peer, {"t": "need", "call": list(call_id),
+                                                  "from": 0}, cmds)
         except RabitError as exc:
             self._fail(exc, cmds)
             return cmds
@@ -783,7 +803,7 @@ class Agent:
         links = self.links
         for peer, stream in plan.out_streams.items():
             link = links[peer]
-            if link.awaiting_need or not link.up:
+            if link.awaiting_need or link.awaiting_state or not link.up:
                 continue
             sent = active.sent.get(peer, 0)
             if stream.length == 0:
@@ -818,7 +838,7 @@ class Agent:
             return
         for peer, stream in plan.out_streams.items():
             link = self.links[peer]
-            if link.awaiting_need:
+            if link.awaiting_need or link.awaiting_state:
                 # a replacement is connected and about to say what it needs of this call:
                 # answer that before moving on, so no later frame overtakes the answer
                 return
@@ -999,16 +1019,20 @@ class Agent:
         was_down = not link.up
         link.incarnation = incarnation
         link.up = True
-        link.state = None
+        link.state = link.pending = None
         self.dead_links.pop(peer, None)
         self.down_since.pop(peer, None)
         active = self.active
         link.reset_framing(active.plan.received.get(peer, 0) if active is not None else 0)
+        link.up_call = active.call_id if active is not None else None
+        link.up_at = link.up_call or (self.version, self.seqno)
         if was_down:
             self._recovery_stats["links_up"] += 1
             if active is not None and peer in active.plan.out_streams:
                 link.awaiting_need = True
-        self._send_control(peer, self._state_for(peer).to_msg(), cmds)
+        if self.recover:
+            link.awaiting_state = True
+            self._send_control(peer, self._state_for(peer).to_msg(), cmds)
         if (active is not None and self.state is State.PEER_ERROR
                 and all(self.links[p].up for p in active.plan.in_streams)):
             self._go(_RESUME_EVENTS[active.call.kind])
@@ -1027,13 +1051,52 @@ class Agent:
 
     def _on_state(self, peer: int, link: _Link, state: PeerState, now: float,
                   cmds: list[Command]) -> None:
-        del now, cmds
+        del now
         if state.incarnation != link.incarnation:
             raise ProtocolError(f"rank {peer} states incarnation {state.incarnation} on a "
                                 f"link opened by incarnation {link.incarnation}")
         link.state = state
+        link.awaiting_state = False
         if self.restarted:
             self.peer_states[peer] = state
+        else:
+            self._settle_state(peer, link, state, cmds)
+        if self.active is not None and self.error is None:
+            self._pump(self.active, cmds)
+            self._maybe_complete(self.active, cmds)
+
+    def _settle_state(self, peer: int, link: _Link, state: PeerState,
+                      cmds: list[Command]) -> None:
+        """A live rank hears where a peer stands on a new connection to it."""
+        active = self.active
+        if state.recovering:
+            return  # a restarted peer says what it needs with a "need" when it gets there
+        # the same process came back on a new connection (the old one was reset): its state
+        # says how much of our stream of its current call it holds
+        current = active.call_id if active is not None else (self.version, self.seqno)
+        if state.active and state.at >= current and (active is None or state.at > current):
+            link.pending = state  # a call we have not begun: settled when we begin it
+        if active is None:
+            return
+        if state.at == active.call_id:
+            if link.up_call == active.call_id:
+                # both were in this call when the link came up: resend what the old
+                # connection lost (a peer that had not begun it needs all of it)
+                link.awaiting_need = False
+                self._apply_need(active, peer, state.need if state.active else 0, cmds,
+                                 seen=state.seen)
+            elif state.active and link.up_at < active.call_id and peer in active.plan.in_streams:
+                # we were behind when the link came up and began this call since: the peer
+                # still waits to hear how much of its stream we hold
+                self._send_control(peer, {"t": "need", "call": list(active.call_id),
+                                          "from": link.pos}, cmds)
+        elif state.at > active.call_id:
+            link.awaiting_need = False  # it finished our call: it needs nothing more of it
+            self._apply_need(active, peer, -1, cmds)
+        elif state.active and (got := self.results.get(state.at)) is not None:
+            # it is still in a call we finished, and our stream of it went down with the
+            # old connection: the result stands in for it
+            self._reply(peer, 0, state.at, got[0], memoryview(got[1]), cmds)
 
     def states_known(self) -> bool:
         """Every neighbour has sent its state (a restarted rank waits for this in init)."""
@@ -1048,8 +1111,8 @@ class Agent:
         """True if the next call's result will be fetched from a neighbour (a restarted
         rank replaying a call the others finished): ``prepare_fun`` is not called then."""
         nxt = (self.version, self.seqno)
-        return self.restarted and any(role_of(st, nxt) is Role.FINISHED
-                                      for st in self.peer_states.values())
+        states = list(self.peer_states.values())  # may be called from the API thread
+        return self.restarted and any(role_of(st, nxt) is Role.FINISHED for st in states)
 
     def _begin_replay(self, active: _Active, cmds: list[Command]) -> None:
         """A restarted rank starts a call: fetch it, resume it, or run it as usual."""
@@ -1060,7 +1123,7 @@ class Agent:
                 "adjacent ranks at once is not supported (docs/recovery.md)")
         if call > self._live_frontier():
             self.restarted = False  # caught up: from here on this rank is a survivor
-            self.peer_states.clear()
+            self.peer_states = {}  # a new dict: the API thread may be reading the old one
             return
         roles = {p: role_of(st, call) for p, st in self.peer_states.items()}
         finished = [p for p, role in roles.items() if role is Role.FINISHED]
@@ -1242,9 +1305,14 @@ class Agent:
             raise ProtocolError(f"rank {peer} replies with {size} B")
         request = msg["id"]
         active = self.active
-        if request == 0:
+        current = active.call_id if active is not None else (self.version, self.seqno)
+        if request == 0 and (call < current or (active is not None and active.final
+                                                 and call == current)):
+            # a result sent for a call we meanwhile finished (or already have): read, drop
+            fetch = _Fetch(0, peer, "discard", call, True, memoryview(bytearray(size)))
+        elif request == 0:
             # our need reached a rank that had finished the call: it sent the result
-            if active is None or active.call_id != call or active.final:
+            if active is None or active.call_id != call:
                 raise ProtocolError(f"rank {peer} sent an unasked result of call {call}")
             active.final = True
             active.skip_in.add(peer)
@@ -1282,6 +1350,8 @@ class Agent:
         link.blob_fetch = None
         link.mode, link.filled, link.remaining = _Mode.HEADER, 0, 0
         self._fetches.pop(fetch.request, None)
+        if fetch.what == "discard":
+            return
         self._recovery_stats["fetched_bytes"] += len(fetch.dest)
         if fetch.what == "checkpoint":
             blob = bytes(fetch.dest)

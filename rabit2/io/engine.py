@@ -22,7 +22,7 @@ import os
 import signal
 import socket
 import threading
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar, cast
 
 from rabit2.config import Config
@@ -31,6 +31,7 @@ from rabit2.core.agent import (
     Call,
     CallComplete,
     CallFailed,
+    CheckpointLoaded,
     CloseLink,
     Command,
     PauseReading,
@@ -132,20 +133,31 @@ class PeerLink(asyncio.BufferedProtocol):
         # byte it handed to this transport has been copied into the kernel
         self.transport.set_write_buffer_limits(high=0, low=0)
 
+    @property
+    def current(self) -> bool:
+        """False once a newer connection to the same peer replaced this one."""
+        return self.engine.links.get(self.peer) is self
+
     def get_buffer(self, sizehint: int) -> memoryview:
+        if not self.current:
+            return self.engine.agent.discard_buffer()
         return self.engine.agent.recv_buffer(self.peer)
 
     def buffer_updated(self, nbytes: int) -> None:
-        self.engine.on_bytes(self.peer, nbytes)
+        if self.current:
+            self.engine.on_bytes(self.peer, nbytes)
 
     def eof_received(self) -> bool:
-        self.engine.on_hangup(self.peer, "connection closed by peer")
+        if self.current:
+            self.engine.on_hangup(self.peer, "connection closed by peer")
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
         # nothing queued on a dead transport will ever drain: stop waiting for it
         self.write_blocked = False
-        self.engine.on_hangup(self.peer, f"connection lost: {exc}" if exc else "connection closed")
+        if self.current:
+            self.engine.on_hangup(self.peer, f"connection lost: {exc}" if exc
+                                  else "connection closed")
         self.engine.on_drained()
 
     def pause_writing(self) -> None:
@@ -166,6 +178,9 @@ class Engine:
             ring_mincount=config.reduce_ring_mincount,
             tree_chunk=config.tree_reduce_minsize,
             timeout=config.timeout_sec,
+            recover=config.recover,
+            recover_timeout=config.recover_timeout_sec,
+            retain_bytes=config.replay_mb << 20,
         )
         self.loop_thread = LoopThread(config.loop)
         self.loop = self.loop_thread.loop
@@ -182,6 +197,10 @@ class Engine:
         self._tick_handle: asyncio.TimerHandle | None = None
         self._writelines = self.loop_thread.is_uvloop
         self._kill_at = -1  # failure injection: SIGKILL once bytes_received reaches it
+        self._expect_accept: set[int] = set()
+        self._ckpt_waiter: _Waiter | None = None
+        self._ckpt_loaded: tuple[int, bytes | None] = (0, None)
+        self._redials: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ bootstrap
 
@@ -207,8 +226,12 @@ class Engine:
             self.tracker = await TrackerClient.connect(cfg, self._server.getsockname()[1])
             self.tracker.on_abort = self._on_abort
             self.tracker.on_peer_lost = self._on_peer_lost
+            self.tracker.on_peer_recovered = self._on_peer_recovered
             assignment = await self.tracker.wait_assignment(cfg.timeout_sec)
             self.assignment = assignment
+            self.agent.incarnation = assignment.incarnation
+            # a restarted worker replays: it learns its neighbours' states first
+            self.agent.restarted = cfg.recover and assignment.incarnation > 0
             self.agent.connect_tracker(assignment.rank, assignment.world_size)
             topo = topology(assignment.rank, assignment.world_size)
             if (topo.parent, topo.ring_prev, topo.ring_next) != (
@@ -218,11 +241,20 @@ class Engine:
             lower = [p for p in topo.neighbors if p < assignment.rank]
             higher = {p for p in topo.neighbors if p > assignment.rank}
             self._expect_accept = higher
-            await asyncio.gather(*(self._dial(p, assignment) for p in lower))
+            await asyncio.gather(*(self._dial(p, *assignment.peers[p]) for p in lower))
             self.agent.connect_peers()
             if len(self._accepted) < len(higher):
                 await asyncio.wait_for(self._all_accepted.wait(), cfg.timeout_sec)
             self.agent.accept_peers(loop.time())
+            if self.agent.restarted:
+                waited = loop.time() + cfg.connect_timeout_sec
+                while not self.agent.states_known():
+                    if self.agent.error is not None:
+                        raise self.agent.error
+                    if loop.time() > waited:
+                        raise CollectiveTimeoutError("neighbours did not state where they "
+                                                     f"stand within {cfg.connect_timeout_sec:g} s")
+                    await asyncio.sleep(0.002)
         except TimeoutError:
             error = CollectiveTimeoutError("peers did not connect in time")
             self._bootstrap_failed(error)
@@ -231,11 +263,20 @@ class Engine:
             self._bootstrap_failed(exc)
             raise
         finally:
-            if self._accept_task is not None:
-                self._accept_task.cancel()
-            if self._server is not None:
-                self._server.close()
+            # with recovery on, the listening socket stays open: a restarted neighbour dials
+            # back in, and so does a live one whose link was reset
+            if not (cfg.recover and self.agent.error is None) or self.agent.state.value in (
+                    "failed", "connecting-tracker", "connecting-peers", "accepting-peers"):
+                self._stop_listening()
         self._schedule_tick()
+
+    def _stop_listening(self) -> None:
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            self._accept_task = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
 
     def _bootstrap_failed(self, error: RabitError) -> None:
         if self.agent.state.value in ("connecting-tracker", "connecting-peers", "accepting-peers"):
@@ -256,25 +297,41 @@ class Engine:
         server.setblocking(False)
         return server
 
-    async def _dial(self, peer: int, assignment: Assignment) -> PeerLink:
-        host, port = assignment.peers[peer]
+    async def _dial(self, peer: int, host: str, port: int) -> PeerLink:
+        assignment = self.assignment
+        assert assignment is not None
         hello = {"rank": assignment.rank, "world": assignment.world_size,
                  "incarnation": assignment.incarnation}
         sock, welcome = await connect_authenticated(
             host, port, self.config.secret, hello, self.config.connect_timeout_sec
         )
-        if welcome.get("rank") != peer:
+        incarnation = welcome.get("incarnation", 0)
+        if welcome.get("rank") != peer or not isinstance(incarnation, int):
             sock.close()
             raise ProtocolError(f"dialed rank {peer} at {host}:{port} but rank "
                                 f"{welcome.get('rank')} answered")
-        return await self._adopt(sock, peer)
+        return await self._adopt(sock, peer, incarnation)
 
-    async def _adopt(self, sock: socket.socket, peer: int) -> PeerLink:
-        """Hand the handshaken socket to a :class:`PeerLink`; frames may flow at once."""
+    async def _adopt(self, sock: socket.socket, peer: int, incarnation: int) -> PeerLink:
+        """Hand the handshaken socket to a :class:`PeerLink`; frames may flow at once.
+
+        A connection that replaces an older one to the same peer (a restarted neighbour, a
+        reset link) closes the old one first: nothing more is read from it.  The agent
+        learns about the new link before its first byte can be read."""
         loop = asyncio.get_running_loop()
         link = PeerLink(self, peer)
+        old = self.links.get(peer)
         self.links[peer] = link
+        if old is not None and old.transport is not None:
+            old.transport.abort()
+        try:
+            cmds = self.agent.on_link_up(peer, incarnation, loop.time())
+        except RabitError as exc:
+            logger.warning("link to rank %d refused: %s", peer, exc)
+            sock.close()
+            raise
         await loop.create_connection(lambda: link, sock=sock)
+        self._execute(cmds)
         return link
 
     async def _accept_loop(self, server: socket.socket) -> None:
@@ -289,7 +346,7 @@ class Engine:
     async def _accept_one(self, sock: socket.socket, addr: Any) -> None:
         loop = asyncio.get_running_loop()
         tune_socket(sock)
-        claimed: list[int] = []
+        claimed: list[tuple[int, int]] = []
 
         def check(hello: dict[str, Any]) -> dict[str, Any]:
             rank, world = hello.get("rank"), hello.get("world")
@@ -301,10 +358,19 @@ class Engine:
             if not isinstance(rank, int) or rank not in self._expect_accept:
                 raise ProtocolError(f"rank {rank} is not a neighbour that dials rank "
                                     f"{assignment.rank}")
-            if rank in self._accepted:
-                raise ProtocolError(f"rank {rank} is already connected")
-            claimed.append(rank)
-            return {"rank": assignment.rank}
+            incarnation = hello.get("incarnation")
+            if not isinstance(incarnation, int) or isinstance(incarnation, bool):
+                raise ProtocolError("hello.incarnation is not an int")
+            if rank in self.links:
+                known = self.agent.links[rank]
+                # fencing: only a newer incarnation may replace a link, or the same process
+                # whose link broke (a reset); a zombie of an older one is refused
+                if incarnation < known.incarnation or (
+                        incarnation == known.incarnation and known.up):
+                    raise ProtocolError(f"rank {rank} incarnation {incarnation} is already "
+                                        f"connected or stale (known: {known.incarnation})")
+            claimed.append((rank, incarnation))
+            return {"rank": assignment.rank, "incarnation": assignment.incarnation}
 
         try:
             # a neighbour can dial before the tracker's assignment reached us: the handshake
@@ -317,8 +383,8 @@ class Engine:
         except RabitError as exc:
             logger.warning("refused a peer connection from %s: %s", addr, exc)
             return
-        peer = claimed[0]
-        self._accepted[peer] = await self._adopt(sock, peer)
+        peer, incarnation = claimed[0]
+        self._accepted[peer] = await self._adopt(sock, peer, incarnation)
         if set(self._accepted) >= self._expect_accept and self._all_accepted is not None:
             self._all_accepted.set()
 
@@ -378,6 +444,16 @@ class Engine:
                 waiter, self._pending = self._pending, None
                 if waiter is not None:
                     waiter.finish(cmd.error)
+                ckpt = self._ckpt_waiter
+                if ckpt is not None and cmd.call_id is None:
+                    self._ckpt_waiter = None
+                    ckpt.finish(cmd.error)
+            elif isinstance(cmd, CheckpointLoaded):
+                self._ckpt_loaded = (cmd.version, cmd.blob)
+                ckpt = self._ckpt_waiter
+                if ckpt is not None:
+                    self._ckpt_waiter = None
+                    ckpt.finish(None)
             elif isinstance(cmd, PauseReading):
                 transport = self.links[cmd.peer].transport
                 if transport is not None:
@@ -424,15 +500,41 @@ class Engine:
     def _on_peer_lost(self, rank: int, incarnation: int, reason: str) -> None:
         """The tracker saw a neighbour die or go silent (a paused process keeps its TCP
         links open, so only the tracker's heartbeat deadline can tell): treat it as that
-        link's hang-up, so a call that needs it fails now instead of at the progress
-        deadline."""
-        del incarnation
+        link's hang-up, so a call that needs it fails (or, with recovery on, waits for the
+        replacement) now instead of at the progress deadline."""
+        known = self.agent.links.get(rank)
+        if known is None or incarnation < known.incarnation:
+            return  # about an incarnation that was already replaced
         link = self.links.get(rank)
         if link is not None and link.write_blocked and link.transport is not None:
             # bytes queued for a peer that will never read them: drop the link, so that a
             # finished call stops waiting for them (connection_lost clears the flag)
             link.transport.abort()
         self.on_hangup(rank, f"the tracker lost rank {rank}: {reason}")
+
+    def _on_peer_recovered(self, rank: int, incarnation: int, address: tuple[str, int]) -> None:
+        """A lost neighbour was restarted: the higher rank of a link dials, as at init."""
+        assignment = self.assignment
+        if (not self.config.recover or assignment is None or rank not in self.agent.links
+                or rank > assignment.rank):
+            return
+        task = self.loop.create_task(self._redial(rank, incarnation, address))
+        self._redials.add(task)
+        task.add_done_callback(self._redials.discard)
+
+    async def _redial(self, rank: int, incarnation: int, address: tuple[str, int]) -> None:
+        deadline = self.loop.time() + self.config.recover_timeout_sec
+        delay = 0.05
+        while self.agent.links[rank].incarnation < incarnation or not self.agent.links[rank].up:
+            try:
+                await self._dial(rank, *address)
+                return
+            except RabitError as exc:
+                if self.loop.time() + delay > deadline or self.agent.error is not None:
+                    logger.warning("cannot reconnect to restarted rank %d: %s", rank, exc)
+                    return
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 2.0)
 
     def _on_abort(self, reason: str) -> None:
         self._execute(self.agent.abort(f"job aborted by the tracker: {reason}"))
@@ -456,11 +558,50 @@ class Engine:
         if self.tracker is not None:
             self.tracker.signal_error(msg)
 
-    def checkpoint(self) -> int:
-        return self.loop_thread.run(self._checkpoint(), self.config.timeout_sec)
+    def checkpoint(self, blob: bytes | Callable[[], bytes] | None = None) -> int:
+        """Bump the version; with recovery on, keep ``blob`` for restarted neighbours."""
+        return self.loop_thread.run(self._checkpoint(blob), self.config.timeout_sec)
 
-    async def _checkpoint(self) -> int:
-        return self.agent.checkpoint()
+    async def _checkpoint(self, blob: bytes | Callable[[], bytes] | None) -> int:
+        return self.agent.checkpoint(blob)
+
+    @property
+    def restarted(self) -> bool:
+        """This worker replaces a lost one and replays (decided at init)."""
+        return self.agent.restarted
+
+    def replays_next(self) -> bool:
+        """The next call's result comes from a neighbour (``prepare_fun`` is skipped)."""
+        return self.agent.replays()
+
+    def load_checkpoint(self) -> tuple[int, bytes | None]:
+        """A restarted worker's checkpoint, fetched from a neighbour.  Bounded by
+        ``timeout_sec``; raises :class:`UnrecoverableError` if no neighbour holds it."""
+        waiter = _Waiter()
+        self.loop.call_soon_threadsafe(self._begin_load, waiter)
+        if not waiter.lock.acquire(True, self.config.timeout_sec):
+            raise CollectiveTimeoutError(
+                f"no checkpoint from the neighbours within {self.config.timeout_sec:g} s")
+        if waiter.error is not None:
+            raise waiter.error
+        return self._ckpt_loaded
+
+    def _begin_load(self, waiter: _Waiter) -> None:
+        self._ckpt_waiter = waiter
+        try:
+            cmds = self.agent.load_checkpoint()
+        except Exception as exc:
+            self._ckpt_waiter = None
+            waiter.finish(exc)
+            return
+        self._execute(cmds)
+
+    def recovery_statistics(self) -> dict[str, int]:
+        """The agent's recovery counters (links re-established, bytes fetched, resent...)."""
+        return self.loop_thread.run(self._recovery_statistics(), self.config.timeout_sec)
+
+    async def _recovery_statistics(self) -> dict[str, int]:
+        return self.agent.recovery_statistics()
 
     # ------------------------------------------------------------------ shutdown
 
@@ -486,6 +627,9 @@ class Engine:
             return
 
         async def _close() -> None:
+            self._stop_listening()
+            for task in list(self._redials):
+                task.cancel()
             if self._tick_handle is not None:
                 self._tick_handle.cancel()
             for link in self.links.values():
