@@ -143,24 +143,25 @@ def signal_error(msg: str = "signal_error() called") -> None:
 # ----------------------------------------------------------------------------- fault hooks
 
 
-def _mock_hit(kind: str) -> int:
+def _mock_hit(kind: str) -> tuple[int, int]:
     """rabit's mock engine: ``mock=rank,version,seqno,trial`` kills us at that call.
 
     With a fifth field (``after_bytes``) the kill happens inside the call, once that many
-    payload bytes of it have arrived; the byte count is returned for the engine (-1: none).
+    payload bytes of it have arrived; the byte count is returned for the engine (-1: none),
+    with the rank whose link to reset instead of dying (-1: die).
     """
     cfg = _state.config
     if cfg is None or not cfg.mock:
-        return -1
+        return -1, -1
     key = (_state.rank, _state.version, _state.seqno, cfg.num_attempt)
     for spec in cfg.mock:
         if (spec.rank, spec.version, spec.seqno, spec.trial) != key:
             continue
         if spec.after_bytes >= 0 and kind != "checkpoint":
-            return spec.after_bytes
+            return spec.after_bytes, spec.reset_peer
         logger.error("[%d]@@@Hit Mock Error:%s at %s", _state.rank, kind, key)
         os.kill(os.getpid(), signal.SIGKILL)
-    return -1
+    return -1, -1
 
 
 def _run(call: Call) -> None:
@@ -170,8 +171,8 @@ def _run(call: Call) -> None:
     # one collective at a time per process: calls from several threads queue here (their
     # order must still be the same on every rank, or the ranks get a MismatchError)
     with state.lock:
-        kill_after = _mock_hit(call.kind.name.lower())
-        state.engine.run_call(call, kill_after)
+        after_bytes, reset_peer = _mock_hit(call.kind.name.lower())
+        state.engine.run_call(call, after_bytes, reset_peer)
         state.seqno += 1
 
 

@@ -25,7 +25,9 @@ class MockSpec:
     """``mock=rank,version,seqno,trial``: kill this process at that call on that attempt.
 
     ``after_bytes`` (the optional fifth field) delays the kill until that many payload bytes
-    of the call have been received, to die in the middle of a transfer.
+    of the call have been received, to die in the middle of a transfer.  With a sixth field
+    ``reset_peer`` the process does not die: it resets its link to that rank instead (both
+    processes live; with recovery on the link is dialed again and the call resumes).
     """
 
     rank: int
@@ -33,6 +35,7 @@ class MockSpec:
     seqno: int
     trial: int
     after_bytes: int = -1
+    reset_peer: int = -1
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -132,8 +135,9 @@ _PREFIXES = ("rabit_", "dmlc_", "rabit2_")
 
 def _parse_mock(value: str) -> MockSpec:
     parts = [p.strip() for p in value.split(",")]
-    if len(parts) not in (4, 5):
-        raise ValueError(f"mock={value!r}: expected rank,version,seqno,trial[,after_bytes]")
+    if len(parts) not in (4, 5, 6):
+        raise ValueError(f"mock={value!r}: expected "
+                         "rank,version,seqno,trial[,after_bytes[,reset_peer]]")
     try:
         nums = [int(p) for p in parts]
     except ValueError:

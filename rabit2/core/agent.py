@@ -256,8 +256,8 @@ class _Fetch:
 class _Active:
     """Bookkeeping of the call in progress."""
 
-    __slots__ = ("call", "call_id", "desc", "fetching", "final", "frames_seen", "plan",
-                 "prefix", "sent", "skip_in", "started_empty")
+    __slots__ = ("call", "call_id", "deferred", "desc", "fetching", "final", "frames_seen",
+                 "plan", "prefix", "sent", "skip_in", "started_empty")
 
     def __init__(self, call: Call, call_id: tuple[int, int], desc: CallDescriptor,
                  plan: Plan) -> None:
@@ -272,6 +272,8 @@ class _Active:
         self.fetching = 0  # fetches whose bytes this call still waits for
         self.final = False  # the whole result is fetched: every out-stream can be served
         self.skip_in: set[int] = set()  # in-streams this call does not wait for any more
+        # needs for the out-streams of a broadcast whose size this rank does not know yet
+        self.deferred: dict[int, tuple[int, bool]] = {}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -617,6 +619,9 @@ class Agent:
         active.prefix = data_prefix(active.desc, *active.call_id)
         for peer in plan.out_streams:
             active.sent.setdefault(peer, 0)
+        deferred, active.deferred = active.deferred, {}
+        for peer, (offset, seen) in deferred.items():
+            self._apply_need(active, peer, offset, [], seen=seen)
 
     def _accept_frame(self, peer: int, link: _Link, frame: FrameHeader, active: _Active,
                       now: float, cmds: list[Command]) -> None:
@@ -1201,8 +1206,11 @@ class Agent:
 
     def _apply_need(self, active: _Active, peer: int, offset: int, cmds: list[Command],
                     seen: bool = False) -> None:
-        stream = active.plan.out_streams.get(peer)
+        plan = active.plan
+        stream = plan.out_streams.get(peer)
         if stream is None:
+            if isinstance(plan, TreeBroadcast) and not plan.sized and peer in plan.out_links:
+                active.deferred[peer] = (offset, seen)  # its stream appears with the size
             return
         if offset < 0 or (seen and offset >= stream.length):
             active.sent[peer] = stream.length
@@ -1379,9 +1387,13 @@ class Agent:
         if plan.length != len(data):
             raise MismatchError(f"sequence mismatch: the broadcast of call {active.call_id} "
                                 f"has {len(data)} B, this rank expected {plan.length} B")
-        stream, pos = plan.in_streams[plan.in_link], 0
+        pos = 0
         while pos < len(data):
-            dest = stream.view(pos, len(data) - pos)
+            # the plan lays out the payload once the head is in: look the stream up again
+            dest = plan.in_streams[plan.in_link].view(pos, len(data) - pos)
+            if not dest:
+                raise ProtocolError(f"the broadcast of call {active.call_id} has no place "
+                                    f"for byte {pos} of its {len(data)} B result")
             dest[:] = data[pos : pos + len(dest)]
             pos += len(dest)
             self._received(plan, plan.in_link, pos)

@@ -197,6 +197,7 @@ class Engine:
         self._tick_handle: asyncio.TimerHandle | None = None
         self._writelines = self.loop_thread.is_uvloop
         self._kill_at = -1  # failure injection: SIGKILL once bytes_received reaches it
+        self._reset_peer = -1  # ... or reset the link to this rank instead
         self._expect_accept: set[int] = set()
         self._ckpt_waiter: _Waiter | None = None
         self._ckpt_loaded: tuple[int, bytes | None] = (0, None)
@@ -390,14 +391,16 @@ class Engine:
 
     # ------------------------------------------------------------------ calls
 
-    def run_call(self, call: Call, kill_after_bytes: int = -1) -> None:
+    def run_call(self, call: Call, kill_after_bytes: int = -1, reset_peer: int = -1) -> None:
         """Run one collective; blocks the calling thread until it finished or failed.
 
         ``kill_after_bytes >= 0`` is failure injection (``mock=...,after_bytes``): the
-        process SIGKILLs itself once that many payload bytes of this call have arrived.
+        process SIGKILLs itself once that many payload bytes of this call have arrived (or,
+        with ``reset_peer >= 0``, resets its link to that rank instead).
         """
         waiter = _Waiter()
-        self.loop.call_soon_threadsafe(self._begin, call, waiter, kill_after_bytes)
+        self.loop.call_soon_threadsafe(self._begin, call, waiter, kill_after_bytes,
+                                       reset_peer)
         # the agent's progress deadline fails a stuck call; this outer bound only guards
         # against a dead loop thread
         bound = self.config.timeout_sec * 2 + 60
@@ -406,11 +409,13 @@ class Engine:
         if waiter.error is not None:
             raise waiter.error
 
-    def _begin(self, call: Call, waiter: _Waiter, kill_after_bytes: int = -1) -> None:
+    def _begin(self, call: Call, waiter: _Waiter, kill_after_bytes: int = -1,
+               reset_peer: int = -1) -> None:
         self._kill_at = (
             -1 if kill_after_bytes < 0
             else self.agent.statistics().bytes_received + kill_after_bytes
         )
+        self._reset_peer = reset_peer
         try:
             cmds = self.agent.begin(call, self.loop.time())
         except Exception as exc:  # the caller must see every failure, never wait it out
@@ -471,12 +476,27 @@ class Engine:
     def on_bytes(self, peer: int, nbytes: int) -> None:
         self._execute(self.agent.on_bytes(peer, nbytes, self.loop.time()))
         if self._kill_at >= 0 and self.agent.statistics().bytes_received >= self._kill_at:
+            link = self.links.get(self._reset_peer)
+            if link is not None and link.transport is not None:
+                logger.error("mock: rank %d resets its link to rank %d mid-call",
+                             self.agent.rank, self._reset_peer)
+                self._kill_at = -1
+                link.transport.abort()
+                return
             logger.error("mock: killing rank %d mid-call after %d bytes", self.agent.rank,
                          self._kill_at)
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_hangup(self, peer: int, reason: str) -> None:
         self._execute(self.agent.on_hangup(peer, reason, self.loop.time()))
+        assignment = self.assignment
+        if (self.config.recover and assignment is not None and peer < assignment.rank
+                and self.agent.error is None
+                and self.agent.state.value not in ("task-complete", "failed")):
+            # the higher rank of a broken link dials again: the same process if it lives
+            # (a reset), or its replacement once the tracker says where (peer_recovered)
+            self._schedule_redial(peer, self.agent.links[peer].incarnation,
+                                  assignment.peers[peer])
 
     def on_drained(self) -> None:
         """Resolve the finished call once no link holds unsent bytes of the caller's array."""
@@ -518,6 +538,9 @@ class Engine:
         if (not self.config.recover or assignment is None or rank not in self.agent.links
                 or rank > assignment.rank):
             return
+        self._schedule_redial(rank, incarnation, address)
+
+    def _schedule_redial(self, rank: int, incarnation: int, address: tuple[str, int]) -> None:
         task = self.loop.create_task(self._redial(rank, incarnation, address))
         self._redials.add(task)
         task.add_done_callback(self._redials.discard)
@@ -531,7 +554,7 @@ class Engine:
                 return
             except RabitError as exc:
                 if self.loop.time() + delay > deadline or self.agent.error is not None:
-                    logger.warning("cannot reconnect to restarted rank %d: %s", rank, exc)
+                    logger.warning("cannot reconnect to rank %d: %s", rank, exc)
                     return
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 2.0)
