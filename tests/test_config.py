@@ -148,7 +148,7 @@ def test_mock_from_kwargs_list_and_accumulation() -> None:
     assert load_config(kwargs={"MOCK": "0,0,0,0"}, environ={}).mock == (MockSpec(0, 0, 0, 0),)
 
 
-@pytest.mark.parametrize("spec", ["", "1", "1,2,3", "1,2,3,4,5,6", "a,b,c,d", "1,2,3,x",
+@pytest.mark.parametrize("spec", ["", "1", "1,2,3", "1,2,3,4,5,6,7", "a,b,c,d", "1,2,3,x",
                                   "1,,2,3", "1.5,2,3,4", "1;2;3;4"])
 def test_bad_mock_raises(spec: str) -> None:
     with pytest.raises(ValueError, match="mock"):
@@ -230,3 +230,24 @@ def test_null_tracker_uri_means_single_process(uri: str) -> None:
     # a later, explicit NULL turns a tracker from the environment off
     cfg = load_config([f"dmlc_tracker_uri={uri}"], environ={"DMLC_TRACKER_URI": "h"})
     assert not cfg.distributed
+
+
+def test_mock_sixth_field_resets_a_link_instead_of_killing() -> None:
+    config = load_config(["mock=1,0,2,0,4096,3"], environ={})
+    assert config.mock[0].after_bytes == 4096 and config.mock[0].reset_peer == 3
+
+
+@pytest.mark.parametrize(("value", "expected"), [("1", True), ("true", True), ("0", False),
+                                                 ("off", False)])
+def test_recover_flag(value: str, expected: bool) -> None:
+    assert load_config([f"rabit2_recover={value}"], environ={}).recover is expected
+    assert load_config(environ={"RABIT2_RECOVER": value}).recover is expected
+
+
+def test_recover_flag_rejects_garbage_and_bounds_are_checked() -> None:
+    with pytest.raises(ValueError, match="recover"):
+        load_config(["rabit2_recover=maybe"], environ={})
+    with pytest.raises(ValueError, match="recover_timeout_sec"):
+        load_config(["rabit2_recover_timeout_sec=0"], environ={})
+    with pytest.raises(ValueError, match="replay_mb"):
+        load_config(["rabit2_replay_mb=-1"], environ={})

@@ -134,6 +134,16 @@ def test_build_worker_env() -> None:
     assert env["PYTHONUNBUFFERED"] == "1"
 
 
+def test_recovery_is_on_when_the_launcher_restarts_workers() -> None:
+    assert build_worker_env({}, {}, 0, 0, recover=True)["RABIT2_RECOVER"] == "1"
+    assert build_worker_env({}, {}, 0, 0, recover=False)["RABIT2_RECOVER"] == "0"
+    # the user's own setting wins, from the environment or from --env
+    assert build_worker_env({"RABIT2_RECOVER": "0"}, {}, 0, 0, recover=True)[
+        "RABIT2_RECOVER"] == "0"
+    assert build_worker_env({}, {}, 0, 0, [("RABIT2_RECOVER", "0")], recover=True)[
+        "RABIT2_RECOVER"] == "0"
+
+
 def test_format_summary() -> None:
     tasks = [TaskRun(task_id=0, attempts=1, rank=0, exit_code=0, status="ok"),
              TaskRun(task_id=1, attempts=3, exit_code=-9, status="killed")]
