@@ -58,7 +58,7 @@ class Config:
     # lazy recovery (docs/recovery.md); rabit2-submit turns it on when it restarts workers
     recover: bool = False
     recover_timeout_sec: float = 300.0
-    replay_mb: int = 512
+    replay_mb: int = 256
 
     @property
     def distributed(self) -> bool:

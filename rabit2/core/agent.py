@@ -856,7 +856,7 @@ class Agent:
         self.active = None
         self._calls_completed += 1
         if self.recover:
-            self.results.add(active.call_id, active.desc, self._result_bytes(active))
+            self.results.add(active.call_id, active.desc, self._result_pieces(active))
         self._go(Event.OP_COMPLETE)
         cmds.append(CallComplete(active.call_id))
 
@@ -1101,7 +1101,7 @@ class Agent:
         elif state.active and (got := self.results.get(state.at)) is not None:
             # it is still in a call we finished, and our stream of it went down with the
             # old connection: the result stands in for it
-            self._reply(peer, 0, state.at, got[0], memoryview(got[1]), cmds)
+            self._reply(peer, 0, state.at, got[0], got[1], cmds)
 
     def states_known(self) -> bool:
         """Every neighbour has sent its state (a restarted rank waits for this in init)."""
@@ -1199,7 +1199,7 @@ class Agent:
             if got is None:
                 raise UnrecoverableError(f"rank {peer} resumes call {call}, which rank "
                                          f"{self.rank} finished and no longer retains")
-            self._reply(peer, 0, call, got[0], memoryview(got[1]), cmds)
+            self._reply(peer, 0, call, got[0], got[1], cmds)
         else:
             raise ProtocolError(f"rank {peer} resumes call {call}, which rank {self.rank} "
                                 "has not started")
@@ -1281,7 +1281,7 @@ class Agent:
                     and active.call.kind is not CollectiveKind.BROADCAST):
                 desc, data = active.desc, active.call.buf  # final bytes, by the asker's reckoning
             elif (got := self.results.get(call)) is not None:
-                desc, data = got[0], memoryview(got[1])
+                desc, data = got
             else:
                 reason = f"rank {self.rank} retains no result of call {call}"
         else:
@@ -1424,15 +1424,15 @@ class Agent:
         self._frames_sent += 1
 
     @staticmethod
-    def _result_bytes(active: _Active) -> bytes:
+    def _result_pieces(active: _Active) -> list[memoryview]:
         """What a finished call leaves behind for a replay: the result (a broadcast's
         whole stream, head included)."""
         plan = active.plan
         if isinstance(plan, TreeBroadcast):
             if plan.in_link >= 0:
-                return b"".join(plan.in_streams[plan.in_link].pieces)
-            return b"".join(active.call.pieces or (active.call.buf,))
-        return bytes(active.call.buf)
+                return list(plan.in_streams[plan.in_link].pieces)
+            return list(active.call.pieces or (active.call.buf,))
+        return [active.call.buf]
 
     def recovery_statistics(self) -> dict[str, int]:
         """Counters of the recovery protocol: links re-established, bytes fetched for

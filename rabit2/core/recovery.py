@@ -17,14 +17,17 @@ from __future__ import annotations
 import collections
 import dataclasses
 import enum
+from collections.abc import Sequence
 from typing import Any
+
+import numpy as np
 
 from rabit2.core.framing import CallDescriptor, CollectiveKind
 from rabit2.errors import ProtocolError
 
 CallId = tuple[int, int]
 
-DEFAULT_RETAIN_BYTES = 512 << 20
+DEFAULT_RETAIN_BYTES = 256 << 20
 """Bound on the results a rank keeps for replay (``rabit2_replay_mb``)."""
 GENERATIONS = 2
 """Checkpoint versions (and the results of calls made in them) kept on every rank: the
@@ -102,29 +105,64 @@ class ResultStore:
     Bounded twice: by checkpoint generation (calls of versions older than the previous
     checkpoint are dropped) and by bytes (the oldest results go first).  Either way the
     retained calls stay one contiguous run ``[oldest, newest]``, which is what ``state``
-    advertises.
+    advertises.  Dropped buffers are reused for later results of the same size, so that a
+    steady stream of calls copies into memory that is already mapped (a fresh 64 MiB
+    allocation costs several times the copy itself in page faults).
     """
 
     def __init__(self, limit: int = DEFAULT_RETAIN_BYTES) -> None:
         self.limit = limit
-        self._results: collections.OrderedDict[CallId, tuple[CallDescriptor, bytes]] = (
-            collections.OrderedDict())
+        self._results: collections.OrderedDict[
+            CallId, tuple[CallDescriptor, np.ndarray]] = collections.OrderedDict()
+        self._spare: dict[int, list[np.ndarray]] = {}
+        self._spare_bytes = 0
         self.nbytes = 0
         self._dropped_upto: CallId = (0, 0)  # calls before this were dropped (or never made)
 
-    def add(self, call: CallId, desc: CallDescriptor, data: bytes) -> None:
-        if len(data) > self.limit:
+    def add(self, call: CallId, desc: CallDescriptor, pieces: Sequence[memoryview]) -> None:
+        """Keep a copy of the result, given as the pieces it is made of."""
+        size = sum(len(p) for p in pieces)
+        if size > self.limit:
             self.clear_before((call[0], call[1] + 1))
             return
-        self._results[call] = (desc, data)
-        self.nbytes += len(data)
-        while self.nbytes > self.limit:
+        while self._results and self.nbytes + size > self.limit:
             old, (_, blob) = self._results.popitem(last=False)
-            self.nbytes -= len(blob)
+            self._release(blob)
             self._dropped_upto = (old[0], old[1] + 1)
+        spare = self._spare.get(size)
+        if spare:
+            blob = spare.pop()
+            self._spare_bytes -= size
+        else:
+            self._trim_spares(self.limit - size - self.nbytes)
+            blob = np.empty(size, dtype=np.uint8)
+        pos = 0
+        for piece in pieces:
+            blob[pos : pos + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
+            pos += len(piece)
+        self._results[call] = (desc, blob)
+        self.nbytes += size
 
-    def get(self, call: CallId) -> tuple[CallDescriptor, bytes] | None:
-        return self._results.get(call)
+    def _release(self, blob: np.ndarray) -> None:
+        """Keep a dropped buffer for the next result of its size (within the same bound:
+        retained and spare bytes together stay under ``limit``)."""
+        self.nbytes -= blob.nbytes
+        self._spare.setdefault(blob.nbytes, []).append(blob)
+        self._spare_bytes += blob.nbytes
+
+    def _trim_spares(self, room: int) -> None:
+        """Free spare buffers (other sizes first come first) until they fit in ``room``."""
+        for size in list(self._spare):
+            spares = self._spare[size]
+            while spares and self._spare_bytes > max(0, room):
+                spares.pop()
+                self._spare_bytes -= size
+            if not spares:
+                del self._spare[size]
+
+    def get(self, call: CallId) -> tuple[CallDescriptor, memoryview] | None:
+        got = self._results.get(call)
+        return None if got is None else (got[0], got[1].data)
 
     def on_checkpoint(self, version: int) -> None:
         """``version`` was just taken: keep the calls of ``version - 1`` on, drop the rest."""
@@ -132,7 +170,7 @@ class ResultStore:
 
     def clear_before(self, call: CallId) -> None:
         for key in [k for k in self._results if k < call]:
-            self.nbytes -= len(self._results.pop(key)[1])
+            self._release(self._results.pop(key)[1])
         self._dropped_upto = max(self._dropped_upto, call)
 
     @property

@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar, cast
 
@@ -483,11 +484,13 @@ class Engine:
                 self._kill_at = -1
                 link.transport.abort()
                 return
-            logger.error("mock: killing rank %d mid-call after %d bytes", self.agent.rank,
-                         self._kill_at)
+            logger.error("mock: killing rank %d mid-call after %d bytes at %.6f",
+                         self.agent.rank, self._kill_at, time.time())
             os.kill(os.getpid(), signal.SIGKILL)
 
     def on_hangup(self, peer: int, reason: str) -> None:
+        if self.config.recover and peer not in self.agent.dead_links:
+            logger.info("link to rank %d down at %.6f: %s", peer, time.time(), reason)
         self._execute(self.agent.on_hangup(peer, reason, self.loop.time()))
         assignment = self.assignment
         if (self.config.recover and assignment is not None and peer < assignment.rank
