@@ -285,6 +285,8 @@ async def test_restart_gets_old_rank_and_next_incarnation(
     assert notices[1] == ("recovered", 1, 1, (HOST, 23456))
     status = tracker.status()
     assert status["tasks"][1]["incarnation"] == 1 and status["tasks"][1]["attempt"] == 1
+    assert status["tasks"][1]["losses"] == 1 and status["tasks"][0]["losses"] == 0
+    assert (status["restarts"], status["failures"]) == (1, 1)
     await asyncio.gather(survivor.shutdown(5), restarted.shutdown(5))
     assert (await tracker.wait_done(5)).success
 

@@ -77,6 +77,7 @@ class _Task:
     port: int = 0
     conn: _Conn | None = None
     finished: bool = False
+    losses: int = 0  # times this task's worker was lost (connection or heartbeats)
 
 
 @dataclass(slots=True, eq=False)
@@ -251,6 +252,8 @@ class Tracker:
             "success": None if self._result is None else self._result.success,
             "reason": None if self._result is None else self._result.reason,
             "prints": self._prints,
+            "failures": sum(task.losses for task in tasks),
+            "restarts": sum(task.incarnation for task in tasks),
             "tasks": [
                 {
                     "task_id": task.task_id,
@@ -261,6 +264,7 @@ class Tracker:
                     "port": task.port,
                     "connected": task.conn is not None,
                     "finished": task.finished,
+                    "losses": task.losses,
                 }
                 for task in tasks
             ],
@@ -499,6 +503,7 @@ class Tracker:
         task.conn = None
         if task.finished:
             return
+        task.losses += 1
         # Fault tolerance hook point: the launcher may restart the task (it then registers
         # again) or give up (mark_failed).  Until then the job waits.
         logger.warning("%s lost: %s", _describe(task), reason)
