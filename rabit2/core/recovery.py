@@ -187,17 +187,15 @@ class Role(enum.Enum):
 
     FINISHED = "finished"  # the neighbour completed the call: it can serve the result
     LIVE = "live"  # the neighbour is blocked in the call: resume it at the offsets
-    RECOVERING = "recovering"  # another restarted rank: it sends a need when it gets there
     FRESH = "fresh"  # the neighbour has not started the call: it runs as usual
 
 
 def role_of(state: PeerState, call: CallId) -> Role:
+    """How a restarted rank treats a (live, not itself restarted) neighbour for ``call``."""
     if call < state.at:
         return Role.FINISHED
-    if call == state.at and state.active and not state.recovering:
+    if call == state.at and state.active:
         return Role.LIVE
-    if state.recovering:
-        return Role.RECOVERING
     return Role.FRESH
 
 
