@@ -398,3 +398,47 @@ def test_connection_reset_between_live_ranks_resumes_without_restart(
     assert all(agent.incarnation == 0 for agent in job.net.agents.values())  # no restart
     assert job.net.agents[a].recovery_statistics()["links_up"] == 1
     assert not job.resumed_from  # and no replay
+
+
+class SourceKillJob(Job):
+    """Kills the neighbour a restarted rank is fetching its checkpoint from, mid-fetch."""
+
+    def __init__(self, *args: object, restart_source_after: int, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.source: int | None = None
+        self.source_killed_at = -1
+        self.restart_source_after = restart_source_after
+
+    def _faults(self) -> None:
+        super()._faults()
+        victim = self.kills[0].rank
+        agent = self.net.agents[victim]
+        if self.source is None and self.loading.get(victim) == "checkpoint":
+            fetches = [f for f in agent._fetches.values() if f.what == "checkpoint"]
+            if fetches:
+                self.source = fetches[0].peer
+                self.net.kill(self.source)
+                self.inflight.pop(self.source, None)
+                self.holders.pop(self.source, None)
+                self.source_killed_at = self.steps
+        elif (self.source is not None and self.source in self.net.dead
+              and self.steps - self.source_killed_at >= self.restart_source_after):
+            self.net.restart(self.source, self.net.agents[self.source].incarnation + 1)
+            self.loading[self.source] = "states"
+
+
+def test_checkpoint_source_killed_while_serving() -> None:
+    """The restarted rank takes the checkpoint from another neighbour; the source itself
+    comes back once the first one waits in the interrupted call, and is recovered too."""
+    job = SourceKillJob(5, PROGRAM, kills=[Kill(2, (1, 1), 5000, restart_after=50)],
+                        restart_source_after=20000, **KW)
+    job.run()
+    job.check()
+    assert job.source is not None and job.net.agents[job.source].incarnation == 1
+
+
+def test_a_neighbour_restarted_while_the_first_one_replays_is_a_typed_error() -> None:
+    job = SourceKillJob(5, PROGRAM, kills=[Kill(2, (1, 1), 5000, restart_after=50)],
+                        restart_source_after=1)
+    with pytest.raises(UnrecoverableError, match="adjacent"):
+        job.run()

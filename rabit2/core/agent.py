@@ -1052,7 +1052,15 @@ class Agent:
             need = active.plan.received[peer]
             seen = active.frames_seen.get(peer, 0) > 0
         return PeerState(self.incarnation, at, active is not None, need, seen,
-                         self.restarted, tuple(sorted(self.checkpoints)), self.results.oldest)
+                         self._replaying(), tuple(sorted(self.checkpoints)),
+                         self.results.oldest)
+
+    def _replaying(self) -> bool:
+        """A restarted rank before the call its neighbours are in.  Once it is in that call
+        (resumed at the offsets) it answers a newly restarted neighbour like a survivor."""
+        active = self.active
+        return self.restarted and not (active is not None
+                                       and active.call_id >= self._live_frontier())
 
     def _on_state(self, peer: int, link: _Link, state: PeerState, now: float,
                   cmds: list[Command]) -> None:
@@ -1062,7 +1070,7 @@ class Agent:
                                 f"link opened by incarnation {link.incarnation}")
         link.state = state
         link.awaiting_state = False
-        if self.restarted:
+        if self._replaying():
             self.peer_states[peer] = state
         else:
             self._settle_state(peer, link, state, cmds)
@@ -1122,14 +1130,14 @@ class Agent:
     def _begin_replay(self, active: _Active, cmds: list[Command]) -> None:
         """A restarted rank starts a call: fetch it, resume it, or run it as usual."""
         call = active.call_id
-        if any(st.recovering for st in self.peer_states.values()):
-            raise UnrecoverableError(
-                f"rank {self.rank} and a neighbour are both being restarted: recovering two "
-                "adjacent ranks at once is not supported (docs/recovery.md)")
         if call > self._live_frontier():
             self.restarted = False  # caught up: from here on this rank is a survivor
             self.peer_states = {}  # a new dict: the API thread may be reading the old one
             return
+        if any(st.recovering for st in self.peer_states.values()):
+            raise UnrecoverableError(
+                f"rank {self.rank} and a neighbour are both being restarted: recovering two "
+                "adjacent ranks at once is not supported (docs/recovery.md)")
         roles = {p: role_of(st, call) for p, st in self.peer_states.items()}
         finished = [p for p, role in roles.items() if role is Role.FINISHED]
         live = [p for p, role in roles.items() if role is Role.LIVE]
@@ -1402,6 +1410,8 @@ class Agent:
         """A restarted rank asks a neighbour for the checkpoint it resumes from; the answer
         comes as :class:`CheckpointLoaded`.  Raises :class:`UnrecoverableError` if no live
         neighbour holds that version."""
+        if self.error is not None:
+            raise self.error  # e.g. the job was aborted while this worker started
         version = checkpoint_version(self.peer_states) if self.restarted else self.version
         cmds: list[Command] = []
         if version == 0:
