@@ -57,7 +57,7 @@ def overhead(args: argparse.Namespace) -> None:
 
 
 _EVENT = re.compile(r"^\[rank (\d+)\] EVENT (\w+) attempt=(\d+) t=([0-9.]+)", re.M)
-_KILL = re.compile(r"mock: killing rank (\d+) .* at ([0-9.]+)")
+_KILL = re.compile(r"mock: killing rank (\d+) mid-call at ([0-9.]+)")
 _DOWN = re.compile(r"^\[rank (\d+)\] .*link to rank (\d+) down at ([0-9.]+)", re.M)
 
 

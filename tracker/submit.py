@@ -321,7 +321,9 @@ class LocalLauncher:
                 task.status = "failed"
                 self._give_up(f"task {task.task_id} exited with {code} after "
                               f"{task.attempts} attempts", task_id=task.task_id)
-                return False
+                # the tracker aborts the job: the others raise JobAbortedError and exit on
+                # their own; whoever is still running after the grace period is stopped
+                self._abort_seen_at = now
         return True
 
     def _give_up(self, reason: str, task_id: int | None = None) -> None:

@@ -23,7 +23,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar, cast
 
 from rabit2.config import Config
@@ -203,6 +203,7 @@ class Engine:
         self._ckpt_waiter: _Waiter | None = None
         self._ckpt_loaded: tuple[int, bytes | None] = (0, None)
         self._redials: set[asyncio.Task[None]] = set()
+        self._failed = asyncio.Event()  # set when the tracker aborts the job
 
     # ------------------------------------------------------------------ bootstrap
 
@@ -234,6 +235,7 @@ class Engine:
             self.agent.incarnation = assignment.incarnation
             # a restarted worker replays: it learns its neighbours' states first
             self.agent.restarted = cfg.recover and assignment.incarnation > 0
+            self._raise_if_failed()  # the tracker may have aborted the job meanwhile
             self.agent.connect_tracker(assignment.rank, assignment.world_size)
             topo = topology(assignment.rank, assignment.world_size)
             if (topo.parent, topo.ring_prev, topo.ring_next) != (
@@ -243,20 +245,18 @@ class Engine:
             lower = [p for p in topo.neighbors if p < assignment.rank]
             higher = {p for p in topo.neighbors if p > assignment.rank}
             self._expect_accept = higher
-            await asyncio.gather(*(self._dial(p, *assignment.peers[p]) for p in lower))
+            # every wait below also ends at once if the tracker aborts the job
+            await self._unless_aborted(
+                asyncio.gather(*(self._dial(p, *assignment.peers[p]) for p in lower)),
+                cfg.connect_timeout_sec + 1)
+            self._raise_if_failed()
             self.agent.connect_peers()
             if len(self._accepted) < len(higher):
-                await asyncio.wait_for(self._all_accepted.wait(), cfg.timeout_sec)
+                await self._unless_aborted(self._all_accepted.wait(), cfg.timeout_sec)
+            self._raise_if_failed()
             self.agent.accept_peers(loop.time())
             if self.agent.restarted:
-                waited = loop.time() + cfg.connect_timeout_sec
-                while not self.agent.states_known():
-                    if self.agent.error is not None:
-                        raise self.agent.error
-                    if loop.time() > waited:
-                        raise CollectiveTimeoutError("neighbours did not state where they "
-                                                     f"stand within {cfg.connect_timeout_sec:g} s")
-                    await asyncio.sleep(0.002)
+                await self._unless_aborted(self._states_known(), cfg.connect_timeout_sec)
         except TimeoutError:
             error = CollectiveTimeoutError("peers did not connect in time")
             self._bootstrap_failed(error)
@@ -271,6 +271,33 @@ class Engine:
                     "failed", "connecting-tracker", "connecting-peers", "accepting-peers"):
                 self._stop_listening()
         self._schedule_tick()
+
+    def _raise_if_failed(self) -> None:
+        if self.agent.error is not None:
+            raise self.agent.error
+
+    async def _states_known(self) -> None:
+        while not self.agent.states_known():
+            self._raise_if_failed()
+            await asyncio.sleep(0.002)
+
+    async def _unless_aborted(self, awaitable: Awaitable[T], timeout: float) -> T:
+        """Await ``awaitable`` for at most ``timeout`` seconds (``TimeoutError``), or until
+        the agent fails (the tracker aborted the job): then raise that failure."""
+        task = asyncio.ensure_future(awaitable)
+        failed = asyncio.ensure_future(self._failed.wait())
+        try:
+            done, _ = await asyncio.wait({task, failed}, timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failed.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        self._raise_if_failed()
+        raise TimeoutError
 
     def _stop_listening(self) -> None:
         if self._accept_task is not None:
@@ -439,6 +466,8 @@ class Engine:
                     for buf in cmd.buffers:
                         link.transport.write(buf)
             elif isinstance(cmd, CallComplete):
+                if self._kill_at >= 0:
+                    self._inject_fault()  # fewer bytes arrived than asked: fail at the end
                 self._completed = True
                 self.on_drained()
                 if self._pending is not None:
@@ -477,16 +506,19 @@ class Engine:
     def on_bytes(self, peer: int, nbytes: int) -> None:
         self._execute(self.agent.on_bytes(peer, nbytes, self.loop.time()))
         if self._kill_at >= 0 and self.agent.statistics().bytes_received >= self._kill_at:
-            link = self.links.get(self._reset_peer)
-            if link is not None and link.transport is not None:
-                logger.error("mock: rank %d resets its link to rank %d mid-call",
-                             self.agent.rank, self._reset_peer)
-                self._kill_at = -1
-                link.transport.abort()
-                return
-            logger.error("mock: killing rank %d mid-call after %d bytes at %.6f",
-                         self.agent.rank, self._kill_at, time.time())
-            os.kill(os.getpid(), signal.SIGKILL)
+            self._inject_fault()
+
+    def _inject_fault(self) -> None:
+        """``mock=...,after_bytes[,reset_peer]`` is due: reset that link, or die."""
+        link = self.links.get(self._reset_peer)
+        self._kill_at = -1
+        if link is not None and link.transport is not None:
+            logger.error("mock: rank %d resets its link to rank %d mid-call",
+                         self.agent.rank, self._reset_peer)
+            link.transport.abort()
+            return
+        logger.error("mock: killing rank %d mid-call at %.6f", self.agent.rank, time.time())
+        os.kill(os.getpid(), signal.SIGKILL)
 
     def on_hangup(self, peer: int, reason: str) -> None:
         if self.config.recover and peer not in self.agent.dead_links:
@@ -563,7 +595,8 @@ class Engine:
                 delay = min(delay * 2, 2.0)
 
     def _on_abort(self, reason: str) -> None:
-        self._execute(self.agent.abort(f"job aborted by the tracker: {reason}"))
+        self._execute(self.agent.abort(reason))
+        self._failed.set()
 
     def _schedule_tick(self) -> None:
         interval = min(1.0, self.config.timeout_sec / 4)
@@ -653,9 +686,14 @@ class Engine:
             return
 
         async def _close() -> None:
+            pending = [*self._redials, *self._handshakes]
+            if self._accept_task is not None:
+                pending.append(self._accept_task)
             self._stop_listening()
-            for task in list(self._redials):
+            for task in pending:
                 task.cancel()
+            # let them unwind here, so that none is destroyed pending with the loop
+            await asyncio.gather(*pending, return_exceptions=True)
             if self._tick_handle is not None:
                 self._tick_handle.cancel()
             for link in self.links.values():

@@ -6,9 +6,11 @@ version ``it`` and makes the calls named by ``--calls`` (seqno = position in the
 * ``t``: tree allreduce SUM of ``--tree-count`` int64 elements
 * ``r``: ring allreduce SUM of ``--ring-count`` float64 elements (multiples of 1/8 with small
   magnitude, so every partial sum is exact and the result does not depend on the order)
-* ``s``: small allreduce MAX of 7 uint32 elements
+* ``s``: small allreduce MAX of 7 uint32 elements (a tree allreduce, or the pair exchange at
+  world size 2)
 * ``b``: broadcast of ``--bcast-count`` int32 elements from rank ``--bcast-root``
-* ``o``: broadcast of a pickled object from rank ``(it + 1) % world``
+* ``o``: broadcast of a pickled object (``--obj-kib`` KiB of bytes in a dict) from rank
+  ``(it + 1) % world``
 
 Every input depends only on (rank, iteration, seqno), so a restarted worker replays the same
 calls with the same data.  The results are chained into a sha256 that travels inside the
@@ -22,17 +24,28 @@ Options are ``--name=value`` strings (rabit2.init ignores them; ``k=v`` strings 
 * ``STATS rank=R attempt=A links_up=.. fetched_bytes=.. resent_bytes=.. replayed_calls=..
   resumed_calls=..`` before finalize (also after a failure)
 * ``DIGEST rank=R <hex>`` on success
-* ``FAILED rank=R type=<RabitError subclass> after=<s> msg=<message>`` on a RabitError
+* ``FAILED rank=R attempt=A type=<RabitError subclass> after=<s> msg=<message>`` on a
+  RabitError
   (exit status 3)
+
+* ``FAILED rank=taskT ...`` (exit status 4) if ``rabit2.init`` itself fails
 
 ``--diverge=V,S``: on attempt >= 1 (``DMLC_NUM_ATTEMPT``), the call at (V, S) is made with
 one element more than on the first attempt (a restarted worker that diverges in its replay).
+``--on-sigterm=report``: SIGTERM prints ``SIGTERM task=T`` and the worker carries on (so that
+a collective that the launcher's give-up interrupts can still end with the tracker's typed
+abort).  ``--pause-before-load=R,S``: on attempt >= 1, rank R sleeps S seconds between
+``init`` and ``load_checkpoint``; ``--pause-before-init=T,S``: on attempt >= 1, task T sleeps
+S seconds before ``init``.  ``--tag=X`` is ignored: it marks the command line, to look
+for leftover processes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
+import signal
 import sys
 import time
 
@@ -44,7 +57,8 @@ from rabit2.errors import RabitError
 
 def options(argv: list[str]) -> dict[str, str]:
     opts = {"iters": "4", "calls": "tsrb", "tree-count": "30000", "ring-count": "2000000",
-            "bcast-count": "200000", "bcast-root": "0", "diverge": ""}
+            "bcast-count": "200000", "bcast-root": "0", "diverge": "", "on-sigterm": "die",
+            "obj-kib": "16", "pause-before-load": "", "pause-before-init": "", "tag": ""}
     for arg in argv:
         if arg.startswith("--") and "=" in arg:
             key, _, value = arg[2:].partition("=")
@@ -65,8 +79,8 @@ def ring_data(rank: int, it: int, seq: int, count: int) -> np.ndarray:
     return units.astype(np.float64) / 8.0  # exact: every partial sum fits in 53 bits
 
 
-def small_data(rank: int, it: int, seq: int) -> np.ndarray:
-    return ((np.arange(7, dtype=np.uint32) * 2_654_435_761 + rank * 97 + it * 13 + seq)
+def small_data(rank: int, it: int, seq: int, count: int) -> np.ndarray:
+    return ((np.arange(count, dtype=np.uint32) * 2_654_435_761 + rank * 97 + it * 13 + seq)
             % 1_000_003).astype(np.uint32)
 
 
@@ -79,12 +93,31 @@ def main() -> int:
     opts = options(sys.argv[1:])
     attempt = int(os.environ.get("DMLC_NUM_ATTEMPT", "0"))
     t_start = time.monotonic()
-    rabit2.init(sys.argv[1:])
+    if opts["on-sigterm"] == "report":
+        # rabit2-submit SIGTERMs the other workers as soon as it gives up on a task: keep
+        # running, so that the collective in progress can fail with the tracker's abort
+        signal.signal(signal.SIGTERM, lambda signum, frame: print(
+            f"SIGTERM task={os.environ.get('DMLC_TASK_ID')} t={time.time():.6f}", flush=True))
+    if opts["pause-before-init"] and attempt >= 1:
+        task, seconds = opts["pause-before-init"].split(",")
+        if task == os.environ.get("DMLC_TASK_ID"):
+            time.sleep(float(seconds))
+    try:
+        rabit2.init(sys.argv[1:])
+    except RabitError as exc:
+        print(f"FAILED rank=task{os.environ.get('DMLC_TASK_ID')} attempt={attempt} "
+              f"type={type(exc).__name__} after={time.monotonic() - t_start:.2f} msg={exc}",
+              flush=True)
+        return 4
     rank, world = rabit2.get_rank(), rabit2.get_world_size()
     print(f"START rank={rank} attempt={attempt} t={time.time():.6f}", flush=True)
     iters = int(opts["iters"])
     calls = opts["calls"]
     diverge = tuple(int(x) for x in opts["diverge"].split(",")) if opts["diverge"] else None
+    if opts["pause-before-load"] and attempt >= 1:
+        who, seconds = opts["pause-before-load"].split(",")
+        if int(who) == rank:
+            time.sleep(float(seconds))
     try:
         version, model = rabit2.load_checkpoint()
         chain = model["digest"] if model is not None else hashlib.sha256(b"seed").hexdigest()
@@ -100,7 +133,7 @@ def main() -> int:
                     out = ring_data(rank, it, seq, int(opts["ring-count"]) + extra)
                     rabit2.allreduce(out, rabit2.SUM)
                 elif kind == "s":
-                    out = small_data(rank, it, seq)
+                    out = small_data(rank, it, seq, 7 + extra)
                     rabit2.allreduce(out, rabit2.MAX)
                 elif kind == "b":
                     root = int(opts["bcast-root"])
@@ -111,7 +144,8 @@ def main() -> int:
                           f"t={time.time():.6f}", flush=True)
                 elif kind == "o":
                     root = (it + 1) % world
-                    obj = {"it": it, "seq": seq, "blob": bytes(range(256)) * 64}
+                    blob = bytes(range(256)) * (4 * int(opts["obj-kib"]))
+                    obj = {"it": it, "seq": seq, "blob": blob}
                     got = rabit2.broadcast(obj if rank == root else None, root)
                     assert got == obj, "broadcast object differs"
                     out = np.frombuffer(repr(sorted(got.items())).encode(), dtype=np.uint8)
@@ -122,9 +156,10 @@ def main() -> int:
     except RabitError as exc:
         print_stats(rank, attempt)
         message = str(exc).replace("\n", " ")
-        print(f"FAILED rank={rank} type={type(exc).__name__} "
+        print(f"FAILED rank={rank} attempt={attempt} type={type(exc).__name__} "
               f"after={time.monotonic() - t_start:.2f} msg={message}", flush=True)
-        rabit2.finalize()
+        with contextlib.suppress(RabitError):
+            rabit2.finalize()
         return 3
     print_stats(rank, attempt)
     print(f"DIGEST rank={rank} {chain}", flush=True)

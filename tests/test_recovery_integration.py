@@ -1,0 +1,495 @@
+"""Lazy recovery over real processes: ``rabit2-submit`` restarts a killed worker, which
+replays from its neighbours' checkpoint, fetches the calls they finished and resumes the one
+they are blocked in; a reset link between two live workers is dialed again.
+
+Every job runs ``tests/workers/recovery_worker.py`` (or the GBDT example) and every result is
+compared bit for bit with a run of the same program without a fault: each rank prints a
+sha256 chained over all its results (``DIGEST rank=R <hex>``), which must be the same on
+every rank and equal to the no-fault run's.
+
+The worker's default program, per iteration ``v`` (= checkpoint version, 4 of them):
+seqno 0 a tree allreduce of 30 000 int64, 1 a small allreduce, 2 a ring allreduce of
+2 000 000 float64 (16 MB), 3 a broadcast from rank 0 (``T``, ``S``, ``R``, ``B`` below).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from rabit2 import errors
+from rabit2.core.topology import topology
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "workers" / "recovery_worker.py"
+
+T, S, R, B = 0, 1, 2, 3  # seqno of each call in an iteration of the default program
+TREE_BYTES = 30_000 * 8
+SMALL_BYTES = 7 * 4
+RING_BYTES = 2_000_000 * 8
+BCAST_BYTES = 200_000 * 4 + 80  # the broadcast's stream: an 80-byte head, then the array
+CALL_BYTES = {T: TREE_BYTES, S: SMALL_BYTES, R: RING_BYTES, B: BCAST_BYTES}
+CHECKPOINT_SLACK = 1024  # the pickled {"it": .., "digest": ..} model, with room to spare
+MIB = 1 << 20
+RABIT_ERRORS = {name for name in errors.__all__
+                if issubclass(getattr(errors, name), errors.RabitError)}
+STAT_KEYS = ("links_up", "fetched_bytes", "resent_bytes", "replayed_calls", "resumed_calls")
+
+
+# ----------------------------------------------------------------------------- harness
+
+
+@dataclasses.dataclass
+class Job:
+    """One finished ``rabit2-submit`` run and what its output says."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    elapsed: float
+    tag: str
+
+    @property
+    def out(self) -> str:
+        return self.stdout + self.stderr
+
+    def tail(self, chars: int = 6000) -> str:
+        return self.out[-chars:]
+
+    def digests(self) -> dict[int, str]:
+        found: dict[int, str] = {}
+        for rank, digest in re.findall(r"^\[rank \d+\] DIGEST rank=(\d+) ([0-9a-f]{64})$",
+                                       self.stdout, re.M):
+            assert int(rank) not in found, f"two digests from rank {rank}\n{self.tail()}"
+            found[int(rank)] = digest
+        return found
+
+    def summary(self) -> dict[int, tuple[int, str, str]]:
+        """rank -> (attempts, exit, status), from the launcher's summary table."""
+        _, sep, table = self.stderr.partition("[rabit2-submit] summary:")
+        assert sep, self.tail()
+        rows = re.findall(r"^(\d+)\s+(\d+)\s+(\d+)\s+(\S+)\s+(\w+)$", table, re.M)
+        return {int(rank): (int(attempts), code, status)
+                for _, rank, attempts, code, status in rows}
+
+    def attempts(self) -> dict[int, int]:
+        return {rank: row[0] for rank, row in self.summary().items()}
+
+    def stats(self) -> dict[tuple[int, int], dict[str, int]]:
+        """(rank, attempt) -> recovery_statistics() printed by that worker."""
+        found = {}
+        for rank, attempt, fields in re.findall(
+                r"^\[rank \d+\] STATS rank=(\d+) attempt=(\d+) (.*)$", self.stdout, re.M):
+            values = dict(re.findall(r"(\w+)=(-?\d+)", fields))
+            found[int(rank), int(attempt)] = {k: int(v) for k, v in values.items()}
+        return found
+
+    def failures(self) -> list[dict[str, str]]:
+        pattern = (r"^\[rank \d+\] FAILED rank=(?P<rank>\S+) attempt=(?P<attempt>\d+) "
+                   r"type=(?P<type>\w+) after=(?P<after>[0-9.]+) msg=(?P<msg>.*)$")
+        return [m.groupdict() for m in re.finditer(pattern, self.stdout, re.M)]
+
+    def times(self, what: str) -> list[tuple[int, int, float]]:
+        """(rank, attempt, time.time()) of every ``START`` or ``BCAST_DONE`` line."""
+        return [(int(r), int(a), float(t)) for r, a, t in re.findall(
+            rf"^\[rank \d+\] {what} rank=(\d+) attempt=(\d+) .*?t=([0-9.]+)$", self.stdout,
+            re.M)]
+
+    def leftovers(self) -> list[str]:
+        """Processes whose command line carries this job's tag (none may survive a job)."""
+        ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True,
+                            check=True, timeout=30)
+        return [line for line in ps.stdout.splitlines()
+                if self.tag in line and "ps -eo" not in line]
+
+
+def _kill_tagged(tag: str) -> None:
+    """After a launcher that had to be killed: end the workers it started (by pid)."""
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True,
+                        timeout=30)
+    for line in ps.stdout.splitlines():
+        pid, _, args = line.strip().partition(" ")
+        if tag in args and pid.isdigit() and int(pid) != os.getpid():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+
+
+def run_job(world: int, *args: str, max_attempts: int = 3, restart_delay: float = 0.0,
+            timeout: float = 90.0, gbdt: bool = False,
+            extra: tuple[str, ...] = ()) -> Job:
+    """``rabit2-submit -n world`` the recovery worker (or the GBDT example) with ``args``.
+
+    With ``max_attempts > 1`` the launcher turns recovery on in the workers.  The launcher's
+    own ``--timeout`` fires well before the subprocess timeout, so it stops its workers."""
+    tag = f"rtag-{uuid.uuid4().hex[:12]}"
+    if gbdt:
+        # a k=v that rabit2.init ignores (no rabit_/dmlc_/rabit2_ prefix) carries the tag
+        command = [sys.executable, "-m", "rabit2.examples.gbdt", "--size", "ci", *args,
+                   f"rtag={tag}"]
+    else:
+        command = [sys.executable, str(WORKER), f"--tag={tag}", *args]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("RABIT2_RECOVER", None)  # the launcher decides from --max-attempts
+    t0 = time.monotonic()
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "tracker.submit", "--cluster", "local", "-n", str(world),
+             "--max-attempts", str(max_attempts), "--restart-delay", str(restart_delay),
+             "--timeout", str(timeout - 25), *extra, "--", *command],
+            capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT, check=False,
+        )
+    except subprocess.TimeoutExpired as exc:
+        _kill_tagged(tag)
+        out = (exc.stdout or b"") + (exc.stderr or b"")
+        text = out.decode(errors="replace") if isinstance(out, bytes) else out
+        pytest.fail(f"rabit2-submit did not finish within {timeout} s:\n{text[-6000:]}")
+    job = Job(proc.returncode, proc.stdout, proc.stderr, time.monotonic() - t0, tag)
+    print(f"job: -n {world} {' '.join(args)} -> rc={job.returncode} in {job.elapsed:.1f}s")
+    for (rank, attempt), values in sorted(job.stats().items()):
+        print(f"  rank {rank} attempt {attempt}: "
+              + " ".join(f"{k}={values.get(k)}" for k in STAT_KEYS))
+    return job
+
+
+@functools.cache
+def baseline(world: int, args: tuple[str, ...] = (), gbdt: bool = False) -> str:
+    """The digest of the same program without a fault (recovery off, one attempt)."""
+    job = run_job(world, *args, max_attempts=1, gbdt=gbdt)
+    assert job.returncode == 0, job.tail()
+    if gbdt:
+        found = set(re.findall(r"digest=([0-9a-f]{64})", job.stdout))
+        assert len(found) == 1, job.tail()
+        return found.pop()
+    digests = job.digests()
+    assert sorted(digests) == list(range(world)), job.tail()
+    assert len(set(digests.values())) == 1, digests
+    return digests[0]
+
+
+def assert_recovered(job: Job, world: int, restarts: dict[int, int],
+                     args: tuple[str, ...] = ()) -> None:
+    """Exit 0, ``restarts[rank]`` restarts for the victims and none for anyone else, and
+    every rank's digest equal to the no-fault run's."""
+    assert job.returncode == 0, job.tail()
+    expected = {rank: 1 + restarts.get(rank, 0) for rank in range(world)}
+    assert job.attempts() == expected, job.tail()
+    digests = job.digests()
+    assert sorted(digests) == list(range(world)), job.tail()
+    reference = baseline(world, args)
+    assert set(digests.values()) == {reference}, (digests, reference)
+
+
+def check_survivor_stats(job: Job, world: int, restarts: dict[int, int],
+                         max_resent: int) -> None:
+    """Every rank that was never restarted re-established one link per restart of each
+    neighbour (and none with anyone else), and resent at most ``max_resent`` bytes per
+    restart of a neighbour (one stream of the interrupted call)."""
+    stats = job.stats()
+    for rank in set(range(world)) - set(restarts):
+        mine = stats[rank, 0]
+        links = sum(restarts.get(p, 0) for p in topology(rank, world).neighbors)
+        assert mine["links_up"] == links, (rank, mine, job.tail())
+        assert 0 <= mine["resent_bytes"] <= links * max_resent, (rank, mine)
+        assert mine["fetched_bytes"] == mine["replayed_calls"] == mine["resumed_calls"] == 0
+
+
+def check_restarted_stats(job: Job, rank: int, attempt: int, seqno: int) -> None:
+    """A rank restarted after it died in call (v, seqno) of the default program fetched the
+    checkpoint and at most the results of the calls of version v up to that one, and
+    replayed or resumed at least one call."""
+    mine = job.stats()[rank, attempt]
+    assert mine["replayed_calls"] <= seqno + 1, mine
+    assert mine["replayed_calls"] + mine["resumed_calls"] >= 1, mine
+    most = CHECKPOINT_SLACK + sum(CALL_BYTES[s] for s in range(seqno + 1))
+    assert 0 < mine["fetched_bytes"] <= most, (mine, most)
+
+
+def ring_stream(nbytes: int, world: int) -> int:
+    """Bytes a rank receives from its ring neighbour in one ring allreduce."""
+    return 2 * (world - 1) * nbytes // world
+
+
+# ----------------------------------------------------------------------------- 1. kill -9
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("victim", "version", "seqno"), [(2, 2, S), (0, 1, R)],
+                         ids=["leaf-small-allreduce", "root-ring-allreduce"])
+def test_killed_before_a_call_recovers_bit_for_bit(victim: int, version: int,
+                                                   seqno: int) -> None:
+    job = run_job(4, f"mock={victim},{version},{seqno},0")
+    assert_recovered(job, 4, {victim: 1})
+    assert "@@@Hit Mock Error" in job.out
+    check_restarted_stats(job, victim, 1, seqno)
+    check_survivor_stats(job, 4, {victim: 1}, max_resent=ring_stream(RING_BYTES, 4))
+
+
+# ----------------------------------------------------------------------------- 2. mid-transfer
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("victim", "seqno", "after", "max_resent"),
+                         [(2, R, MIB, RING_BYTES), (1, T, 4096, TREE_BYTES)],
+                         ids=["ring", "tree"])
+def test_killed_mid_transfer_recovers_bit_for_bit(victim: int, seqno: int, after: int,
+                                                  max_resent: int) -> None:
+    """SIGKILL once ``after`` bytes of the call arrived: the survivors resend at most one
+    array's worth (what the restarted rank lacks of its input), nothing twice."""
+    job = run_job(4, f"mock={victim},1,{seqno},0,{after}")
+    assert_recovered(job, 4, {victim: 1})
+    assert f"mock: killing rank {victim} mid-call" in job.out
+    check_restarted_stats(job, victim, 1, seqno)
+    check_survivor_stats(job, 4, {victim: 1}, max_resent=max_resent)
+    resent = sum(v["resent_bytes"] for (r, _), v in job.stats().items() if r != victim)
+    print(f"survivors resent {resent} B in all (array: {CALL_BYTES[seqno]} B)")
+
+
+OBJ_ARGS = ("--calls=ots", "--obj-kib=4096")  # first a 4 MiB pickled object broadcast
+
+
+@pytest.mark.integration
+def test_killed_mid_object_broadcast_from_a_non_zero_root() -> None:
+    """An unsized broadcast (a pickled object: receivers learn its size from the first
+    frame) from root 3 at version 2; rank 1 dies after 1 MiB of it.  The replacement gets
+    the object from its neighbours (fetched from one that finished the call)."""
+    job = run_job(4, *OBJ_ARGS, f"mock=1,2,0,0,{MIB}")
+    assert_recovered(job, 4, {1: 1}, OBJ_ARGS)
+    assert "mock: killing rank 1 mid-call" in job.out
+    mine = job.stats()[1, 1]
+    assert mine["replayed_calls"] + mine["resumed_calls"] >= 1, mine
+    assert mine["fetched_bytes"] <= 4 * MIB + CHECKPOINT_SLACK + TREE_BYTES + 4096, mine
+    check_survivor_stats(job, 4, {1: 1}, max_resent=4 * MIB + 4096)
+
+
+# ----------------------------------------------------------------------------- 3. lazy
+
+
+BCAST_ARGS = ("--calls=bts", "--bcast-count=4000000")  # a 16 MB broadcast first
+
+
+@pytest.mark.integration
+def test_survivors_do_not_wait_for_a_leaf_killed_in_a_broadcast() -> None:
+    """Rank 2 (a leaf) dies inside the 16 MB broadcast at (1, 0); its replacement starts
+    3 s later.  Every other rank's broadcast returns before the replacement even starts
+    (nobody waits for a rank they do not take input from); the replacement then gets the
+    broadcast's result from its parent and the job ends as without the fault."""
+    victim = 2
+    assert not topology(victim, 4).children
+    job = run_job(4, *BCAST_ARGS, f"mock={victim},1,0,0,{MIB}", restart_delay=3.0)
+    assert_recovered(job, 4, {victim: 1}, BCAST_ARGS)
+    assert f"mock: killing rank {victim} mid-call" in job.out
+    (restart,) = [t for r, a, t in job.times("START") if r == victim and a == 1]
+    done = {r: t for r, a, t in job.times(r"BCAST_DONE(?= .* v=1 s=0 )")
+            if r != victim and a == 0}
+    assert sorted(done) == [0, 1, 3], job.tail()
+    for rank, t in done.items():
+        print(f"rank {rank}: broadcast returned {restart - t:.2f} s before the restart")
+        assert t < restart, (rank, t, restart)
+    # the replacement replays the broadcast: its result is fetched, not sent again
+    replayed = [t for r, a, t in job.times(r"BCAST_DONE(?= .* v=1 s=0 )")
+                if r == victim and a == 1]
+    assert len(replayed) == 1, job.tail()
+    mine = job.stats()[victim, 1]
+    assert mine["replayed_calls"] >= 1, mine
+    assert 4_000_000 * 4 <= mine["fetched_bytes"] <= 4_000_000 * 4 + 80 + CHECKPOINT_SLACK
+    check_survivor_stats(job, 4, {victim: 1}, max_resent=TREE_BYTES)
+
+
+# ----------------------------------------------------------------------------- 4. twice
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mocks", [
+    ("mock=2,2,1,0", "mock=2,2,0,1"),
+    (f"mock=2,2,2,0,{MIB}", f"mock=2,2,2,1,{MIB}"),
+], ids=["again-in-a-fetched-call", "again-in-the-resumed-ring-call"])
+def test_killed_again_during_its_recovery(mocks: tuple[str, str]) -> None:
+    """The survivors are blocked in call (2, s); the replacement replays version 2 from the
+    checkpoint: it dies again in a call it fetches (2, 0), or again in the middle of the
+    call it resumes.  The third attempt recovers."""
+    job = run_job(4, *mocks)
+    assert_recovered(job, 4, {2: 2})
+    check_survivor_stats(job, 4, {2: 2}, max_resent=ring_stream(RING_BYTES, 4))
+
+
+# ----------------------------------------------------------------------------- 5. two at once
+
+
+W8_ARGS = ("--ring-count=500000",)
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("seqno", "after"), [(S, -1), (R, MIB)],
+                         ids=["before-a-call", "mid-ring"])
+def test_rank_0_and_a_non_neighbour_killed_at_once(seqno: int, after: int) -> None:
+    """World 8: rank 0 and the first rank with no link to it (rank 2; both are neighbours
+    of rank 1) die in the same call, before it or in the middle of a ring allreduce."""
+    world = 8
+    other = next(r for r in range(2, world) if r not in topology(0, world).neighbors
+                 and 0 not in topology(r, world).neighbors)
+    tail = "" if after < 0 else f",{after}"
+    job = run_job(world, *W8_ARGS, f"mock=0,1,{seqno},0{tail}", f"mock={other},1,{seqno},0{tail}")
+    assert_recovered(job, world, {0: 1, other: 1}, W8_ARGS)
+    check_survivor_stats(job, world, {0: 1, other: 1},
+                         max_resent=ring_stream(500_000 * 8, world))
+
+
+@pytest.mark.integration
+def test_two_adjacent_ranks_killed_at_once_fail_with_a_typed_error() -> None:
+    """Documented as unsupported: a typed error (UnrecoverableError, or PeerLostError from
+    the init of a replacement that dials the other one's old address before it listens
+    again), a non-zero exit, in bounded time, and no process left behind."""
+    assert 2 in topology(1, 4).neighbors
+    job = run_job(4, "mock=1,1,1,0", "mock=2,1,1,0", "--on-sigterm=report", max_attempts=2,
+                  timeout=60, extra=("--kill-grace", "1"))
+    assert job.returncode != 0, job.tail()
+    assert job.elapsed < 45, job.tail()
+    assert not job.digests(), job.tail()
+    types = {f["type"] for f in job.failures()}
+    print(f"errors: {sorted(types)}")
+    assert types, job.tail()
+    assert types <= RABIT_ERRORS, types
+    assert not job.leftovers()
+
+
+# ----------------------------------------------------------------------------- 6. gone for good
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("on_sigterm", ["report", "die"])
+def test_a_worker_that_never_comes_back_fails_the_job_in_bounded_time(on_sigterm: str) -> None:
+    """Killed on its first and its second (last) attempt: the launcher gives up, exits
+    non-zero, and leaves no worker behind.  Survivors that outlive the launcher's SIGTERM
+    (``report``) see a typed error."""
+    victim = 2
+    job = run_job(4, "mock=2,1,1,0", "mock=2,1,0,1", f"--on-sigterm={on_sigterm}",
+                  max_attempts=2, timeout=90, extra=("--kill-grace", "2"))
+    assert job.returncode != 0, job.tail()
+    assert job.elapsed < 60, job.tail()
+    assert job.attempts()[victim] == 2, job.tail()
+    assert f"task {victim} exited with -9 after 2 attempts" in job.stderr, job.tail()
+    assert not job.digests(), job.tail()
+    assert not job.leftovers(), job.leftovers()
+    if on_sigterm == "report":
+        failed = {int(f["rank"]): f for f in job.failures()}
+        assert sorted(failed) == [0, 1, 3], job.tail()
+        for rank, f in failed.items():
+            assert f["type"] in RABIT_ERRORS, f
+            print(f"rank {rank}: {f['type']} after {f['after']} s")
+
+
+@pytest.mark.integration
+def test_a_restarted_worker_aborted_before_load_checkpoint_raises() -> None:
+    """Rank 2's replacement spends 3 s between init and load_checkpoint; the job times out
+    (--timeout 3) meanwhile.  The worker outlives the launcher's SIGTERM; its
+    load_checkpoint must then raise the tracker's abort at once, well within the 3 s the
+    launcher waits before SIGKILL (it used to wait there for rabit_timeout_sec, 30 min)."""
+    job = run_job(4, "mock=2,1,1,0", "--on-sigterm=report", "--pause-before-load=2,3",
+                  timeout=60, extra=("--timeout", "3", "--kill-grace", "3"))
+    assert job.returncode != 0, job.tail()
+    assert "the job timed out" in job.stderr, job.tail()
+    assert job.summary()[2][:2] == (2, "3"), (job.summary(), job.tail())  # not -9
+    mine = [f for f in job.failures() if f["rank"] == "2" and f["attempt"] == "1"]
+    assert mine and mine[0]["type"] in RABIT_ERRORS, job.tail()
+
+
+@pytest.mark.integration
+def test_workers_in_init_when_the_job_is_aborted_exit_on_their_own() -> None:
+    """Ranks 1 and 2 (adjacent) die at once; rank 1's replacement waits in init for rank 2's
+    to dial in, and rank 2's replacement sleeps 4 s before init.  The job times out at 3 s
+    meanwhile (both outlive the launcher's SIGTERM).  Each must then leave init with a typed
+    error by itself before the launcher's SIGKILL 4 s later, not hang until it."""
+    job = run_job(4, "mock=1,1,1,0", "mock=2,1,1,0", "--on-sigterm=report",
+                  "--pause-before-init=2,4", timeout=60,
+                  extra=("--timeout", "3", "--kill-grace", "4"))
+    assert job.returncode != 0, job.tail()
+    assert "the job timed out" in job.stderr, job.tail()
+    codes = {rank: row[1] for rank, row in job.summary().items()}
+    assert "-9" not in codes.values(), (codes, job.tail())
+    restarted = {f["rank"].removeprefix("task"): f["type"] for f in job.failures()
+                 if f["attempt"] == "1"}
+    assert sorted(restarted) == ["1", "2"], (restarted, job.tail())
+    assert set(restarted.values()) <= RABIT_ERRORS, restarted  # not fsm.InvalidTransition
+
+
+# ----------------------------------------------------------------------------- 7. divergence
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("diverge", "needle"), [
+    ("2,0", "sequence mismatch"),  # a call the survivors finished: its result is fetched
+    ("2,1", ""),                   # the call the survivors are blocked in: it is resumed
+], ids=["fetched-call", "resumed-call"])
+def test_a_restarted_worker_that_diverges_gets_a_mismatch(diverge: str, needle: str) -> None:
+    """Killed before (2, 1); on its replay the replacement makes call ``diverge`` with one
+    element more than the first time: MismatchError, and the job fails fast."""
+    job = run_job(4, "mock=2,2,1,0", f"--diverge={diverge}", max_attempts=2, timeout=60)
+    assert job.returncode != 0, job.tail()
+    assert job.elapsed < 45, job.tail()
+    assert not job.digests(), job.tail()
+    mine = [f for f in job.failures() if f["rank"] == "2" and f["attempt"] == "1"]
+    assert mine, job.tail()
+    assert mine[0]["type"] == "MismatchError", mine
+    assert needle in mine[0]["msg"], mine
+    assert {f["type"] for f in job.failures()} <= RABIT_ERRORS
+    assert not job.leftovers()
+
+
+# ----------------------------------------------------------------------------- 8. resets
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("rank", "seqno", "after", "peer", "max_resent"), [
+    (1, R, MIB, 2, ring_stream(RING_BYTES, 4)),
+    (1, T, 4096, 0, TREE_BYTES),
+], ids=["ring", "tree"])
+def test_a_reset_link_between_live_workers_is_dialed_again(rank: int, seqno: int, after: int,
+                                                           peer: int, max_resent: int) -> None:
+    assert peer in topology(rank, 4).neighbors
+    job = run_job(4, f"mock={rank},1,{seqno},0,{after},{peer}")
+    assert_recovered(job, 4, {})  # attempts 1 everywhere: nobody was restarted
+    assert f"resets its link to rank {peer}" in job.out, job.tail()
+    stats = job.stats()
+    for r in range(4):
+        mine = stats[r, 0]
+        if r in (rank, peer):
+            assert mine["links_up"] >= 1, (r, mine)
+        else:
+            assert mine["links_up"] == 0, (r, mine)
+        assert mine["resent_bytes"] <= max_resent, (r, mine)
+        # a neighbour that finished the call meanwhile may send its result instead of the
+        # stream the old connection lost (counted as fetched)
+        assert mine["fetched_bytes"] <= CALL_BYTES[seqno], (r, mine)
+        assert mine["replayed_calls"] == 0, (r, mine)
+    print(f"rank {rank} links_up={stats[rank, 0]['links_up']}, resent in all: "
+          f"{sum(v['resent_bytes'] for v in stats.values())} B")
+
+
+# ----------------------------------------------------------------------------- 9. GBDT
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("mock", "victim"), [("mock=2,3,1,0", 2), ("mock=1,5,2,0,20000", 1)],
+                         ids=["before-a-call", "mid-call"])
+def test_gbdt_example_survives_a_kill(mock: str, victim: int) -> None:
+    reference = baseline(4, (), gbdt=True)
+    job = run_job(4, mock, gbdt=True)
+    assert job.returncode == 0, job.tail()
+    assert job.attempts() == {r: 2 if r == victim else 1 for r in range(4)}, job.tail()
+    last: dict[int, str] = {}
+    for rank, line in re.findall(r"^\[rank (\d+)\] (.*)$", job.stdout, re.M):
+        last[int(rank)] = line
+    assert sorted(last) == [0, 1, 2, 3], job.tail()
+    for rank, line in last.items():
+        assert f"digest={reference}" in line, (rank, line, reference)
