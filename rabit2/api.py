@@ -24,7 +24,7 @@ from rabit2.config import Config, load_config
 from rabit2.core.agent import Call
 from rabit2.core.framing import CollectiveKind
 from rabit2.core.ops import Op, check_op_dtype, dtype_code, dtype_from_code
-from rabit2.errors import MismatchError, NotInitializedError, UnrecoverableError
+from rabit2.errors import MismatchError, NotInitializedError
 
 logger = logging.getLogger("rabit2")
 
@@ -379,7 +379,7 @@ def checkpoint(global_model: Any, local_model: Any = None) -> None:
     state.local_model = (
         None if local_model is None else pickle.dumps(local_model, pickle.HIGHEST_PROTOCOL)
     )
-    _advance_version(state, state.global_model)
+    _advance_version(state, state.global_model, state.local_model)
 
 
 def lazy_checkpoint(global_model: Any) -> None:
@@ -393,11 +393,12 @@ def lazy_checkpoint(global_model: Any) -> None:
     _advance_version(state, lambda: pickle.dumps(global_model, pickle.HIGHEST_PROTOCOL))
 
 
-def _advance_version(state: _State, blob: bytes | Callable[[], bytes]) -> None:
+def _advance_version(state: _State, blob: bytes | Callable[[], bytes],
+                     local: bytes | None = None) -> None:
     _mock_hit("checkpoint")
     state.must_load = False  # a program that checkpoints before loading starts afresh
     if state.engine is not None:
-        state.version = state.engine.checkpoint(blob)
+        state.version = state.engine.checkpoint(blob, local)
     else:
         state.version += 1
     state.seqno = 0
@@ -408,21 +409,18 @@ def load_checkpoint(with_local: bool = False) -> tuple[Any, ...]:
     fresh start.
 
     In a worker that ``rabit2-submit`` restarted after a failure (recovery on), the first
-    call fetches the checkpoint from a live neighbour: the program then replays from that
-    version, and the results of calls the others already finished come from them.  Raises
-    :class:`~rabit2.errors.UnrecoverableError` if no live neighbour holds that version, or
-    if ``with_local`` asks for a local model there (local models are not replicated yet).
+    call fetches the checkpoint from a live neighbour (and, with ``with_local``, its local
+    model from the next rank of the ring, which holds a replica): the program then replays
+    from that version, and the results of calls the others already finished come from
+    them.  Raises :class:`~rabit2.errors.UnrecoverableError` if no live neighbour holds what
+    is needed.
     """
     state = _require()
     if state.must_load:
         state.must_load = False
-        version, blob = state.engine.load_checkpoint()
+        version, blob, local = state.engine.load_checkpoint(with_local)
         state.version, state.seqno = version, 0
-        state.global_model, state.lazy_model, state.local_model = blob, None, None
-        if with_local and version:
-            raise UnrecoverableError(
-                "a restarted worker cannot get its local model back: local checkpoints are "
-                "not replicated to neighbours yet (use the global model)")
+        state.global_model, state.lazy_model, state.local_model = blob, None, local
     if state.version == 0:
         return (0, None, None) if with_local else (0, None)
     if state.lazy_model is not None:

@@ -59,6 +59,7 @@ class Config:
     recover: bool = False
     recover_timeout_sec: float = 300.0
     replay_mb: int = 256
+    local_replica: int = 2
 
     @property
     def distributed(self) -> bool:
@@ -93,6 +94,7 @@ _ALIASES: dict[str, str] = {
     "rabit2_recover": "recover",
     "rabit2_recover_timeout_sec": "recover_timeout_sec",
     "rabit2_replay_mb": "replay_mb",
+    "rabit_local_replica": "local_replica",
 }
 # accepted for compatibility, no effect in rabit2 (documented in docs/user-guide.md)
 _IGNORED = {
@@ -102,7 +104,6 @@ _IGNORED = {
     "rabit_debug",
     "rabit_bootstrap_cache",
     "rabit_global_replica",
-    "rabit_local_replica",
     "rabit_hadoop_mode",
     "dmlc_communicator",
     "xgboost_communicator",
@@ -162,7 +163,8 @@ def _convert(field: str, value: Any) -> Any:
             return False
         raise ValueError(f"recover: expected a boolean (1/0, true/false), got {value!r}")
     if field in ("tracker_port", "num_attempt", "world_size", "connect_retry",
-                 "reduce_ring_mincount", "tree_reduce_minsize", "replay_mb"):
+                 "reduce_ring_mincount", "tree_reduce_minsize", "replay_mb",
+                 "local_replica"):
         try:
             return int(value)
         except (TypeError, ValueError):
@@ -233,4 +235,6 @@ def load_config(
         raise ValueError("rabit_tree_reduce_minsize must be > 0")
     if values.get("replay_mb", 0) < 0:
         raise ValueError("rabit2_replay_mb must be >= 0")
+    if values.get("local_replica", 0) < 0:
+        raise ValueError("rabit_local_replica must be >= 0")
     return Config(**values, mock=tuple(mocks))

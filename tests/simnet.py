@@ -37,7 +37,7 @@ class SimNet:
         self.closed: set[tuple[int, int]] = set()
         self.done: dict[int, tuple[int, int]] = {}
         self.failed: dict[int, Exception] = {}
-        self.loaded: dict[int, tuple[int, bytes | None]] = {}
+        self.loaded: dict[int, tuple[int, bytes | None, bytes | None]] = {}
         self.dead: set[int] = set()
         self.agent_kw = agent_kw
         self.now = 0.0
@@ -74,7 +74,7 @@ class SimNet:
                 self.closed.add((rank, cmd.peer))
                 self.closed.add((cmd.peer, rank))
             elif isinstance(cmd, CheckpointLoaded):
-                self.loaded[rank] = (cmd.version, cmd.blob)
+                self.loaded[rank] = (cmd.version, cmd.blob, cmd.local)
 
     # -- faults: a rank dies (its links drop, in-flight bytes are cut) and comes back ----------
 

@@ -124,7 +124,7 @@ def test_unknown_prefixed_keys_raise(key: str) -> None:
 @pytest.mark.parametrize(
     "key",
     ["rabit_enable_tcp_no_delay", "rabit_timeout", "rabit_reduce_buffer", "rabit_debug",
-     "rabit_bootstrap_cache", "rabit_global_replica", "rabit_local_replica",
+     "rabit_bootstrap_cache", "rabit_global_replica",
      "rabit_hadoop_mode", "dmlc_communicator", "xgboost_communicator", "dmlc_role",
      "dmlc_nccl_path", "dmlc_num_server", "dmlc_job_cluster", "report_stats", "force_local",
      "DMLC_COMMUNICATOR"],
@@ -242,6 +242,12 @@ def test_mock_sixth_field_resets_a_link_instead_of_killing() -> None:
 def test_recover_flag(value: str, expected: bool) -> None:
     assert load_config([f"rabit2_recover={value}"], environ={}).recover is expected
     assert load_config(environ={"RABIT2_RECOVER": value}).recover is expected
+
+
+def test_local_replica_is_rabits_parameter() -> None:
+    assert load_config(["rabit_local_replica=3"], environ={}).local_replica == 3
+    with pytest.raises(ValueError, match="local_replica"):
+        load_config(["rabit_local_replica=-1"], environ={})
 
 
 def test_recover_flag_rejects_garbage_and_bounds_are_checked() -> None:

@@ -95,6 +95,7 @@ class Job:
                 return
             if j == len(self.program[it]):
                 agent.checkpoint(f"model after iteration {it}".encode())
+                self.net.execute(rank, agent.push_local(f"rank {rank} local {it}".encode()))
                 self.pos[rank] = (it + 1, 0)
                 continue
             break
@@ -178,11 +179,12 @@ class Job:
         if self.loading[rank] == "states":
             if agent.states_known():
                 self.loading[rank] = "checkpoint"
-                self.net.execute(rank, agent.load_checkpoint())
+                self.net.execute(rank, agent.load_checkpoint(with_local=True))
         elif rank in self.net.loaded:
-            version, blob = self.net.loaded.pop(rank)
+            version, blob, local = self.net.loaded.pop(rank)
             if version:
                 assert blob == f"model after iteration {version - 1}".encode()
+                assert local == f"rank {rank} local {version - 1}".encode()
             self.pos[rank] = (version, 0)
             self.resumed_from[rank] = version
             del self.loading[rank]
@@ -440,5 +442,5 @@ def test_checkpoint_source_killed_while_serving() -> None:
 def test_a_neighbour_restarted_while_the_first_one_replays_is_a_typed_error() -> None:
     job = SourceKillJob(5, PROGRAM, kills=[Kill(2, (1, 1), 5000, restart_after=50)],
                         restart_source_after=1)
-    with pytest.raises(UnrecoverableError, match="adjacent"):
+    with pytest.raises(UnrecoverableError, match=r"adjacent|no other neighbour"):
         job.run()

@@ -493,3 +493,24 @@ def test_gbdt_example_survives_a_kill(mock: str, victim: int) -> None:
     assert sorted(last) == [0, 1, 2, 3], job.tail()
     for rank, line in last.items():
         assert f"digest={reference}" in line, (rank, line, reference)
+
+
+# ----------------------------------------------------------------------------- local models
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mock", ["mock=1,2,0,0,100000", "mock=3,3,0,0", "mock=0,1,0,0"])
+def test_a_restarted_worker_gets_its_local_model_back(mock: str) -> None:
+    worker = Path(__file__).resolve().parent / "workers" / "local_model_worker.py"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("RABIT2_RECOVER", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "--cluster", "local", "-n", "4",
+         "--timeout", "60", "--", sys.executable, str(worker), mock],
+        capture_output=True, text=True, timeout=90, env=env, cwd=ROOT, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert sorted(re.findall(r"OK rank=(\d)", out)) == ["0", "1", "2", "3"], out[-4000:]
+    victim = mock.split("=")[1].split(",", maxsplit=1)[0]
+    resumed = re.findall(rf"START rank={victim} version=(\d+)", out)
+    assert len(resumed) == 2 and int(resumed[1]) > 0, out[-4000:]  # it got a checkpoint back

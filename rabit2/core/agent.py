@@ -131,10 +131,12 @@ class CloseLink:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CheckpointLoaded:
-    """A restarted rank fetched the checkpoint it resumes from (``blob`` None: version 0)."""
+    """A restarted rank fetched the checkpoint it resumes from (``blob`` None: version 0;
+    ``local`` None unless its local model was asked for)."""
 
     version: int
     blob: bytes | None
+    local: bytes | None = None
 
 
 Command = (Send | PauseReading | ResumeReading | CallComplete | CallFailed | CloseLink
@@ -244,13 +246,14 @@ class _Link:
 class _Fetch:
     """A request this rank sent with ``fetch`` and the place its answer goes."""
 
-    __slots__ = ("call", "dest", "peer", "request", "what", "whole")
+    __slots__ = ("call", "dest", "hops", "peer", "request", "what", "whole")
 
     def __init__(self, request: int, peer: int, what: str, call: CallId, whole: bool,
-                 dest: memoryview | None) -> None:
+                 dest: memoryview | None, hops: int = 0) -> None:
         self.request, self.peer, self.what, self.call = request, peer, what, call
         self.whole = whole  # the whole result or checkpoint, not a byte range of it
         self.dest = dest  # None: a blob of the announced size is allocated (checkpoints)
+        self.hops = hops  # a pushed local model: how many more ring hops it travels
 
 
 class _Active:
@@ -300,6 +303,7 @@ class Agent:
         recover: bool = False,
         recover_timeout: float = 300.0,
         retain_bytes: int = DEFAULT_RETAIN_BYTES,
+        local_replica: int = 2,
     ) -> None:
         """``recover``: a lost link the call needs makes the call wait (up to
         ``recover_timeout`` seconds) for the peer's replacement instead of failing, and
@@ -329,6 +333,11 @@ class Agent:
         self.incarnation = 0
         self.results = ResultStore(retain_bytes)
         self.checkpoints: dict[int, bytes | Callable[[], bytes]] = {}
+        # local models: (owner rank, version) -> blob, this rank's own and those the ring
+        # handed on from the ``local_replica`` ranks before it
+        self.local_replica = local_replica
+        self.local_models: dict[tuple[int, int], bytes] = {}
+        self._loading: dict[str, Any] = {}  # a restarted rank's checkpoint, as it arrives
         self.down_since: dict[int, float] = {}  # lost links the job waits to come back
         # a restarted rank: what each neighbour said when its link came up
         self.peer_states: dict[int, PeerState] = {}
@@ -582,6 +591,8 @@ class Agent:
             self._on_fetch(peer, msg, cmds)
         elif kind == "reply":
             self._on_reply(peer, link, msg, cmds)
+        elif kind == "local":
+            self._on_local(peer, link, msg, cmds)
         else:
             raise ProtocolError(f"rank {peer} sent a {kind!r} message on a peer link")
 
@@ -880,6 +891,69 @@ class Agent:
             self.results.on_checkpoint(self.version)
         return self.version
 
+    def push_local(self, local: bytes) -> list[Command]:
+        """With recovery on, hand this rank's local model of the current version to the next
+        ``local_replica`` ranks of the ring (not waited for: see ``load_checkpoint``)."""
+        cmds: list[Command] = []
+        self._keep_local(self.rank, self.version, local)
+        if self.recover:
+            for peer, hops in self._replica_targets():
+                if self.links[peer].up:
+                    self._send_local(peer, self.rank, self.version, hops, local, cmds)
+        return cmds
+
+    def _replica_targets(self) -> list[tuple[int, int]]:
+        """Where this rank's local model goes first, and how far on from there: the next
+        rank of the ring (it passes it on along the ring while ``hops`` > 1) and, from
+        ``local_replica`` 2 on, the previous one - so that both ring neighbours of a lost
+        rank hold its local model, and either can serve its replacement."""
+        k = self.local_replica
+        if self.world == 1 or k < 1:
+            return []
+        nxt, prev = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        if k == 1 or prev == nxt:
+            return [(nxt, k)]
+        return [(nxt, k - 1), (prev, 1)]
+
+    def _keep_local(self, owner: int, version: int, blob: bytes) -> None:
+        self.local_models[(owner, version)] = blob
+        for key in [k for k in self.local_models
+                    if k[0] == owner and k[1] <= version - GENERATIONS]:
+            del self.local_models[key]
+
+    def _send_local(self, peer: int, owner: int, version: int, hops: int, blob: bytes,
+                    cmds: list[Command]) -> None:
+        self._send_control(peer, {"t": "local", "owner": owner, "version": version,
+                                  "hops": hops, "size": len(blob)}, cmds)
+        if blob:
+            header = pack_header(FrameKind.BLOB, _NO_CALL, version, 0, 0, len(blob),
+                                 self.incarnation)
+            cmds.append(Send(peer, [header, blob]))
+            self._frames_sent += 1
+
+    def _on_local(self, peer: int, link: _Link, msg: dict[str, Any],
+                  cmds: list[Command]) -> None:
+        size, owner, version, hops = msg["size"], msg["owner"], msg["version"], msg["hops"]
+        if not (0 <= size <= MAX_BROADCAST and 0 <= owner < self.world and version >= 0
+                and hops >= 1):
+            raise ProtocolError(f"rank {peer} hands on a malformed local model")
+        fetch = _Fetch(0, peer, "replica", (version, owner), True,
+                       memoryview(bytearray(size)), hops)
+        link.blob, link.blob_fetch = fetch.dest or memoryview(b""), fetch
+        if not size:
+            self._blob_done(peer, link, cmds)
+
+    def _stored_local(self, peer: int, fetch: _Fetch, cmds: list[Command]) -> None:
+        """A local model handed on along the ring arrived: keep it and pass it on."""
+        assert fetch.dest is not None
+        version, owner = fetch.call
+        blob = bytes(fetch.dest)
+        self._keep_local(owner, version, blob)
+        nxt = (self.rank + 1) % self.world
+        if fetch.hops > 1 and nxt != owner and self.links[nxt].up:
+            self._send_local(nxt, owner, version, fetch.hops - 1, blob, cmds)
+        del peer
+
     # ------------------------------------------------------------------ failures
 
     def on_hangup(self, peer: int, reason: str, now: float) -> list[Command]:
@@ -1038,6 +1112,12 @@ class Agent:
         if self.recover:
             link.awaiting_state = True
             self._send_control(peer, self._state_for(peer).to_msg(), cmds)
+            hops = dict(self._replica_targets()).get(peer)
+            if was_down and hops is not None:
+                # a ring neighbour came back without the replicas of our local model
+                for (owner, version), blob in sorted(self.local_models.items()):
+                    if owner == self.rank:
+                        self._send_local(peer, owner, version, hops, blob, cmds)
         if (active is not None and self.state is State.PEER_ERROR
                 and all(self.links[p].up for p in active.plan.in_streams)):
             self._go(_RESUME_EVENTS[active.call.kind])
@@ -1051,9 +1131,10 @@ class Agent:
         if active is not None and peer in active.plan.in_streams:
             need = active.plan.received[peer]
             seen = active.frames_seen.get(peer, 0) > 0
+        locals_ = tuple(sorted(v for owner, v in self.local_models if owner == peer))
         return PeerState(self.incarnation, at, active is not None, need, seen,
                          self._replaying(), tuple(sorted(self.checkpoints)),
-                         self.results.oldest)
+                         self.results.oldest, locals_)
 
     def _replaying(self) -> bool:
         """A restarted rank before the call its neighbours are in.  Once it is in that call
@@ -1260,6 +1341,9 @@ class Agent:
             if fetch.what == "checkpoint" and fetch.call[0] in st.versions:
                 self._request(peer, "checkpoint", fetch.call, 0, -1, None, cmds)
                 return
+            if fetch.what == "local" and fetch.call[0] in st.locals:
+                self._request(peer, "local", fetch.call, 0, -1, None, cmds)
+                return
             if (fetch.what == "result" and fetch.whole and active is not None
                     and role_of(st, fetch.call) is Role.FINISHED and st.oldest <= fetch.call):
                 self._request(peer, "result", fetch.call, 0, -1, fetch.dest, cmds, active)
@@ -1283,6 +1367,13 @@ class Agent:
                 reason = f"rank {self.rank} holds no checkpoint of version {call[0]}"
             else:
                 data = memoryview(blob)
+        elif what == "local":
+            local = self.local_models.get((call[1], call[0]))  # call = (version, owner)
+            if local is None:
+                reason = (f"rank {self.rank} holds no local model of rank {call[1]} "
+                          f"version {call[0]}")
+            else:
+                data = memoryview(local)
         elif what == "result":
             active = self.active
             if (active is not None and active.call_id == call
@@ -1368,11 +1459,22 @@ class Agent:
         self._fetches.pop(fetch.request, None)
         if fetch.what == "discard":
             return
+        if fetch.what == "replica":
+            self._stored_local(peer, fetch, cmds)
+            return
         self._recovery_stats["fetched_bytes"] += len(fetch.dest)
-        if fetch.what == "checkpoint":
+        if fetch.what in ("checkpoint", "local"):
             blob = bytes(fetch.dest)
-            self.checkpoints[fetch.call[0]] = blob
-            cmds.append(CheckpointLoaded(fetch.call[0], blob))
+            if fetch.what == "checkpoint":
+                self.checkpoints[fetch.call[0]] = blob
+            else:
+                self._keep_local(self.rank, fetch.call[0], blob)
+            loading = self._loading
+            loading[fetch.what] = blob
+            loading["pending"] -= 1
+            if not loading["pending"]:
+                cmds.append(CheckpointLoaded(loading["version"], loading["checkpoint"],
+                                             loading["local"]))
             return
         active = self.active
         if active is None or active.call_id != fetch.call:
@@ -1406,24 +1508,40 @@ class Agent:
             pos += len(dest)
             self._received(plan, plan.in_link, pos)
 
-    def load_checkpoint(self) -> list[Command]:
-        """A restarted rank asks a neighbour for the checkpoint it resumes from; the answer
-        comes as :class:`CheckpointLoaded`.  Raises :class:`UnrecoverableError` if no live
-        neighbour holds that version."""
+    def load_checkpoint(self, with_local: bool = False) -> list[Command]:
+        """A restarted rank asks its neighbours for the checkpoint it resumes from (and, with
+        ``with_local``, for its own local model, which the ring's next rank holds); the
+        answer comes as :class:`CheckpointLoaded`.  Raises :class:`UnrecoverableError` if no
+        live neighbour holds what is needed."""
         if self.error is not None:
             raise self.error  # e.g. the job was aborted while this worker started
         version = checkpoint_version(self.peer_states) if self.restarted else self.version
+        if with_local and version:
+            # a rank that died between a call and its next checkpoint never handed on the
+            # local model of the version its neighbours are in: resume one version earlier
+            held = [v for p, st in self.peer_states.items() if self.links[p].up
+                    for v in st.locals if v <= version]
+            version = max(held, default=0)
         cmds: list[Command] = []
+        self.version, self.seqno = version, 0
+        self._loading = {"version": version, "checkpoint": None, "local": None, "pending": 0}
         if version == 0:
             cmds.append(CheckpointLoaded(0, None))
-        else:
-            sources = [p for p, st in self.peer_states.items()
-                       if version in st.versions and self.links[p].up]
-            if not sources:
-                raise UnrecoverableError(f"no live neighbour of rank {self.rank} holds "
-                                         f"checkpoint version {version}")
-            self._request(sources[0], "checkpoint", (version, 0), 0, -1, None, cmds)
-        self.version, self.seqno = version, 0
+            return cmds
+        sources = [p for p, st in self.peer_states.items()
+                   if version in st.versions and self.links[p].up]
+        if not sources:
+            raise UnrecoverableError(f"no live neighbour of rank {self.rank} holds "
+                                     f"checkpoint version {version}")
+        self._loading["pending"] = 2 if with_local else 1
+        self._request(sources[0], "checkpoint", (version, 0), 0, -1, None, cmds)
+        if with_local:
+            holders = [p for p, st in self.peer_states.items()
+                       if version in st.locals and self.links[p].up]
+            if not holders:
+                raise UnrecoverableError(f"no live neighbour of rank {self.rank} holds its "
+                                         f"local model of version {version}")
+            self._request(holders[0], "local", (version, self.rank), 0, -1, None, cmds)
         return cmds
 
     def _send_control(self, peer: int, msg: dict[str, Any], cmds: list[Command]) -> None:

@@ -76,6 +76,7 @@ MESSAGE_FIELDS: Final[Mapping[str, Mapping[str, type]]] = {
     "fetch": {"id": int, "what": str, "call": list, "lo": int, "hi": int},
     "reply": {"id": int, "call": list, "found": bool, "size": int, "desc": list,
               "reason": str},
+    "local": {"owner": int, "version": int, "hops": int, "size": int},
 }
 
 REFUSE_AUTH: Final[str] = "auth"

@@ -47,24 +47,27 @@ class PeerState:
     recovering: bool  # it is itself a restarted rank replaying its program
     versions: tuple[int, ...]  # checkpoint versions it can serve
     oldest: CallId  # every finished call from here up to ``at`` is retained there
+    locals: tuple[int, ...] = ()  # versions of the receiver's local model it holds
 
     def to_msg(self) -> dict[str, Any]:
         return {"t": "state", "inc": self.incarnation, "at": list(self.at),
                 "active": self.active, "need": self.need, "seen": self.seen,
                 "recovering": self.recovering, "versions": list(self.versions),
-                "oldest": list(self.oldest)}
+                "oldest": list(self.oldest), "locals": list(self.locals)}
 
     @classmethod
     def from_msg(cls, msg: dict[str, Any]) -> PeerState:
         """Validate a decoded ``state`` body.  Raises :class:`ProtocolError`."""
-        versions = msg["versions"]
-        if len(versions) > GENERATIONS + 1 or not all(_is_u32(v) for v in versions):
-            raise ProtocolError(f"state.versions {versions!r} is not a short list of versions")
+        versions, locals_ = msg["versions"], msg.get("locals", [])
+        for name, value in (("versions", versions), ("locals", locals_)):
+            if (not isinstance(value, list) or len(value) > GENERATIONS + 1
+                    or not all(_is_u32(v) for v in value)):
+                raise ProtocolError(f"state.{name} {value!r} is not a short list of versions")
         if not _is_u32(msg["inc"]) or msg["need"] < -1:
             raise ProtocolError("state: bad incarnation or need")
         return cls(msg["inc"], call_id(msg["at"], "state.at"), msg["active"], msg["need"],
                    msg["seen"], msg["recovering"], tuple(versions),
-                   call_id(msg["oldest"], "state.oldest"))
+                   call_id(msg["oldest"], "state.oldest"), tuple(locals_))
 
 
 def _is_u32(value: object) -> bool:

@@ -182,6 +182,7 @@ class Engine:
             recover=config.recover,
             recover_timeout=config.recover_timeout_sec,
             retain_bytes=config.replay_mb << 20,
+            local_replica=config.local_replica,
         )
         self.loop_thread = LoopThread(config.loop)
         self.loop = self.loop_thread.loop
@@ -201,7 +202,7 @@ class Engine:
         self._reset_peer = -1  # ... or reset the link to this rank instead
         self._expect_accept: set[int] = set()
         self._ckpt_waiter: _Waiter | None = None
-        self._ckpt_loaded: tuple[int, bytes | None] = (0, None)
+        self._ckpt_loaded: tuple[int, bytes | None, bytes | None] = (0, None, None)
         self._redials: set[asyncio.Task[None]] = set()
         self._failed = asyncio.Event()  # set when the tracker aborts the job
 
@@ -484,7 +485,7 @@ class Engine:
                     self._ckpt_waiter = None
                     ckpt.finish(cmd.error)
             elif isinstance(cmd, CheckpointLoaded):
-                self._ckpt_loaded = (cmd.version, cmd.blob)
+                self._ckpt_loaded = (cmd.version, cmd.blob, cmd.local)
                 ckpt = self._ckpt_waiter
                 if ckpt is not None:
                     self._ckpt_waiter = None
@@ -617,12 +618,20 @@ class Engine:
         if self.tracker is not None:
             self.tracker.signal_error(msg)
 
-    def checkpoint(self, blob: bytes | Callable[[], bytes] | None = None) -> int:
-        """Bump the version; with recovery on, keep ``blob`` for restarted neighbours."""
-        return self.loop_thread.run(self._checkpoint(blob), self.config.timeout_sec)
+    def checkpoint(self, blob: bytes | Callable[[], bytes] | None = None,
+                   local: bytes | None = None) -> int:
+        """Bump the version; with recovery on, keep ``blob`` for restarted neighbours and
+        hand ``local`` (this rank's local model) on to the next ranks of the ring.  That
+        hand-over is not waited for: a rank that dies before its replica arrived resumes
+        one version earlier, which every rank keeps too (``docs/recovery.md``)."""
+        return self.loop_thread.run(self._checkpoint(blob, local), self.config.timeout_sec)
 
-    async def _checkpoint(self, blob: bytes | Callable[[], bytes] | None) -> int:
-        return self.agent.checkpoint(blob)
+    async def _checkpoint(self, blob: bytes | Callable[[], bytes] | None,
+                          local: bytes | None) -> int:
+        version = self.agent.checkpoint(blob)
+        if local is not None and self.config.recover:
+            self._execute(self.agent.push_local(local))
+        return version
 
     @property
     def restarted(self) -> bool:
@@ -633,11 +642,12 @@ class Engine:
         """The next call's result comes from a neighbour (``prepare_fun`` is skipped)."""
         return self.agent.replays()
 
-    def load_checkpoint(self) -> tuple[int, bytes | None]:
-        """A restarted worker's checkpoint, fetched from a neighbour.  Bounded by
-        ``timeout_sec``; raises :class:`UnrecoverableError` if no neighbour holds it."""
+    def load_checkpoint(self, with_local: bool = False) -> tuple[int, bytes | None, bytes | None]:
+        """A restarted worker's checkpoint (and local model), fetched from its neighbours.
+        Bounded by ``timeout_sec``; raises :class:`UnrecoverableError` if no neighbour
+        holds it."""
         waiter = _Waiter()
-        self.loop.call_soon_threadsafe(self._begin_load, waiter)
+        self.loop.call_soon_threadsafe(self._begin_load, waiter, with_local)
         if not waiter.lock.acquire(True, self.config.timeout_sec):
             raise CollectiveTimeoutError(
                 f"no checkpoint from the neighbours within {self.config.timeout_sec:g} s")
@@ -645,10 +655,10 @@ class Engine:
             raise waiter.error
         return self._ckpt_loaded
 
-    def _begin_load(self, waiter: _Waiter) -> None:
+    def _begin_load(self, waiter: _Waiter, with_local: bool) -> None:
         self._ckpt_waiter = waiter
         try:
-            cmds = self.agent.load_checkpoint()
+            cmds = self.agent.load_checkpoint(with_local)
         except Exception as exc:
             self._ckpt_waiter = None
             waiter.finish(exc)
