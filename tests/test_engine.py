@@ -206,3 +206,31 @@ def test_hostile_connections_at_a_worker_port(loop_kind: str) -> None:
 
     assert on_all(engines, work) == [None, None]
     finish(tracker, engines)
+
+
+def test_a_stale_or_duplicate_incarnation_is_refused_at_a_worker_port(loop_kind: str) -> None:
+    """Fencing: with recovery on a worker keeps listening, but only a newer incarnation of a
+    neighbour (or the same one whose link is down) may replace a link; a zombie that presents
+    an old or the current incarnation is refused, and the job goes on unharmed."""
+    import asyncio  # noqa: PLC0415 - only this test drives the handshake by hand
+
+    from rabit2.io.handshake import connect_authenticated  # noqa: PLC0415
+
+    tracker, engines = start_job(3, loop_kind, RABIT2_RECOVER="1")
+    target = engines[0]
+    assert target._server is not None  # still listening after init
+    host, port = target._server.getsockname()[:2]
+    higher = next(p for p in target.agent.links if p > 0)
+    for incarnation in (0, -1):
+        hello = {"rank": higher, "world": 3, "incarnation": incarnation}
+        with pytest.raises(RabitError, match="already connected or stale"):
+            asyncio.run(connect_authenticated(host, port, bytes.fromhex(SECRET), hello, 5))
+
+    def work(rank: int, engine: Engine) -> None:
+        a = np.full(5, rank + 1, dtype=np.int64)
+        engine.run_call(allreduce_call(a, engine))
+        assert (a == 6).all()
+
+    assert on_all(engines, work) == [None, None, None]
+    assert all(e.recovery_statistics()["links_up"] == 0 for e in engines)
+    finish(tracker, engines)

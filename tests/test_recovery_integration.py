@@ -498,9 +498,7 @@ def test_gbdt_example_survives_a_kill(mock: str, victim: int) -> None:
 # ----------------------------------------------------------------------------- local models
 
 
-@pytest.mark.integration
-@pytest.mark.parametrize("mock", ["mock=1,2,0,0,100000", "mock=3,3,0,0", "mock=0,1,0,0"])
-def test_a_restarted_worker_gets_its_local_model_back(mock: str) -> None:
+def _run_local_model_worker(mock: str) -> str:
     worker = Path(__file__).resolve().parent / "workers" / "local_model_worker.py"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("RABIT2_RECOVER", None)
@@ -511,6 +509,26 @@ def test_a_restarted_worker_gets_its_local_model_back(mock: str) -> None:
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert sorted(re.findall(r"OK rank=(\d)", out)) == ["0", "1", "2", "3"], out[-4000:]
+    return out
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mock", ["mock=1,2,1,0,100000", "mock=3,3,0,0", "mock=0,1,0,0"])
+def test_a_restarted_worker_gets_its_local_model_back(mock: str) -> None:
+    out = _run_local_model_worker(mock)
     victim = mock.split("=")[1].split(",", maxsplit=1)[0]
     resumed = re.findall(rf"START rank={victim} version=(\d+)", out)
     assert len(resumed) == 2 and int(resumed[1]) > 0, out[-4000:]  # it got a checkpoint back
+
+
+@pytest.mark.integration
+def test_prepare_fun_is_not_called_for_a_replayed_call() -> None:
+    """Rank 1 dies inside call (2, 1): its replacement resumes at version 2, gets the result
+    of (2, 0) from a neighbour without preparing its input, and prepares (2, 1) and on."""
+    out = _run_local_model_worker("mock=1,2,1,0,100000")
+    prepared = re.search(r"PREPARED rank=1 attempt=1 calls=(\S*)", out)
+    assert prepared, out[-4000:]
+    calls = prepared.group(1).split(",")
+    assert "2.0" not in calls and calls[0] == "2.1", calls
+    others = re.search(r"PREPARED rank=0 attempt=0 calls=(\S*)", out)
+    assert others and "2.0" in others.group(1).split(","), out[-4000:]
