@@ -468,9 +468,10 @@ def test_a_reset_link_between_live_workers_is_dialed_again(rank: int, seqno: int
         else:
             assert mine["links_up"] == 0, (r, mine)
         assert mine["resent_bytes"] <= max_resent, (r, mine)
-        # a neighbour that finished the call meanwhile may send its result instead of the
-        # stream the old connection lost (counted as fetched)
-        assert mine["fetched_bytes"] <= CALL_BYTES[seqno], (r, mine)
+        # a neighbour that finished a call meanwhile (the reset one, or a later one while
+        # the link was being dialed again) sends its result instead of the stream the old
+        # connection lost (counted as fetched)
+        assert mine["fetched_bytes"] <= sum(CALL_BYTES.values()), (r, mine)
         assert mine["replayed_calls"] == 0, (r, mine)
     print(f"rank {rank} links_up={stats[rank, 0]['links_up']}, resent in all: "
           f"{sum(v['resent_bytes'] for v in stats.values())} B")
