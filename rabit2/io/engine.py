@@ -42,6 +42,7 @@ from rabit2.core.agent import (
 from rabit2.core.topology import topology
 from rabit2.errors import (
     CollectiveTimeoutError,
+    JobAbortedError,
     ProtocolError,
     RabitError,
     TrackerError,
@@ -274,7 +275,10 @@ class Engine:
         self._schedule_tick()
 
     def _raise_if_failed(self) -> None:
-        if self.agent.error is not None:
+        """Stop the bootstrap if the tracker aborted the job.  A failure a neighbour reported
+        (e.g. a mismatch in a first call it began already) belongs to that call: it is
+        raised by the call, as the state machine records it."""
+        if isinstance(self.agent.error, JobAbortedError):
             raise self.agent.error
 
     async def _states_known(self) -> None:
