@@ -151,12 +151,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--gbdt", action="store_true", help="also run the GBDT example (--size bench)")
     ap.add_argument("--gbdt-only", action="store_true", help="only the GBDT example")
     ap.add_argument("--submit", help="launcher command (default: rabit2-submit)")
+    ap.add_argument("--recover", choices=("on", "off"), default="on",
+                    help="fault tolerance as rabit2-submit sets it (on, the default) or off "
+                         "(RABIT2_RECOVER=0; the figures before 2026-11-23 are without it)")
     ap.add_argument("--results", type=Path, default=HERE / "results", help="output directory")
     ap.add_argument("--timeout", type=float, default=900, help="seconds per job")
     ap.add_argument("worker_args", nargs="*", metavar="k=v", help="passed to rabit2.init")
     ns = ap.parse_args(argv)
 
     submit = submit_cmd(ns.submit)
+    if ns.recover == "off":
+        submit += ["--env", "RABIT2_RECOVER=0"]
     ns.results.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     raw = ns.results / f"{stamp}.jsonl"

@@ -1,4 +1,6 @@
-"""rabit2 itself, launched with ``rabit2-submit --cluster local`` and its default options."""
+"""rabit2 itself, launched with ``rabit2-submit --cluster local``: ``rabit2`` with its default
+options (fault tolerance on: results are kept for replays), ``rabit2-noft`` with it off
+(``RABIT2_RECOVER=0``, like the peers, none of which recovers a lost worker)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ from typing import Any, cast
 import numpy as np
 from common import MAIN_PYTHON, Job, harness_cmd, probe
 
-LABELS = ["rabit2"]
+LABELS = ["rabit2", "rabit2-noft"]
 
 
 def unavailable(label: str) -> str | None:
@@ -27,6 +29,7 @@ def job(label: str, n: int, harness_args: list[str]) -> Job:
             "local",
             "-n",
             str(n),
+            *(["--env", "RABIT2_RECOVER=0"] if label == "rabit2-noft" else []),
             "--",
             *harness_cmd(MAIN_PYTHON, label, harness_args),
         ]
