@@ -345,6 +345,7 @@ class Agent:
         self._replay_until: CallId = (0, 0)  # calls before this were finished by a neighbour
         self._fetches: dict[int, _Fetch] = {}
         self._next_request = 1
+        self._pending_states = False  # some link holds a reset peer's state for a later call
         self._recovery_stats = {"links_up": 0, "fetched_bytes": 0, "resent_bytes": 0,
                                 "replayed_calls": 0, "resumed_calls": 0}
 
@@ -724,7 +725,7 @@ class Agent:
         try:
             if self.restarted:
                 self._begin_replay(active, cmds)
-            for peer, link in self.links.items():
+            for peer, link in self.links.items() if self._pending_states else ():
                 state, link.pending = link.pending, None
                 if state is not None and state.at == call_id and link.up:
                     # a peer whose link was reset waits in this call; if we were behind when
@@ -736,6 +737,7 @@ class Agent:
         except RabitError as exc:
             self._fail(exc, cmds)
             return cmds
+        self._pending_states = any(link.pending is not None for link in self.links.values())
         # frames of this call that arrived early were held: replay their headers now
         for peer, link in self.links.items():
             if link.mode is _Mode.HELD:
@@ -760,8 +762,8 @@ class Agent:
                     return cmds
         if self.active is not active:
             return cmds
-        if self.recover and any(not self.links[p].up and self._needs_input(active, p)
-                                for p in plan.in_streams):
+        if self.dead_links and any(not self.links[p].up and self._needs_input(active, p)
+                                   for p in plan.in_streams):
             self._go(Event.PEER_DOWN)  # a lost neighbour's input: wait for its replacement
         self._pump(active, cmds)
         self._maybe_complete(active, cmds)
@@ -1170,6 +1172,7 @@ class Agent:
         current = active.call_id if active is not None else (self.version, self.seqno)
         if state.active and state.at >= current and (active is None or state.at > current):
             link.pending = state  # a call we have not begun: settled when we begin it
+            self._pending_states = True
         if active is None:
             return
         if state.at == active.call_id:

@@ -29,6 +29,7 @@ CallId = tuple[int, int]
 
 DEFAULT_RETAIN_BYTES = 256 << 20
 """Bound on the results a rank keeps for replay (``rabit2_replay_mb``)."""
+_SMALL = 64 << 10  # results up to this size are kept as bytes objects, not recycled buffers
 GENERATIONS = 2
 """Checkpoint versions (and the results of calls made in them) kept on every rank: the
 current one and the one before, so that a neighbour that checkpointed just before a peer
@@ -116,7 +117,7 @@ class ResultStore:
     def __init__(self, limit: int = DEFAULT_RETAIN_BYTES) -> None:
         self.limit = limit
         self._results: collections.OrderedDict[
-            CallId, tuple[CallDescriptor, np.ndarray]] = collections.OrderedDict()
+            CallId, tuple[CallDescriptor, np.ndarray | bytes]] = collections.OrderedDict()
         self._spare: dict[int, list[np.ndarray]] = {}
         self._spare_bytes = 0
         self.nbytes = 0
@@ -132,6 +133,11 @@ class ResultStore:
             old, (_, blob) = self._results.popitem(last=False)
             self._release(blob)
             self._dropped_upto = (old[0], old[1] + 1)
+        if size <= _SMALL:
+            # a small result: one bytes object, cheaper to make than a numpy buffer
+            self._results[call] = (desc, b"".join(pieces))
+            self.nbytes += size
+            return
         spare = self._spare.get(size)
         if spare:
             blob = spare.pop()
@@ -146,9 +152,12 @@ class ResultStore:
         self._results[call] = (desc, blob)
         self.nbytes += size
 
-    def _release(self, blob: np.ndarray) -> None:
+    def _release(self, blob: np.ndarray | bytes) -> None:
         """Keep a dropped buffer for the next result of its size (within the same bound:
         retained and spare bytes together stay under ``limit``)."""
+        if isinstance(blob, bytes):
+            self.nbytes -= len(blob)
+            return
         self.nbytes -= blob.nbytes
         self._spare.setdefault(blob.nbytes, []).append(blob)
         self._spare_bytes += blob.nbytes
@@ -165,7 +174,10 @@ class ResultStore:
 
     def get(self, call: CallId) -> tuple[CallDescriptor, memoryview] | None:
         got = self._results.get(call)
-        return None if got is None else (got[0], got[1].data)
+        if got is None:
+            return None
+        blob = got[1]
+        return got[0], memoryview(blob) if isinstance(blob, bytes) else blob.data
 
     def on_checkpoint(self, version: int) -> None:
         """``version`` was just taken: keep the calls of ``version - 1`` on, drop the rest."""
