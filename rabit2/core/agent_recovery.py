@@ -1,0 +1,640 @@
+"""The agent's part in lazy recovery (``docs/recovery.md``): link (re)connects and the
+``state`` exchange, a restarted rank's replay (fetch or resume each call), the answers a
+survivor gives (``need``, ``fetch``), checkpoints and local models handed to neighbours.
+
+Sans-I/O like the rest of the agent: every method takes and returns commands.
+:class:`RecoveryMixin` is a base of :class:`rabit2.core.agent.Agent`, which owns the state
+named in the ``TYPE_CHECKING`` block below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from rabit2.core import fsm
+from rabit2.core.control import encode_body
+from rabit2.core.framing import (
+    MAX_BROADCAST,
+    CallDescriptor,
+    CollectiveKind,
+    FrameKind,
+    pack_header,
+)
+from rabit2.core.records import (
+    NO_CALL,
+    RESUME_EVENTS,
+    ActiveCall,
+    CheckpointLoaded,
+    Command,
+    Fetch,
+    Link,
+    Mode,
+    Send,
+)
+from rabit2.core.recovery import (
+    GENERATIONS,
+    CallId,
+    PeerState,
+    ResultStore,
+    Role,
+    call_id,
+    checkpoint_version,
+    descriptor_from_wire,
+    descriptor_to_wire,
+    role_of,
+)
+from rabit2.core.schedule import Plan, TreeBroadcast
+from rabit2.errors import MismatchError, ProtocolError, RabitError, UnrecoverableError
+
+State, Event = fsm.State, fsm.Event
+
+
+class RecoveryMixin:
+    """Recovery behaviour of :class:`~rabit2.core.agent.Agent` (see the module docstring)."""
+
+    if TYPE_CHECKING:  # owned by Agent
+        state: fsm.State
+        rank: int
+        world: int
+        version: int
+        seqno: int
+        links: dict[int, Link]
+        dead_links: dict[int, str]
+        active: ActiveCall | None
+        error: RabitError | None
+        recover: bool
+        incarnation: int
+        results: ResultStore
+        checkpoints: dict[int, bytes | Callable[[], bytes]]
+        local_replica: int
+        local_models: dict[tuple[int, int], bytes]
+        down_since: dict[int, float]
+        peer_states: dict[int, PeerState]
+        restarted: bool
+        _loading: dict[str, Any]
+        _fetches: dict[int, Fetch]
+        _next_request: int
+        _pending_states: bool
+        _recovery_stats: dict[str, int]
+        _frames_sent: int
+
+        def _go(self, event: fsm.Event) -> None: ...
+        def _pump(self, active: ActiveCall, cmds: list[Command]) -> None: ...
+        def _maybe_complete(self, active: ActiveCall, cmds: list[Command]) -> None: ...
+        def _size_to(self, plan: TreeBroadcast, total: int, active: ActiveCall) -> None: ...
+        @staticmethod
+        def _received(plan: Plan, peer: int, pos: int) -> None: ...
+
+    # ------------------------------------------------------------------ local models
+
+    def push_local(self, local: bytes) -> list[Command]:
+        """With recovery on, hand this rank's local model of the current version to the next
+        ``local_replica`` ranks of the ring (not waited for: see ``load_checkpoint``)."""
+        cmds: list[Command] = []
+        self._keep_local(self.rank, self.version, local)
+        if self.recover:
+            for peer, hops in self._replica_targets():
+                if self.links[peer].up:
+                    self._send_local(peer, self.rank, self.version, hops, local, cmds)
+        return cmds
+
+    def _replica_targets(self) -> list[tuple[int, int]]:
+        """Where this rank's local model goes first, and how far on from there: the next
+        rank of the ring (it passes it on along the ring while ``hops`` > 1) and, from
+        ``local_replica`` 2 on, the previous one - so that both ring neighbours of a lost
+        rank hold its local model, and either can serve its replacement."""
+        k = self.local_replica
+        if self.world == 1 or k < 1:
+            return []
+        nxt, prev = (self.rank + 1) % self.world, (self.rank - 1) % self.world
+        if k == 1 or prev == nxt:
+            return [(nxt, k)]
+        return [(nxt, k - 1), (prev, 1)]
+
+    def _keep_local(self, owner: int, version: int, blob: bytes) -> None:
+        self.local_models[(owner, version)] = blob
+        for key in [k for k in self.local_models
+                    if k[0] == owner and k[1] <= version - GENERATIONS]:
+            del self.local_models[key]
+
+    def _send_local(self, peer: int, owner: int, version: int, hops: int, blob: bytes,
+                    cmds: list[Command]) -> None:
+        self._send_control(peer, {"t": "local", "owner": owner, "version": version,
+                                  "hops": hops, "size": len(blob)}, cmds)
+        if blob:
+            header = pack_header(FrameKind.BLOB, NO_CALL, version, 0, 0, len(blob),
+                                 self.incarnation)
+            cmds.append(Send(peer, [header, blob]))
+            self._frames_sent += 1
+
+    def _on_local(self, peer: int, link: Link, msg: dict[str, Any],
+                  cmds: list[Command]) -> None:
+        size, owner, version, hops = msg["size"], msg["owner"], msg["version"], msg["hops"]
+        if not (0 <= size <= MAX_BROADCAST and 0 <= owner < self.world and version >= 0
+                and hops >= 1):
+            raise ProtocolError(f"rank {peer} hands on a malformed local model")
+        fetch = Fetch(0, peer, "replica", (version, owner), True,
+                       memoryview(bytearray(size)), hops)
+        link.blob, link.blob_fetch = fetch.dest or memoryview(b""), fetch
+        if not size:
+            self._blob_done(peer, link, cmds)
+
+    def _stored_local(self, peer: int, fetch: Fetch, cmds: list[Command]) -> None:
+        """A local model handed on along the ring arrived: keep it and pass it on."""
+        assert fetch.dest is not None
+        version, owner = fetch.call
+        blob = bytes(fetch.dest)
+        self._keep_local(owner, version, blob)
+        nxt = (self.rank + 1) % self.world
+        if fetch.hops > 1 and nxt != owner and self.links[nxt].up:
+            self._send_local(nxt, owner, version, fetch.hops - 1, blob, cmds)
+        del peer
+
+    # ------------------------------------------------------------------ recovery
+
+    def on_link_up(self, peer: int, incarnation: int, now: float) -> list[Command]:
+        """A (new) connection to ``peer`` is ready: tell it where this rank stands.
+
+        Called for every link at ``init`` and again whenever a lost neighbour's
+        replacement (or the same process, after a reset) connects.  Framing starts afresh;
+        a call in progress sends nothing more to ``peer`` until ``peer`` says with a
+        ``need`` from which offset it wants this rank's stream (``docs/recovery.md``)."""
+        self._go(Event.LINK_UP)
+        cmds: list[Command] = []
+        link = self.links[peer]
+        if incarnation < link.incarnation:
+            raise ProtocolError(f"rank {peer} came back as incarnation {incarnation} after "
+                                f"{link.incarnation}")
+        was_down = not link.up
+        link.incarnation = incarnation
+        link.up = True
+        link.state = link.pending = None
+        self.dead_links.pop(peer, None)
+        self.down_since.pop(peer, None)
+        active = self.active
+        link.reset_framing(active.plan.received.get(peer, 0) if active is not None else 0)
+        link.up_call = active.call_id if active is not None else None
+        link.up_at = link.up_call or (self.version, self.seqno)
+        if was_down:
+            self._recovery_stats["links_up"] += 1
+            if active is not None and peer in active.plan.out_streams:
+                link.awaiting_need = True
+        if self.recover:
+            link.awaiting_state = True
+            self._send_control(peer, self._state_for(peer).to_msg(), cmds)
+            hops = dict(self._replica_targets()).get(peer)
+            if was_down and hops is not None:
+                # a ring neighbour came back without the replicas of our local model
+                for (owner, version), blob in sorted(self.local_models.items()):
+                    if owner == self.rank:
+                        self._send_local(peer, owner, version, hops, blob, cmds)
+        if (active is not None and self.state is State.PEER_ERROR
+                and all(self.links[p].up for p in active.plan.in_streams)):
+            self._go(RESUME_EVENTS[active.call.kind])
+        del now
+        return cmds
+
+    def _state_for(self, peer: int) -> PeerState:
+        active = self.active
+        at = active.call_id if active is not None else (self.version, self.seqno)
+        need, seen = -1, False
+        if active is not None and peer in active.plan.in_streams:
+            need = active.plan.received[peer]
+            seen = active.frames_seen.get(peer, 0) > 0
+        locals_ = tuple(sorted(v for owner, v in self.local_models if owner == peer))
+        return PeerState(self.incarnation, at, active is not None, need, seen,
+                         self._replaying(), tuple(sorted(self.checkpoints)),
+                         self.results.oldest, locals_)
+
+    def _replaying(self) -> bool:
+        """A restarted rank before the call its neighbours are in.  Once it is in that call
+        (resumed at the offsets) it answers a newly restarted neighbour like a survivor."""
+        active = self.active
+        return self.restarted and not (active is not None
+                                       and active.call_id >= self._live_frontier())
+
+    def _on_state(self, peer: int, link: Link, state: PeerState, now: float,
+                  cmds: list[Command]) -> None:
+        del now
+        if state.incarnation != link.incarnation:
+            raise ProtocolError(f"rank {peer} states incarnation {state.incarnation} on a "
+                                f"link opened by incarnation {link.incarnation}")
+        link.state = state
+        link.awaiting_state = False
+        if self._replaying():
+            self.peer_states[peer] = state
+        else:
+            self._settle_state(peer, link, state, cmds)
+        if self.active is not None and self.error is None:
+            self._pump(self.active, cmds)
+            self._maybe_complete(self.active, cmds)
+
+    def _settle_state(self, peer: int, link: Link, state: PeerState,
+                      cmds: list[Command]) -> None:
+        """A live rank hears where a peer stands on a new connection to it."""
+        active = self.active
+        if state.recovering:
+            return  # a restarted peer says what it needs with a "need" when it gets there
+        # the same process came back on a new connection (the old one was reset): its state
+        # says how much of our stream of its current call it holds
+        current = active.call_id if active is not None else (self.version, self.seqno)
+        if state.active and state.at >= current and (active is None or state.at > current):
+            link.pending = state  # a call we have not begun: settled when we begin it
+            self._pending_states = True
+        if active is None:
+            return
+        if state.at == active.call_id:
+            if link.up_call == active.call_id:
+                # both were in this call when the link came up: resend what the old
+                # connection lost (a peer that had not begun it needs all of it)
+                link.awaiting_need = False
+                self._apply_need(active, peer, state.need if state.active else 0, cmds,
+                                 seen=state.seen)
+            elif state.active and link.up_at < active.call_id and peer in active.plan.in_streams:
+                # we were behind when the link came up and began this call since: the peer
+                # still waits to hear how much of its stream we hold
+                self._send_control(peer, {"t": "need", "call": list(active.call_id),
+                                          "from": link.pos}, cmds)
+        elif state.at > active.call_id:
+            link.awaiting_need = False  # it finished our call: it needs nothing more of it
+            self._apply_need(active, peer, -1, cmds)
+        elif state.active and (got := self.results.get(state.at)) is not None:
+            # it is still in a call we finished, and our stream of it went down with the
+            # old connection: the result stands in for it
+            self._reply(peer, 0, state.at, got[0], got[1], cmds)
+
+    def states_known(self) -> bool:
+        """Every neighbour has sent its state (a restarted rank waits for this in init)."""
+        return all(link.state is not None for link in self.links.values())
+
+    def _live_frontier(self) -> CallId:
+        """The furthest call a surviving neighbour has reached: replay runs up to it."""
+        ats = [st.at for st in self.peer_states.values() if not st.recovering]
+        return max(ats) if ats else (0, 0)
+
+    def replays(self) -> bool:
+        """True if the next call's result will be fetched from a neighbour (a restarted
+        rank replaying a call the others finished): ``prepare_fun`` is not called then."""
+        nxt = (self.version, self.seqno)
+        states = list(self.peer_states.values())  # may be called from the API thread
+        return self.restarted and any(role_of(st, nxt) is Role.FINISHED for st in states)
+
+    def _begin_replay(self, active: ActiveCall, cmds: list[Command]) -> None:
+        """A restarted rank starts a call: fetch it, resume it, or run it as usual."""
+        call = active.call_id
+        if call > self._live_frontier():
+            self.restarted = False  # caught up: from here on this rank is a survivor
+            self.peer_states = {}  # a new dict: the API thread may be reading the old one
+            return
+        if any(st.recovering for st in self.peer_states.values()):
+            raise UnrecoverableError(
+                f"rank {self.rank} and a neighbour are both being restarted: recovering two "
+                "adjacent ranks at once is not supported (docs/recovery.md)")
+        roles = {p: role_of(st, call) for p, st in self.peer_states.items()}
+        finished = [p for p, role in roles.items() if role is Role.FINISHED]
+        live = [p for p, role in roles.items() if role is Role.LIVE]
+        if not finished and not live:
+            return
+        plan = active.plan
+        if finished:
+            self._recovery_stats["replayed_calls"] += 1
+            self._fetch_result(active, finished, cmds)
+            needs = {p: -1 for p in live}  # their streams of this call are not needed now
+            active.skip_in.update(p for p, role in roles.items() if role is not Role.FRESH)
+            for q, role in roles.items():
+                # a neighbour that finished needs nothing; one that has not started needs
+                # the whole stream, which must then be made of result bytes
+                if role is not Role.LIVE:
+                    self._apply_need(active, q, -1 if role is Role.FINISHED else 0, cmds)
+        else:
+            self._recovery_stats["resumed_calls"] += 1
+            resume = plan.resume({q: max(0, self.peer_states[q].need) for q in live})
+            needs = {p: resume.in_from.get(p, -1) for p in live}
+            for p, offset in resume.in_from.items():
+                self.links[p].pos = offset
+                stream = plan.in_streams[p]
+                if offset and roles[p] is not Role.LIVE:
+                    raise UnrecoverableError(
+                        f"rank {self.rank} must resume call {call} at byte {offset} of rank "
+                        f"{p}'s stream, but rank {p} has not started that call")
+                if offset >= stream.length > 0:
+                    active.frames_seen[p] = 1  # nothing is left to come from there
+            for peer, lo, hi in resume.fetch:
+                self._request(peer, "result", call, lo, hi, active.call.buf[lo:hi], cmds,
+                              active)
+        for q in live:
+            st = self.peer_states[q]
+            self._apply_need(active, q, st.need, cmds, seen=st.seen)
+            if q in plan.in_streams:
+                self._send_control(q, {"t": "need", "call": list(call), "from": needs[q]},
+                                   cmds)
+
+    def _fetch_result(self, active: ActiveCall, finished: list[int], cmds: list[Command]) -> None:
+        call = active.call_id
+        sources = [p for p in finished
+                   if self.links[p].up and self.peer_states[p].oldest <= call]
+        if not sources:
+            raise UnrecoverableError(
+                f"rank {self.rank} replays call {call}, but no live neighbour retains its "
+                "result any more (raise rabit2_replay_mb, or checkpoint more often)")
+        active.final = True
+        dest = None if active.call.kind is CollectiveKind.BROADCAST else active.call.buf
+        self._request(sources[0], "result", call, 0, -1, dest, cmds, active)
+
+    def _on_need(self, peer: int, link: Link, call: CallId, offset: int,
+                 cmds: list[Command]) -> None:
+        """``peer`` holds ``offset`` bytes of our stream of ``call`` (-1: wants none of it)."""
+        active = self.active
+        current = active.call_id if active is not None else (self.version, self.seqno)
+        if active is not None and call == current:
+            link.awaiting_need = False
+            self._apply_need(active, peer, offset, cmds)
+            self._pump(active, cmds)
+            self._maybe_complete(active, cmds)
+        elif call < current:
+            if offset < 0:
+                return
+            # the call finished here meanwhile: the result stands in for the stream
+            got = self.results.get(call)
+            if got is None:
+                raise UnrecoverableError(f"rank {peer} resumes call {call}, which rank "
+                                         f"{self.rank} finished and no longer retains")
+            self._reply(peer, 0, call, got[0], got[1], cmds)
+        else:
+            raise ProtocolError(f"rank {peer} resumes call {call}, which rank {self.rank} "
+                                "has not started")
+
+    def _apply_need(self, active: ActiveCall, peer: int, offset: int, cmds: list[Command],
+                    seen: bool = False) -> None:
+        plan = active.plan
+        stream = plan.out_streams.get(peer)
+        if stream is None:
+            if isinstance(plan, TreeBroadcast) and not plan.sized and peer in plan.out_links:
+                active.deferred[peer] = (offset, seen)  # its stream appears with the size
+            return
+        if offset < 0 or (seen and offset >= stream.length):
+            active.sent[peer] = stream.length
+            active.started_empty.add(peer)
+            return
+        if offset > stream.length:
+            raise ProtocolError(f"rank {peer} needs call {active.call_id} from byte {offset} "
+                                f"of a {stream.length} B stream")
+        if active.final and offset < stream.length and offset < active.plan.final_from(peer):
+            raise UnrecoverableError(
+                f"rank {peer} needs partial sums of call {active.call_id} from byte {offset}, "
+                f"but rank {self.rank} restarted and holds only that call's result")
+        old = active.sent.get(peer, 0)
+        self._recovery_stats["resent_bytes"] += max(0, old - offset)
+        active.sent[peer] = offset
+        active.started_empty.discard(peer)
+        del cmds
+
+    def _request(self, peer: int, what: str, call: CallId, lo: int, hi: int,
+                 dest: memoryview | None, cmds: list[Command],
+                 active: ActiveCall | None = None) -> None:
+        request = self._next_request
+        self._next_request += 1
+        self._fetches[request] = Fetch(request, peer, what, call, lo == 0 and hi < 0, dest)
+        if active is not None:
+            active.fetching += 1
+        self._send_control(peer, {"t": "fetch", "id": request, "what": what,
+                                  "call": list(call), "lo": lo, "hi": hi}, cmds)
+
+    def _refetch(self, fetch: Fetch, cmds: list[Command]) -> None:
+        """The neighbour a fetch went to was lost: ask another one that holds the same."""
+        del self._fetches[fetch.request]
+        active = self.active
+        if active is not None and active.call_id == fetch.call and fetch.what == "result":
+            active.fetching -= 1
+        for peer, st in self.peer_states.items():
+            if peer == fetch.peer or not self.links[peer].up:
+                continue
+            if fetch.what == "checkpoint" and fetch.call[0] in st.versions:
+                self._request(peer, "checkpoint", fetch.call, 0, -1, None, cmds)
+                return
+            if fetch.what == "local" and fetch.call[0] in st.locals:
+                self._request(peer, "local", fetch.call, 0, -1, None, cmds)
+                return
+            if (fetch.what == "result" and fetch.whole and active is not None
+                    and role_of(st, fetch.call) is Role.FINISHED and st.oldest <= fetch.call):
+                self._request(peer, "result", fetch.call, 0, -1, fetch.dest, cmds, active)
+                return
+        raise UnrecoverableError(
+            f"rank {self.rank} lost rank {fetch.peer} while fetching {fetch.what} "
+            f"{fetch.call}, and no other neighbour holds it")
+
+    def _on_fetch(self, peer: int, msg: dict[str, Any], cmds: list[Command]) -> None:
+        what, call = msg["what"], call_id(msg["call"], "fetch.call")
+        request, lo, hi = msg["id"], msg["lo"], msg["hi"]
+        data: memoryview | None = None
+        desc = NO_CALL
+        reason = ""
+        if what == "checkpoint":
+            blob = self.checkpoints.get(call[0])
+            if callable(blob):
+                blob = self.checkpoints[call[0]] = blob()  # a lazy checkpoint, pickled now
+            if blob is None:
+                reason = f"rank {self.rank} holds no checkpoint of version {call[0]}"
+            else:
+                data = memoryview(blob)
+        elif what == "local":
+            local = self.local_models.get((call[1], call[0]))  # call = (version, owner)
+            if local is None:
+                reason = (f"rank {self.rank} holds no local model of rank {call[1]} "
+                          f"version {call[0]}")
+            else:
+                data = memoryview(local)
+        elif what == "result":
+            active = self.active
+            if (active is not None and active.call_id == call
+                    and active.call.kind is not CollectiveKind.BROADCAST):
+                desc, data = active.desc, active.call.buf  # final bytes, by the asker's reckoning
+            elif (got := self.results.get(call)) is not None:
+                desc, data = got
+            else:
+                reason = f"rank {self.rank} retains no result of call {call}"
+        else:
+            raise ProtocolError(f"rank {peer} fetches {what!r}")
+        if data is not None:
+            end = len(data) if hi < 0 else hi
+            if not 0 <= lo <= end <= len(data):
+                raise ProtocolError(f"rank {peer} fetches bytes [{lo}, {hi}) of {len(data)}")
+            data = data[lo:end]
+        self._reply(peer, request, call, desc, data, cmds, reason)
+
+    def _reply(self, peer: int, request: int, call: CallId, desc: CallDescriptor,
+               data: memoryview | None, cmds: list[Command], reason: str = "") -> None:
+        size = 0 if data is None else len(data)
+        self._send_control(peer, {"t": "reply", "id": request, "call": list(call),
+                                  "found": data is not None, "size": size,
+                                  "desc": descriptor_to_wire(desc), "reason": reason}, cmds)
+        if data is not None and size:
+            header = pack_header(FrameKind.BLOB, desc, call[0], call[1], 0, size,
+                                 self.incarnation)
+            cmds.append(Send(peer, [header, data]))
+            self._frames_sent += 1
+
+    def _on_reply(self, peer: int, link: Link, msg: dict[str, Any],
+                  cmds: list[Command]) -> None:
+        call = call_id(msg["call"], "reply.call")
+        size = msg["size"]
+        if not 0 <= size <= MAX_BROADCAST:
+            raise ProtocolError(f"rank {peer} replies with {size} B")
+        request = msg["id"]
+        active = self.active
+        current = active.call_id if active is not None else (self.version, self.seqno)
+        if request == 0 and (call < current or (active is not None and active.final
+                                                 and call == current)):
+            # a result sent for a call we meanwhile finished (or already have): read, drop
+            fetch = Fetch(0, peer, "discard", call, True, memoryview(bytearray(size)))
+        elif request == 0:
+            # our need reached a rank that had finished the call: it sent the result
+            if active is None or active.call_id != call:
+                raise ProtocolError(f"rank {peer} sent an unasked result of call {call}")
+            active.final = True
+            active.skip_in.add(peer)
+            dest = None if active.call.kind is CollectiveKind.BROADCAST else active.call.buf
+            fetch = Fetch(0, peer, "result", call, True, dest)
+            active.fetching += 1
+        else:
+            found = self._fetches.get(request)
+            if found is None or found.peer != peer or found.call != call:
+                raise ProtocolError(f"rank {peer} replies to request {request} nobody made")
+            fetch = found
+        if not msg["found"]:
+            raise UnrecoverableError(f"rank {self.rank} cannot recover: {msg['reason']}")
+        if fetch.what == "result":
+            desc = descriptor_from_wire(msg["desc"])
+            if active is None or active.call_id != call or not desc.agrees_with(active.desc):
+                mine = "no call" if active is None else active.desc.describe()
+                raise MismatchError(
+                    f"sequence mismatch: restarted rank {self.rank} replays call {call} as "
+                    f"{mine}, but rank {peer} made it as {desc.describe()}")
+        dest = fetch.dest
+        if dest is None:
+            dest = memoryview(bytearray(size))
+        elif len(dest) != size:
+            raise MismatchError(f"sequence mismatch: rank {peer} holds {size} B of call "
+                                f"{call}, restarted rank {self.rank} asked for {len(dest)} B")
+        fetch.dest = dest
+        link.blob, link.blob_fetch = dest, fetch
+        if not size:
+            self._blob_done(peer, link, cmds)
+
+    def _blob_done(self, peer: int, link: Link, cmds: list[Command]) -> None:
+        fetch = link.blob_fetch
+        assert fetch is not None and fetch.dest is not None
+        link.blob_fetch = None
+        link.mode, link.filled, link.remaining = Mode.HEADER, 0, 0
+        self._fetches.pop(fetch.request, None)
+        if fetch.what == "discard":
+            return
+        if fetch.what == "replica":
+            self._stored_local(peer, fetch, cmds)
+            return
+        self._recovery_stats["fetched_bytes"] += len(fetch.dest)
+        if fetch.what in ("checkpoint", "local"):
+            blob = bytes(fetch.dest)
+            if fetch.what == "checkpoint":
+                self.checkpoints[fetch.call[0]] = blob
+            else:
+                self._keep_local(self.rank, fetch.call[0], blob)
+            loading = self._loading
+            loading[fetch.what] = blob
+            loading["pending"] -= 1
+            if not loading["pending"]:
+                cmds.append(CheckpointLoaded(loading["version"], loading["checkpoint"],
+                                             loading["local"]))
+            return
+        active = self.active
+        if active is None or active.call_id != fetch.call:
+            return
+        if active.call.kind is CollectiveKind.BROADCAST:
+            self._land_broadcast(active, fetch.dest)
+        active.fetching -= 1
+        self._pump(active, cmds)
+        self._maybe_complete(active, cmds)
+        del peer
+
+    def _land_broadcast(self, active: ActiveCall, data: memoryview) -> None:
+        """A fetched broadcast result: the stream as the in-link would have delivered it."""
+        plan = active.plan
+        assert isinstance(plan, TreeBroadcast)
+        if plan.in_link < 0:
+            return  # the root replays its own data
+        if not plan.sized:
+            self._size_to(plan, len(data), active)
+        if plan.length != len(data):
+            raise MismatchError(f"sequence mismatch: the broadcast of call {active.call_id} "
+                                f"has {len(data)} B, this rank expected {plan.length} B")
+        pos = 0
+        while pos < len(data):
+            # the plan lays out the payload once the head is in: look the stream up again
+            dest = plan.in_streams[plan.in_link].view(pos, len(data) - pos)
+            if not dest:
+                raise ProtocolError(f"the broadcast of call {active.call_id} has no place "
+                                    f"for byte {pos} of its {len(data)} B result")
+            dest[:] = data[pos : pos + len(dest)]
+            pos += len(dest)
+            self._received(plan, plan.in_link, pos)
+
+    def load_checkpoint(self, with_local: bool = False) -> list[Command]:
+        """A restarted rank asks its neighbours for the checkpoint it resumes from (and, with
+        ``with_local``, for its own local model, which the ring's next rank holds); the
+        answer comes as :class:`CheckpointLoaded`.  Raises :class:`UnrecoverableError` if no
+        live neighbour holds what is needed."""
+        if self.error is not None:
+            raise self.error  # e.g. the job was aborted while this worker started
+        version = checkpoint_version(self.peer_states) if self.restarted else self.version
+        if with_local and version:
+            # a rank that died between a call and its next checkpoint never handed on the
+            # local model of the version its neighbours are in: resume one version earlier
+            held = [v for p, st in self.peer_states.items() if self.links[p].up
+                    for v in st.locals if v <= version]
+            version = max(held, default=0)
+        cmds: list[Command] = []
+        self.version, self.seqno = version, 0
+        self._loading = {"version": version, "checkpoint": None, "local": None, "pending": 0}
+        if version == 0:
+            cmds.append(CheckpointLoaded(0, None))
+            return cmds
+        sources = [p for p, st in self.peer_states.items()
+                   if version in st.versions and self.links[p].up]
+        if not sources:
+            raise UnrecoverableError(f"no live neighbour of rank {self.rank} holds "
+                                     f"checkpoint version {version}")
+        self._loading["pending"] = 2 if with_local else 1
+        self._request(sources[0], "checkpoint", (version, 0), 0, -1, None, cmds)
+        if with_local:
+            holders = [p for p, st in self.peer_states.items()
+                       if version in st.locals and self.links[p].up]
+            if not holders:
+                raise UnrecoverableError(f"no live neighbour of rank {self.rank} holds its "
+                                         f"local model of version {version}")
+            self._request(holders[0], "local", (version, self.rank), 0, -1, None, cmds)
+        return cmds
+
+    def _send_control(self, peer: int, msg: dict[str, Any], cmds: list[Command]) -> None:
+        body = encode_body(msg)
+        header = pack_header(FrameKind.CONTROL, NO_CALL, self.version, self.seqno, 0,
+                             len(body), self.incarnation)
+        cmds.append(Send(peer, [header, body]))
+        self._frames_sent += 1
+
+    @staticmethod
+    def _result_pieces(active: ActiveCall) -> list[memoryview]:
+        """What a finished call leaves behind for a replay: the result (a broadcast's
+        whole stream, head included)."""
+        plan = active.plan
+        if isinstance(plan, TreeBroadcast):
+            if plan.in_link >= 0:
+                return list(plan.in_streams[plan.in_link].pieces)
+            return list(active.call.pieces or (active.call.buf,))
+        return [active.call.buf]
+
+    def recovery_statistics(self) -> dict[str, int]:
+        """Counters of the recovery protocol: links re-established, bytes fetched for
+        replay, bytes resent because a receiver asked for them again, calls replayed from
+        a neighbour's result and calls resumed at an offset."""
+        return dict(self._recovery_stats)

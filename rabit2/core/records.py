@@ -1,0 +1,220 @@
+"""What the agent hands out and keeps: the commands it returns to the I/O layer, the calls
+the API hands it, and its records of each link and of the call in progress.
+
+Pure data (no behaviour beyond small helpers): ``rabit2.core.agent`` and
+``rabit2.core.agent_recovery`` change these records; nothing here reads a clock or a socket.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import numpy as np
+
+from rabit2.core import fsm
+from rabit2.core.framing import (
+    NONE_U8,
+    NONE_U16,
+    CallDescriptor,
+    CollectiveKind,
+    FrameHeader,
+    FrameKind,
+    data_prefix,
+)
+from rabit2.core.ops import Op
+from rabit2.core.recovery import CallId, PeerState
+from rabit2.core.schedule import PayloadFn, Plan
+from rabit2.errors import RabitError
+
+Event = fsm.Event
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Send:
+    """Write these buffers, in order, to the link to ``peer`` (header first)."""
+
+    peer: int
+    buffers: list[bytes | memoryview]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PauseReading:
+    peer: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ResumeReading:
+    peer: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CallComplete:
+    """The current call finished on this rank; ``call_id`` = (version, seqno)."""
+
+    call_id: tuple[int, int]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CallFailed:
+    call_id: tuple[int, int] | None
+    error: RabitError
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CloseLink:
+    peer: int
+    reason: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CheckpointLoaded:
+    """A restarted rank fetched the checkpoint it resumes from (``blob`` None: version 0;
+    ``local`` None unless its local model was asked for)."""
+
+    version: int
+    blob: bytes | None
+    local: bytes | None = None
+
+
+Command = (Send | PauseReading | ResumeReading | CallComplete | CallFailed | CloseLink
+           | CheckpointLoaded)
+
+
+# ----------------------------------------------------------------------------- calls
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Call:
+    """A collective as the API hands it to the agent (already validated)."""
+
+    kind: CollectiveKind
+    buf: memoryview  # flat, writable, C-contiguous bytes
+    dtype: np.dtype | None = None
+    op: Op | None = None
+    root: int = -1
+    blocks: tuple[tuple[int, int], ...] = ()  # allgather: byte range of each rank's block
+    # broadcast: the root's stream as several pieces (a head, then the payload), and, on a
+    # rank that does not know the size, where the payload goes once the head has arrived
+    pieces: tuple[memoryview, ...] = ()
+    receive: PayloadFn | None = None
+    head_size: int = 0
+
+
+NO_CALL = CallDescriptor(CollectiveKind.BROADCAST, NONE_U8, NONE_U8, NONE_U16, 0)
+"""The descriptor of frames that belong to no call (ERROR, CONTROL)."""
+
+RESUME_EVENTS = {
+    CollectiveKind.ALLREDUCE_TREE: Event.RESUME_ALLREDUCE,
+    CollectiveKind.ALLREDUCE_RING: Event.RESUME_ALLREDUCE,
+    CollectiveKind.ALLREDUCE_PAIR: Event.RESUME_ALLREDUCE,
+    CollectiveKind.BROADCAST: Event.RESUME_BROADCAST,
+    CollectiveKind.ALLGATHER: Event.RESUME_ALLGATHER,
+}
+
+CALL_EVENTS = {
+    CollectiveKind.ALLREDUCE_TREE: Event.CALL_ALLREDUCE,
+    CollectiveKind.ALLREDUCE_RING: Event.CALL_ALLREDUCE,
+    CollectiveKind.ALLREDUCE_PAIR: Event.CALL_ALLREDUCE,
+    CollectiveKind.BROADCAST: Event.CALL_BROADCAST,
+    CollectiveKind.ALLGATHER: Event.CALL_ALLGATHER,
+}
+
+
+STAGE_SIZE = 16 * 1024  # holds a small call whole; larger payloads land zero-copy
+"""Per-link staging buffer for frame headers and the payload bytes that arrive with them."""
+
+
+class Mode(enum.Enum):
+    HEADER = 1
+    PAYLOAD = 2
+    BODY = 3  # the msgpack payload of an ERROR or CONTROL frame
+    HELD = 4  # a header of a later call was read; the link is paused until that call starts
+    BLOB = 5  # the raw bytes a "reply" announced, landing where the fetch said
+
+
+class Link:
+    """Receive-side framing state of one peer link."""
+
+    __slots__ = ("awaiting_need", "awaiting_state", "blob", "blob_fetch", "body_kind", "end",
+                 "error_buf", "filled", "frame", "incarnation", "mode", "pending", "pos",
+                 "remaining", "scratch", "send_scratch", "stage", "start", "state", "up",
+                 "up_at", "up_call")
+
+    def __init__(self) -> None:
+        # headers are read into this staging buffer together with whatever follows them, so
+        # a small frame costs one read instead of two; bytes [start, end) are not consumed
+        self.stage = memoryview(bytearray(STAGE_SIZE))
+        self.start = 0
+        self.end = 0
+        self.mode = Mode.HEADER
+        self.filled = 0
+        self.frame: FrameHeader | None = None
+        self.pos = 0  # stream position of the next payload byte
+        self.remaining = 0  # payload bytes left in the current frame
+        self.error_buf = bytearray()  # the body of an ERROR or CONTROL frame
+        self.body_kind = FrameKind.ERROR
+        self.blob = memoryview(b"")  # where the BLOB frame announced by a reply lands
+        self.blob_fetch: Fetch | None = None
+        self.scratch = np.empty(0, dtype=np.uint8)
+        self.send_scratch = np.empty(0, dtype=np.uint8)
+        # recovery (docs/recovery.md)
+        self.pending: PeerState | None = None  # a reset peer's state for a call not begun
+        self.up_call: CallId | None = None  # the call in progress when the link came up
+        self.up_at: CallId = (0, 0)  # where this rank stood then (the "at" of its state)
+        self.up = True  # connected; False after a hang-up until the link comes up again
+        self.incarnation = 0  # of the peer process at the other end
+        self.state: PeerState | None = None  # what the peer said when the link came up
+        # the link came up during a call: send nothing of that call until the peer says
+        # from which offset it needs our stream (its "need")
+        self.awaiting_need = False
+        # the link just came up: send nothing of any call until the peer's state arrived
+        # (what we send may depend on it, and an answer to it must not be overtaken)
+        self.awaiting_state = False
+
+    def reset_framing(self, pos: int) -> None:
+        """A new connection: nothing of the old one's partial frames carries over."""
+        self.mode = Mode.HEADER
+        self.start = self.end = self.filled = self.remaining = 0
+        self.frame = None
+        self.pos = pos
+        self.blob_fetch = None
+
+
+class Fetch:
+    """A request this rank sent with ``fetch`` and the place its answer goes."""
+
+    __slots__ = ("call", "dest", "hops", "peer", "request", "what", "whole")
+
+    def __init__(self, request: int, peer: int, what: str, call: CallId, whole: bool,
+                 dest: memoryview | None, hops: int = 0) -> None:
+        self.request, self.peer, self.what, self.call = request, peer, what, call
+        self.whole = whole  # the whole result or checkpoint, not a byte range of it
+        self.dest = dest  # None: a blob of the announced size is allocated (checkpoints)
+        self.hops = hops  # a pushed local model: how many more ring hops it travels
+
+
+class ActiveCall:
+    """Bookkeeping of the call in progress."""
+
+    __slots__ = ("call", "call_id", "deferred", "desc", "fetching", "final", "frames_seen",
+                 "plan", "prefix", "sent", "skip_in", "started_empty")
+
+    def __init__(self, call: Call, call_id: tuple[int, int], desc: CallDescriptor,
+                 plan: Plan) -> None:
+        self.call, self.call_id, self.desc, self.plan = call, call_id, desc, plan
+        # what every DATA frame of this call starts with (unknown-size broadcasts never
+        # match it, and take the full parse)
+        self.prefix = data_prefix(desc, *call_id)
+        self.sent = dict.fromkeys(plan.out_streams, 0)
+        self.frames_seen = dict.fromkeys(plan.in_streams, 0)
+        self.started_empty: set[int] = set()
+        # recovery of this call on a restarted rank (docs/recovery.md)
+        self.fetching = 0  # fetches whose bytes this call still waits for
+        self.final = False  # the whole result is fetched: every out-stream can be served
+        self.skip_in: set[int] = set()  # in-streams this call does not wait for any more
+        # needs for the out-streams of a broadcast whose size this rank does not know yet
+        self.deferred: dict[int, tuple[int, bool]] = {}
