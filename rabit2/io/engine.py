@@ -353,17 +353,17 @@ class Engine:
         reset link) closes the old one first: nothing more is read from it.  The agent
         learns about the new link before its first byte can be read."""
         loop = asyncio.get_running_loop()
+        try:
+            cmds = self.agent.on_link_up(peer, incarnation, loop.time())
+        except RabitError as exc:  # e.g. an older incarnation: the current link stays
+            logger.warning("link to rank %d refused: %s", peer, exc)
+            sock.close()
+            raise
         link = PeerLink(self, peer)
         old = self.links.get(peer)
         self.links[peer] = link
         if old is not None and old.transport is not None:
             old.transport.abort()
-        try:
-            cmds = self.agent.on_link_up(peer, incarnation, loop.time())
-        except RabitError as exc:
-            logger.warning("link to rank %d refused: %s", peer, exc)
-            sock.close()
-            raise
         await loop.create_connection(lambda: link, sock=sock)
         self._execute(cmds)
         return link
