@@ -243,6 +243,7 @@ class LocalLauncher:
         self._err = err
         self._writer = writer or LineWriter()
         self._abort_seen_at: float | None = None
+        self._done_seen_at: float | None = None
 
     def _note(self, message: str) -> None:
         self._writer.write(self._err, f"[rabit2-submit] {message}")
@@ -291,6 +292,14 @@ class LocalLauncher:
         if self._abort_seen_at is not None and now - self._abort_seen_at > _ABORT_GRACE_SEC:
             self._note("workers did not exit after the abort; stopping them")
             return False
+        if result is not None and result.success:
+            # every rank told the tracker it is done: a process that still does not exit
+            # (stopped, or stuck after finalize) must not keep the launcher waiting
+            if self._done_seen_at is None:
+                self._done_seen_at = now
+            elif now - self._done_seen_at > _ABORT_GRACE_SEC:
+                self._note("workers did not exit after the job finished; stopping them")
+                return False
         silent = set(self.tracker.take_silent())
         for task in self.tasks:
             if str(task.task_id) in silent and task.proc is not None and task.status == "running":
