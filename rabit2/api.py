@@ -438,6 +438,21 @@ def version_number() -> int:
     return _state.version if _state.config is not None else 0
 
 
+def recovery_statistics() -> dict[str, int]:
+    """Counters of this worker's part in recoveries so far (``docs/recovery.md``):
+    ``links_up`` (links re-established after a loss or a reset), ``fetched_bytes`` (results,
+    checkpoints and local models copied from neighbours), ``resent_bytes`` (bytes sent again
+    because a replacement asked for them), ``replayed_calls`` and ``resumed_calls`` (calls a
+    restarted worker fetched, or resumed at byte offsets).  All 0 in single-process mode or
+    with recovery off."""
+    state = _require()
+    if state.engine is None:
+        return dict.fromkeys(("links_up", "fetched_bytes", "resent_bytes", "replayed_calls",
+                              "resumed_calls"), 0)
+    stats: dict[str, int] = state.engine.recovery_statistics()
+    return stats
+
+
 # ----------------------------------------------------------------------------- xgboost names
 
 
@@ -477,6 +492,7 @@ __all__ = [
     "is_distributed",
     "lazy_checkpoint",
     "load_checkpoint",
+    "recovery_statistics",
     "signal_error",
     "tracker_print",
     "version_number",

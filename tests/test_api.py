@@ -316,3 +316,14 @@ def test_bad_init_kwargs_raise_value_error() -> None:
         rabit2.init(rabit_reduce_ring_mincount="many")
     rabit2.init(dmlc_communicator="rabit")  # compatibility keys are fine
     assert rabit2.get_world_size() == 1
+
+
+def test_recovery_statistics_in_single_process_mode() -> None:
+    rabit2.init()
+    try:
+        assert rabit2.recovery_statistics() == dict.fromkeys(
+            ("links_up", "fetched_bytes", "resent_bytes", "replayed_calls", "resumed_calls"), 0)
+    finally:
+        rabit2.finalize()
+    with pytest.raises(rabit2.errors.NotInitializedError):
+        rabit2.recovery_statistics()

@@ -168,11 +168,10 @@ def main() -> int:
 
 
 def print_stats(rank: int, attempt: int) -> None:
-    engine = rabit2.api._state.engine
-    if engine is None:
+    if not rabit2.is_distributed():
         return
     try:
-        stats = engine.recovery_statistics()
+        stats = rabit2.recovery_statistics()
     except RabitError as exc:
         print(f"STATS rank={rank} attempt={attempt} unavailable={type(exc).__name__}",
               flush=True)
