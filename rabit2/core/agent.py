@@ -618,7 +618,9 @@ class Agent(RecoveryMixin):
                 return PairExchange(call.buf, call.dtype, call.op, self.rank, 1 - self.rank,
                                     self._scratch, self._send_scratch)
             if kind is CollectiveKind.ALLREDUCE_RING:
-                stage = self._send_scratch if self.recover and self.world == 2 else None
+                # at world size 2 the allgather lands in the buffer that is then retained
+                stage = (self.results.take(len(call.buf)).data
+                         if self.recover and self.world == 2 else None)
                 return RingAllreduce(call.buf, call.dtype, call.op, self.rank, self.world,
                                      self._scratch, stage)
             topo = topology(self.rank, self.world)
@@ -633,6 +635,18 @@ class Agent(RecoveryMixin):
             return TreeBroadcast(list(call.pieces) or [call.buf], in_link, out_links,
                                  call.receive, call.head_size)
         return RingAllgather(call.buf, call.blocks, self.rank, self.world)
+
+    def _retain(self, active: ActiveCall) -> None:
+        """Keep the result for replays: a world-2 ring already holds the other segment in
+        its staging buffer, so only its own segment is copied there."""
+        plan = active.plan
+        if not isinstance(plan, RingAllreduce) or plan.staged is None or active.final:
+            self.results.add(active.call_id, active.desc, self._result_pieces(active))
+            return
+        staged = plan.staged
+        lo, hi = plan.own_segment
+        staged[lo:hi] = active.call.buf[lo:hi]
+        self.results.keep(active.call_id, active.desc, np.frombuffer(staged, dtype=np.uint8))
 
     def _scratch(self, peer: int, nbytes: int) -> memoryview:
         link = self.links[peer]
@@ -705,7 +719,7 @@ class Agent(RecoveryMixin):
         self.active = None
         self._calls_completed += 1
         if self.recover:
-            self.results.add(active.call_id, active.desc, self._result_pieces(active))
+            self._retain(active)
         self._go(Event.OP_COMPLETE)
         cmds.append(CallComplete(active.call_id))
 

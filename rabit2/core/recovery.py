@@ -126,31 +126,45 @@ class ResultStore:
     def add(self, call: CallId, desc: CallDescriptor, pieces: Sequence[memoryview]) -> None:
         """Keep a copy of the result, given as the pieces it is made of."""
         size = sum(len(p) for p in pieces)
-        if size > self.limit:
-            self.clear_before((call[0], call[1] + 1))
-            return
-        while self._results and self.nbytes + size > self.limit:
-            old, (_, blob) = self._results.popitem(last=False)
-            self._release(blob)
-            self._dropped_upto = (old[0], old[1] + 1)
         if size <= _SMALL:
             # a small result: one bytes object, cheaper to make than a numpy buffer
-            self._results[call] = (desc, b"".join(pieces))
-            self.nbytes += size
+            if self._make_room(call, size):
+                self._results[call] = (desc, b"".join(pieces))
+                self.nbytes += size
             return
-        spare = self._spare.get(size)
-        if spare:
-            blob = spare.pop()
-            self._spare_bytes -= size
-        else:
-            self._trim_spares(self.limit - size - self.nbytes)
-            blob = np.empty(size, dtype=np.uint8)
+        blob = self.take(size)
         pos = 0
         for piece in pieces:
             blob[pos : pos + len(piece)] = np.frombuffer(piece, dtype=np.uint8)
             pos += len(piece)
-        self._results[call] = (desc, blob)
-        self.nbytes += size
+        self.keep(call, desc, blob)
+
+    def take(self, size: int) -> np.ndarray:
+        """A buffer for a result that is being made (a recycled one when possible); hand it
+        back with :meth:`keep`, or drop it."""
+        spare = self._spare.get(size)
+        if spare:
+            self._spare_bytes -= size
+            return spare.pop()
+        self._trim_spares(self.limit - size - self.nbytes)
+        return np.empty(size, dtype=np.uint8)
+
+    def keep(self, call: CallId, desc: CallDescriptor, blob: np.ndarray) -> None:
+        """Keep ``blob`` (from :meth:`take`, filled with the result) without copying it."""
+        if self._make_room(call, blob.nbytes):
+            self._results[call] = (desc, blob)
+            self.nbytes += blob.nbytes
+
+    def _make_room(self, call: CallId, size: int) -> bool:
+        """Drop the oldest results until ``size`` more bytes fit; False if it never will."""
+        if size > self.limit:
+            self.clear_before((call[0], call[1] + 1))
+            return False
+        while self._results and self.nbytes + size > self.limit:
+            old, (_, blob) = self._results.popitem(last=False)
+            self._release(blob)
+            self._dropped_upto = (old[0], old[1] + 1)
+        return True
 
     def _release(self, blob: np.ndarray | bytes) -> None:
         """Keep a dropped buffer for the next result of its size (within the same bound:

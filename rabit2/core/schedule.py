@@ -427,12 +427,13 @@ class RingAllreduce(_RingChain):
         rank: int,
         world: int,
         scratch: ScratchFn,
-        stage_gather: ScratchFn | None = None,
+        stage_gather: memoryview | None = None,
     ) -> None:
-        """``stage_gather``: land the allgather's result segments in this scratch and copy
-        them in whole elements.  Needed for recovery at world size 2 only, where the rank
-        that receives our result segment is also the one whose input we reduce it from
-        (``docs/recovery.md``)."""
+        """``stage_gather`` (as long as ``buf``): land the allgather's result segments at
+        their place in this buffer and copy them into ``buf`` in whole elements.  Needed for
+        recovery at world size 2 only, where the rank that receives our result segment is
+        also the one whose input we reduce it from (``docs/recovery.md``); the agent keeps
+        the buffer as the retained result, so the staging is that copy too."""
         segs = ring_segments(len(buf), dtype.itemsize, world)
         prev, nxt = (rank - 1) % world, (rank + 1) % world
 
@@ -452,18 +453,16 @@ class RingAllreduce(_RingChain):
         if stage_gather is None:
             in_pieces += [(seg(rank + 1 + t), None, False) for t in range(world - 1)]
         else:
-            ag_bytes = len(buf) - (segs[rank][1] - segs[rank][0])
-            staged, off = stage_gather(nxt, ag_bytes), 0
             for t in range(world - 1):
-                target = seg(rank + 1 + t)
-                in_pieces.append((staged[off : off + len(target)], target, False))
-                off += len(target)
+                lo, hi = segs[(rank + 1 + t) % world]
+                in_pieces.append((stage_gather[lo:hi], buf[lo:hi], False))
         out_pieces = [seg(rank + 1 + t) for t in range(world - 1)]
         out_pieces += [seg(rank + t) for t in range(world - 1)]
         super().__init__(buf, prev, nxt, in_pieces, out_pieces, dtype, op)
         self.rs_bytes = rs_bytes  # the reduce-scatter part of the in-stream comes first
         own = segs[rank]
         self.own_segment = own  # reduced last (the final in-piece of reduce-scatter)
+        self.staged = stage_gather
         self.own_in_start = rs_bytes - (own[1] - own[0])
 
     def resume(self, out_needs: dict[int, int]) -> Resume:
