@@ -483,9 +483,9 @@ def test_a_reset_link_between_live_workers_is_dialed_again(rank: int, seqno: int
 @pytest.mark.integration
 @pytest.mark.parametrize(("mock", "victim"), [("mock=2,3,1,0", 2), ("mock=1,5,2,0,20000", 1)],
                          ids=["before-a-call", "mid-call"])
-def test_gbdt_example_survives_a_kill(mock: str, victim: int) -> None:
+def test_gbdt_example_survives_a_kill(mock: str, victim: int, loop_kind: str) -> None:
     reference = baseline(4, (), gbdt=True)
-    job = run_job(4, mock, gbdt=True)
+    job = run_job(4, mock, gbdt=True, extra=("--env", f"RABIT2_LOOP={loop_kind}"))
     assert job.returncode == 0, job.tail()
     assert job.attempts() == {r: 2 if r == victim else 1 for r in range(4)}, job.tail()
     last: dict[int, str] = {}
