@@ -553,10 +553,14 @@ class Agent(RecoveryMixin):
                 if peer in plan.in_streams or peer in plan.out_streams:
                     self._fail(self._lost(peer), cmds, source=peer)
                     return cmds
-        for link in self.links.values():
+        held: list[int] = []
+        for peer, link in self.links.items():
             link.pos = 0
             link.awaiting_need = False  # it was about the call that ended before this one
-            if link.mode is not Mode.BLOB:
+            mode = link.mode
+            if mode is Mode.HELD:
+                held.append(peer)
+            elif mode is not Mode.BLOB:
                 link.remaining = 0
         try:
             if self.restarted:
@@ -573,10 +577,13 @@ class Agent(RecoveryMixin):
         except RabitError as exc:
             self._fail(exc, cmds)
             return cmds
-        self._pending_states = any(link.pending is not None for link in self.links.values())
+        if self._pending_states:
+            self._pending_states = any(link.pending is not None for link in self.links.values())
         # frames of this call that arrived early were held: replay their headers now
-        for peer, link in self.links.items():
+        for peer in held:
+            link = self.links[peer]
             if link.mode is Mode.HELD:
+                link.remaining = 0
                 assert link.frame is not None
                 if link.frame.call_id == call_id:
                     link.mode = Mode.HEADER

@@ -127,6 +127,7 @@ class PeerLink(asyncio.BufferedProtocol):
         self.peer = peer
         self.transport: asyncio.Transport | None = None
         self.write_blocked = False
+        self.current = True  # False once a newer connection to the same peer replaced it
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement the interface without subclassing asyncio.Transport
@@ -134,11 +135,6 @@ class PeerLink(asyncio.BufferedProtocol):
         # report "buffer non-empty" / "drained" exactly, so a call completes only once every
         # byte it handed to this transport has been copied into the kernel
         self.transport.set_write_buffer_limits(high=0, low=0)
-
-    @property
-    def current(self) -> bool:
-        """False once a newer connection to the same peer replaced this one."""
-        return self.engine.links.get(self.peer) is self
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if not self.current:
@@ -362,8 +358,10 @@ class Engine:
         link = PeerLink(self, peer)
         old = self.links.get(peer)
         self.links[peer] = link
-        if old is not None and old.transport is not None:
-            old.transport.abort()
+        if old is not None:
+            old.current = False  # nothing more is read from it
+            if old.transport is not None:
+                old.transport.abort()
         await loop.create_connection(lambda: link, sock=sock)
         self._execute(cmds)
         return link
