@@ -281,7 +281,7 @@ class Agent(RecoveryMixin):
                 link.filled += nbytes
                 link.remaining -= nbytes
                 if not link.remaining:
-                    self._blob_done(peer, link, cmds)
+                    self._blob_done(link, cmds)
                     self._drain(peer, link, now, cmds)
             else:
                 raise ProtocolError(f"bytes from rank {peer} while its link is held")
@@ -368,7 +368,7 @@ class Agent(RecoveryMixin):
             link.filled += take
             link.remaining -= take
             if not link.remaining:
-                self._blob_done(peer, link, cmds)
+                self._blob_done(link, cmds)
 
     @staticmethod
     def _received(plan: Plan, peer: int, pos: int) -> None:
@@ -421,7 +421,7 @@ class Agent(RecoveryMixin):
         msg = decode_body(body)
         kind = msg["t"]
         if kind == "state":
-            self._on_state(peer, link, PeerState.from_msg(msg), now, cmds)
+            self._on_state(peer, link, PeerState.from_msg(msg), cmds)
         elif kind == "need":
             self._on_need(peer, link, call_id(msg["call"], "need.call"), msg["from"], cmds)
         elif kind == "fetch":
@@ -469,7 +469,7 @@ class Agent(RecoveryMixin):
             active.sent.setdefault(peer, 0)
         deferred, active.deferred = active.deferred, {}
         for peer, (offset, seen) in deferred.items():
-            self._apply_need(active, peer, offset, [], seen=seen)
+            self._apply_need(active, peer, offset, seen=seen)
 
     def _accept_frame(self, peer: int, link: Link, frame: FrameHeader, active: ActiveCall,
                       now: float, cmds: list[Command]) -> None:
@@ -570,7 +570,7 @@ class Agent(RecoveryMixin):
                 if state is not None and state.at == call_id and link.up:
                     # a peer whose link was reset waits in this call; if we were behind when
                     # the link came up it waits to hear that we hold none of its stream
-                    self._apply_need(active, peer, state.need, cmds, seen=state.seen)
+                    self._apply_need(active, peer, state.need, seen=state.seen)
                     if link.up_at < call_id and peer in plan.in_streams:
                         self._send_control(peer, {"t": "need", "call": list(call_id),
                                                   "from": 0}, cmds)

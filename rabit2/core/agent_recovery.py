@@ -138,9 +138,9 @@ class RecoveryMixin:
                        memoryview(bytearray(size)), hops)
         link.blob, link.blob_fetch = fetch.dest or memoryview(b""), fetch
         if not size:
-            self._blob_done(peer, link, cmds)
+            self._blob_done(link, cmds)
 
-    def _stored_local(self, peer: int, fetch: Fetch, cmds: list[Command]) -> None:
+    def _stored_local(self, fetch: Fetch, cmds: list[Command]) -> None:
         """A local model handed on along the ring arrived: keep it and pass it on."""
         assert fetch.dest is not None
         version, owner = fetch.call
@@ -149,7 +149,6 @@ class RecoveryMixin:
         nxt = (self.rank + 1) % self.world
         if fetch.hops > 1 and nxt != owner and self.links[nxt].up:
             self._send_local(nxt, owner, version, fetch.hops - 1, blob, cmds)
-        del peer
 
     # ------------------------------------------------------------------ recovery
 
@@ -214,9 +213,8 @@ class RecoveryMixin:
         return self.restarted and not (active is not None
                                        and active.call_id >= self._live_frontier())
 
-    def _on_state(self, peer: int, link: Link, state: PeerState, now: float,
+    def _on_state(self, peer: int, link: Link, state: PeerState,
                   cmds: list[Command]) -> None:
-        del now
         if state.incarnation != link.incarnation:
             raise ProtocolError(f"rank {peer} states incarnation {state.incarnation} on a "
                                 f"link opened by incarnation {link.incarnation}")
@@ -249,7 +247,7 @@ class RecoveryMixin:
                 # both were in this call when the link came up: resend what the old
                 # connection lost (a peer that had not begun it needs all of it)
                 link.awaiting_need = False
-                self._apply_need(active, peer, state.need if state.active else 0, cmds,
+                self._apply_need(active, peer, state.need if state.active else 0,
                                  seen=state.seen)
             elif state.active and link.up_at < active.call_id and peer in active.plan.in_streams:
                 # we were behind when the link came up and began this call since: the peer
@@ -258,7 +256,7 @@ class RecoveryMixin:
                                           "from": link.pos}, cmds)
         elif state.at > active.call_id:
             link.awaiting_need = False  # it finished our call: it needs nothing more of it
-            self._apply_need(active, peer, -1, cmds)
+            self._apply_need(active, peer, -1)
         elif state.active and (got := self.results.get(state.at)) is not None:
             # it is still in a call we finished, and our stream of it went down with the
             # old connection: the result stands in for it
@@ -306,7 +304,7 @@ class RecoveryMixin:
                 # a neighbour that finished needs nothing; one that has not started needs
                 # the whole stream, which must then be made of result bytes
                 if role is not Role.LIVE:
-                    self._apply_need(active, q, -1 if role is Role.FINISHED else 0, cmds)
+                    self._apply_need(active, q, -1 if role is Role.FINISHED else 0)
         else:
             self._recovery_stats["resumed_calls"] += 1
             resume = plan.resume({q: max(0, self.peer_states[q].need) for q in live})
@@ -325,7 +323,7 @@ class RecoveryMixin:
                               active)
         for q in live:
             st = self.peer_states[q]
-            self._apply_need(active, q, st.need, cmds, seen=st.seen)
+            self._apply_need(active, q, st.need, seen=st.seen)
             if q in plan.in_streams:
                 self._send_control(q, {"t": "need", "call": list(call), "from": needs[q]},
                                    cmds)
@@ -349,7 +347,7 @@ class RecoveryMixin:
         current = active.call_id if active is not None else (self.version, self.seqno)
         if active is not None and call == current:
             link.awaiting_need = False
-            self._apply_need(active, peer, offset, cmds)
+            self._apply_need(active, peer, offset)
             self._pump(active, cmds)
             self._maybe_complete(active, cmds)
         elif call < current:
@@ -365,7 +363,7 @@ class RecoveryMixin:
             raise ProtocolError(f"rank {peer} resumes call {call}, which rank {self.rank} "
                                 "has not started")
 
-    def _apply_need(self, active: ActiveCall, peer: int, offset: int, cmds: list[Command],
+    def _apply_need(self, active: ActiveCall, peer: int, offset: int,
                     seen: bool = False) -> None:
         plan = active.plan
         stream = plan.out_streams.get(peer)
@@ -388,7 +386,6 @@ class RecoveryMixin:
         self._recovery_stats["resent_bytes"] += max(0, old - offset)
         active.sent[peer] = offset
         active.started_empty.discard(peer)
-        del cmds
 
     def _request(self, peer: int, what: str, call: CallId, lo: int, hi: int,
                  dest: memoryview | None, cmds: list[Command],
@@ -520,9 +517,9 @@ class RecoveryMixin:
         fetch.dest = dest
         link.blob, link.blob_fetch = dest, fetch
         if not size:
-            self._blob_done(peer, link, cmds)
+            self._blob_done(link, cmds)
 
-    def _blob_done(self, peer: int, link: Link, cmds: list[Command]) -> None:
+    def _blob_done(self, link: Link, cmds: list[Command]) -> None:
         fetch = link.blob_fetch
         assert fetch is not None and fetch.dest is not None
         link.blob_fetch = None
@@ -531,7 +528,7 @@ class RecoveryMixin:
         if fetch.what == "discard":
             return
         if fetch.what == "replica":
-            self._stored_local(peer, fetch, cmds)
+            self._stored_local(fetch, cmds)
             return
         self._recovery_stats["fetched_bytes"] += len(fetch.dest)
         if fetch.what in ("checkpoint", "local"):
@@ -555,7 +552,6 @@ class RecoveryMixin:
         active.fetching -= 1
         self._pump(active, cmds)
         self._maybe_complete(active, cmds)
-        del peer
 
     def _land_broadcast(self, active: ActiveCall, data: memoryview) -> None:
         """A fetched broadcast result: the stream as the in-link would have delivered it."""
