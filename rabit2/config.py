@@ -53,6 +53,9 @@ class Config:
     reduce_ring_mincount: int = DEFAULT_RING_MINCOUNT
     tree_reduce_minsize: int = DEFAULT_TREE_MINSIZE
     loop: str = "uvloop"
+    # the caller polls (yielding the CPU) this long before it sleeps on a call's completion:
+    # a sleeping vCPU takes ~60 us to wake on this VM class (docs/design.md, "Waiting")
+    spin_us: int = 200
     log_level: str = "WARNING"
     mock: tuple[MockSpec, ...] = ()
     # lazy recovery (docs/recovery.md); rabit2-submit turns it on when it restarts workers
@@ -89,6 +92,7 @@ _ALIASES: dict[str, str] = {
     "rabit_reduce_ring_mincount": "reduce_ring_mincount",
     "rabit_tree_reduce_minsize": "tree_reduce_minsize",
     "rabit2_loop": "loop",
+    "rabit2_spin_us": "spin_us",
     "rabit2_log_level": "log_level",
     "mock": "mock",
     "rabit2_recover": "recover",
@@ -126,6 +130,7 @@ _ENV_KEYS = (
     "RABIT2_CONNECT_TIMEOUT_SEC",
     "RABIT2_HEARTBEAT_SEC",
     "RABIT2_LOOP",
+    "RABIT2_SPIN_US",
     "RABIT2_LOG_LEVEL",
     "RABIT2_RECOVER",
     "RABIT2_RECOVER_TIMEOUT_SEC",
@@ -164,7 +169,7 @@ def _convert(field: str, value: Any) -> Any:
         raise ValueError(f"recover: expected a boolean (1/0, true/false), got {value!r}")
     if field in ("tracker_port", "num_attempt", "world_size", "connect_retry",
                  "reduce_ring_mincount", "tree_reduce_minsize", "replay_mb",
-                 "local_replica"):
+                 "local_replica", "spin_us"):
         try:
             return int(value)
         except (TypeError, ValueError):
@@ -235,6 +240,8 @@ def load_config(
         raise ValueError("rabit_tree_reduce_minsize must be > 0")
     if values.get("replay_mb", 0) < 0:
         raise ValueError("rabit2_replay_mb must be >= 0")
+    if values.get("spin_us", 0) < 0:
+        raise ValueError("rabit2_spin_us must be >= 0")
     if values.get("local_replica", 0) < 0:
         raise ValueError("rabit_local_replica must be >= 0")
     return Config(**values, mock=tuple(mocks))

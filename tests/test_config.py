@@ -59,6 +59,8 @@ def test_later_args_win() -> None:
         ("env", "RABIT2_HEARTBEAT_SEC", "0.25", "heartbeat_sec", 0.25),
         ("env", "RABIT2_LOOP", "asyncio", "loop", "asyncio"),
         ("env", "RABIT2_LOG_LEVEL", "debug", "log_level", "debug"),
+        ("env", "RABIT2_SPIN_US", "0", "spin_us", 0),
+        ("arg", "rabit2_spin_us", "50", "spin_us", 50),
         ("arg", "rabit_tracker_uri", "h", "tracker_uri", "h"),
         ("arg", "rabit_tracker_port", "1", "tracker_port", 1),
         ("arg", "dmlc_tracker_port", "2", "tracker_port", 2),
@@ -257,3 +259,11 @@ def test_recover_flag_rejects_garbage_and_bounds_are_checked() -> None:
         load_config(["rabit2_recover_timeout_sec=0"], environ={})
     with pytest.raises(ValueError, match="replay_mb"):
         load_config(["rabit2_replay_mb=-1"], environ={})
+
+
+def test_spin_us_is_checked() -> None:
+    assert Config().spin_us == 200
+    with pytest.raises(ValueError, match="spin_us"):
+        load_config(["rabit2_spin_us=-1"], environ={})
+    with pytest.raises(ValueError, match="spin_us"):
+        load_config(["rabit2_spin_us=fast"], environ={})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import socket
 import struct
 import threading
@@ -234,3 +235,51 @@ def test_a_stale_or_duplicate_incarnation_is_refused_at_a_worker_port(loop_kind:
     assert on_all(engines, work) == [None, None, None]
     assert all(e.recovery_statistics()["links_up"] == 0 for e in engines)
     finish(tracker, engines)
+
+
+@pytest.mark.parametrize("spin_us", ["0", "200"])
+def test_polling_and_sleeping_waits(spin_us: str, loop_kind: str) -> None:
+    """Both ways of waiting for a call (docs/design.md, "Waiting") give the same results;
+    with polling on, the loop thread is SCHED_BATCH (Linux), with it off it keeps the
+    caller's policy."""
+    tracker, engines = start_job(2, loop_kind, RABIT2_SPIN_US=spin_us)
+
+    async def policy() -> int:
+        return os.sched_getscheduler(0)
+
+    if hasattr(os, "SCHED_BATCH"):
+        want = os.SCHED_BATCH if spin_us != "0" else os.sched_getscheduler(0)
+        for engine in engines:
+            assert engine.loop_thread.run(policy(), 10) == want
+
+    def work(rank: int, engine: Engine) -> list[float]:
+        out = []
+        for count in (1, 1024, 300_000):
+            a = np.full(count, rank + 1, dtype=np.float32)
+            engine.run_call(allreduce_call(a, engine))
+            assert (a == 3).all()
+            out.append(float(a.sum()))
+        return out
+
+    results = on_all(engines, work)
+    assert results[0] == results[1] == [3.0, 3072.0, 900_000.0]
+    finish(tracker, engines)
+
+
+@pytest.mark.parametrize("spin", [0.0, 0.002])
+def test_waiter_polls_then_sleeps_and_times_out(spin: float) -> None:
+    from rabit2.io.engine import _Waiter  # noqa: PLC0415
+
+    waiter = _Waiter()
+    t0 = time.monotonic()
+    assert not waiter.wait(0.05, spin)  # nobody finishes it: False after the deadline
+    assert time.monotonic() - t0 >= 0.04
+    waiter = _Waiter()
+    error = RuntimeError("x")
+    timer = threading.Timer(0.01, waiter.finish, (error,))  # finished while it sleeps
+    timer.start()
+    assert waiter.wait(5, spin) and waiter.error is error
+    timer.join()
+    waiter = _Waiter()
+    waiter.finish(None)  # finished before the wait: returns at once
+    assert waiter.wait(5, spin) and waiter.error is None

@@ -230,12 +230,13 @@ def test_cli_interrupt_leaves_no_worker(worker: Path) -> None:
     assert_all_dead(pid_dir)
 
 
-def test_bind_cpu_for_pins_round_robin_only_when_asked_or_not_oversubscribed() -> None:
+def test_bind_cpu_for_pins_round_robin_unless_none() -> None:
     from tracker.submit import bind_cpu_for  # noqa: PLC0415
 
     cpus = [2, 5]
     assert [bind_cpu_for(t, 2, "auto", cpus) for t in range(2)] == [2, 5]
-    assert [bind_cpu_for(t, 4, "auto", cpus) for t in range(4)] == [None] * 4
+    # oversubscribed too: pinned polling workers beat floating ones (docs/design.md, Waiting)
+    assert [bind_cpu_for(t, 4, "auto", cpus) for t in range(4)] == [2, 5, 2, 5]
     assert [bind_cpu_for(t, 4, "core", cpus) for t in range(4)] == [2, 5, 2, 5]
     assert bind_cpu_for(0, 1, "none", cpus) is None
     env = build_worker_env({}, {}, task_id=1, attempt=0, bind_cpu=5)

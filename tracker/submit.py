@@ -104,9 +104,8 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
     parser.add_argument("--kill-grace", type=float, default=5.0, metavar="S",
                         help="seconds between SIGTERM and SIGKILL when stopping workers")
     parser.add_argument("--bind", choices=("auto", "core", "none"), default="auto",
-                        help="pin worker i to CPU i mod ncpu (core), not at all (none), or "
-                             "pin when there are no more workers than CPUs (auto, default), "
-                             "as mpirun --bind-to core does")
+                        help="pin worker i to CPU i mod ncpu (auto, the default, and core; "
+                             "also with more workers than CPUs) or not at all (none)")
     parser.add_argument("--heartbeat-timeout", type=float, default=30.0, metavar="S",
                         help="a worker silent this long (e.g. a paused process) is lost; "
                              "its neighbours fail their calls at once (default 30)")
@@ -154,7 +153,7 @@ def bind_cpu_for(task_id: int, num_workers: int, bind: str,
     """The CPU task ``task_id`` is pinned to under ``--bind`` (None: not pinned; pure)."""
     if cpus is None:
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if bind == "none" or not cpus or (bind == "auto" and num_workers > len(cpus)):
+    if bind == "none" or not cpus:
         return None
     return cpus[task_id % len(cpus)]
 

@@ -69,13 +69,16 @@ def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
 class LoopThread:
     """An event loop running forever in a daemon thread."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, batch: bool = False) -> None:
         self.loop = new_event_loop(kind)
+        self._batch = batch
         self.is_uvloop = type(self.loop).__module__.startswith("uvloop")
         self._thread = threading.Thread(target=self._run, name="rabit2-loop", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        if self._batch:
+            _batch_policy()
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
@@ -97,11 +100,33 @@ class LoopThread:
             self.loop.close()
 
 
+def _batch_policy() -> None:
+    """Make the calling thread SCHED_BATCH (Linux): a thread woken by another thread of its
+    own process then waits for that thread to block or yield instead of preempting it while
+    it holds the GIL (which costs two more context switches per hand-off).  Only with a
+    polling caller (:meth:`_Waiter.wait`), which yields the CPU on every turn: a batch loop
+    thread beside a busy thread that never yields would wait a whole time slice."""
+    policy = getattr(os, "SCHED_BATCH", None)
+    if policy is None or not hasattr(os, "sched_setscheduler"):
+        return
+    try:
+        os.sched_setscheduler(0, policy, os.sched_param(0))  # 0: this thread, on Linux
+    except OSError as exc:  # a container may forbid it; only latency suffers
+        logger.debug("SCHED_BATCH not available for the loop thread: %s", exc)
+
+
+_yield_cpu: Callable[[], Any] = getattr(os, "sched_yield", lambda: time.sleep(0))
+
+
 class _Waiter:
     """Completion of one call, handed from the loop thread to the caller.
 
     A bare lock is the cheapest cross-thread wake-up CPython has (a concurrent.futures
-    Future adds a Condition and costs ~12 us more per call on this path).
+    Future adds a Condition and costs ~12 us more per call on this path).  Before it sleeps
+    on the lock, the caller polls for a short while, giving the CPU away on each turn
+    (``sched_yield`` releases the GIL, so the loop thread runs whenever it has work): an idle
+    vCPU is slow to wake on a virtual machine, and keeping it busy for a small call's
+    duration cut the 4 KiB N=2 allreduce from ~165 to ~55 us (``docs/design.md``).
     """
 
     __slots__ = ("error", "finished", "lock")
@@ -117,6 +142,15 @@ class _Waiter:
             self.finished = True
             self.error = error
             self.lock.release()
+
+    def wait(self, timeout: float, spin: float) -> bool:
+        """Wait until :meth:`finish` (polling for ``spin`` seconds first); False on timeout."""
+        if spin > 0.0 and not self.finished:
+            clock = time.perf_counter
+            end = clock() + spin
+            while not self.finished and clock() < end:
+                _yield_cpu()
+        return self.lock.acquire(True, timeout)
 
 
 class PeerLink(asyncio.BufferedProtocol):
@@ -171,6 +205,7 @@ class Engine:
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        self._spin = config.spin_us / 1e6
         _bind_to_cpu(os.environ.get("RABIT2_BIND_CPU"))
         self.agent = Agent(
             ring_mincount=config.reduce_ring_mincount,
@@ -181,7 +216,8 @@ class Engine:
             retain_bytes=config.replay_mb << 20,
             local_replica=config.local_replica,
         )
-        self.loop_thread = LoopThread(config.loop)
+        # the loop thread defers to a polling caller (both off with rabit2_spin_us=0)
+        self.loop_thread = LoopThread(config.loop, batch=config.spin_us > 0)
         self.loop = self.loop_thread.loop
         self.links: dict[int, PeerLink] = {}
         self.tracker: TrackerClient | None = None
@@ -435,7 +471,7 @@ class Engine:
         # the agent's progress deadline fails a stuck call; this outer bound only guards
         # against a dead loop thread
         bound = self.config.timeout_sec * 2 + 60
-        if not waiter.lock.acquire(True, bound):
+        if not waiter.wait(bound, self._spin):
             raise CollectiveTimeoutError(f"the loop thread did not answer within {bound:g} s")
         if waiter.error is not None:
             raise waiter.error
