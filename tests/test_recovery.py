@@ -247,6 +247,19 @@ def test_no_fault_job_with_recovery_on() -> None:
     assert all(a.recovery_statistics()["links_up"] == 0 for a in job.net.agents.values())
 
 
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("count", [1, 1500, 5001])
+def test_retained_results_are_the_results(world: int, count: int) -> None:
+    """What a rank keeps for replays equals the call's result (at world 2 the ring copies
+    its own segment into the retained buffer as it reduces it)."""
+    spec = Spec("allreduce", count)
+    job = run_job(world, [], program=[[spec, spec]], max_piece=997)
+    for agent in job.net.agents.values():
+        for seqno in (0, 1):
+            got = agent.results.get((0, seqno))
+            assert got is not None and bytes(got[1]) == expected(world, 0, seqno, spec)
+
+
 @pytest.mark.parametrize("world", [2, 3, 4, 5, 8])
 @pytest.mark.parametrize("at", [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2), (2, 1)])
 @pytest.mark.parametrize("victim", [0, 1, -1])

@@ -38,6 +38,7 @@ import numpy as np
 #: ``--impl`` label -> adapter module (several labels may share one module).
 IMPLS: dict[str, str] = {
     "rabit2": "peer_rabit2",
+    "rabit2-noft": "peer_rabit2",
     "gloo": "peer_gloo",
     "mpi-shm": "peer_mpi",
     "mpi-tcp": "peer_mpi",
