@@ -110,9 +110,10 @@ _SMALL_PAGES_FROM = 1 << 20
 def _fresh(size: int) -> np.ndarray:
     """A new buffer for retained results.  Large ones are private anonymous mappings of
     ordinary pages: numpy asks for transparent huge pages above 4 MiB, and on a virtual
-    machine the first touch of fresh huge pages made the calls that fill the store 3-5x
-    slower than with small pages (16 MiB allreduce: 45-70 ms against 14-24 ms, while the
-    steady state, which recycles buffers, is the same 8-10 ms; bench/README.md)."""
+    machine the first touch of fresh huge pages in a worker made the calls that fill the
+    store 3-6x slower than with small pages (16 MiB allreduce at N=2: 45-70 ms against
+    14-24 ms; 64 MiB: 200-430 ms against 60-80 ms; MAP_POPULATE: no better), while the
+    steady state, which recycles buffers, is the same (8-10 ms and ~35 ms)."""
     if size < _SMALL_PAGES_FROM or not hasattr(mmap, "MAP_PRIVATE"):
         return np.empty(size, dtype=np.uint8)
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
