@@ -98,7 +98,11 @@ def init(args: Iterable[str | bytes] | None = None, **kwargs: Any) -> None:
 
 
 def finalize() -> None:
-    """Leave the job: tell the tracker, close every link.  Safe to call when not initialised."""
+    """Leave the job: tell the tracker, close every link.  Safe to call when not initialised.
+
+    With recovery on this first waits (up to ``timeout_sec``), still serving the neighbours,
+    until every rank has finalized, so that a worker restarted after its last collective
+    can replay; raises :class:`~rabit2.errors.JobAbortedError` if the job is aborted then."""
     with _state.lock:
         engine, _state.engine, _state.config = _state.engine, None, None
         if engine is not None:

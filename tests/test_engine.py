@@ -283,3 +283,22 @@ def test_waiter_polls_then_sleeps_and_times_out(spin: float) -> None:
     waiter = _Waiter()
     waiter.finish(None)  # finished before the wait: returns at once
     assert waiter.wait(5, spin) and waiter.error is None
+
+
+def test_close_leaves_no_redial_behind(loop_kind: str) -> None:
+    """Closing an engine with recovery on hangs its links up, which must not schedule new
+    redials that the stopped loop would destroy pending (a redial in flight is cancelled)."""
+    tracker, engines = start_job(2, loop_kind, RABIT2_RECOVER="1")
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)  # accepts and never answers: the redial is in its handshake
+    engine = engines[1]
+    engine.loop.call_soon_threadsafe(engine._schedule_redial, 0, 5, silent.getsockname())
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    engine.close()
+    assert time.monotonic() - t0 < 5
+    assert not [task for task in engine._redials if not task.done()]
+    engines[0].close()
+    tracker.stop()
+    silent.close()

@@ -457,3 +457,48 @@ def test_a_neighbour_restarted_while_the_first_one_replays_is_a_typed_error() ->
                         restart_source_after=1)
     with pytest.raises(UnrecoverableError, match=r"adjacent|no other neighbour"):
         job.run()
+
+
+@pytest.mark.parametrize("checkpointed", [True, False])
+def test_finalized_neighbours_serve_a_restarted_rank(checkpointed: bool) -> None:
+    """With recovery on, a rank that has shut down (finalize holds) still answers a
+    neighbour restarted after the last collective: the checkpoint, and the results of the
+    calls since it (replayed bit for bit)."""
+    net = SimNet(3, recover=True, ring_mincount=50)
+    counts = (10, 500)  # a tree and a ring allreduce
+    inputs = {r: [np.arange(c, dtype=np.int64) * (r + 2) + r for c in counts]
+              for r in range(3)}
+    want = [sum(inputs[r][i] for r in range(3)) for i in range(len(counts))]
+
+    def call(agent: Agent, arr: np.ndarray) -> Call:
+        buf = arr.view(np.uint8).data
+        return Call(agent.choose_allreduce(len(buf), 8), buf, arr.dtype, Op.SUM)
+
+    if checkpointed:
+        for agent in net.agents.values():
+            agent.checkpoint(b"model v1")
+    for i in range(len(counts)):
+        arrs = {r: inputs[r][i].copy() for r in range(3)}
+        net.run({r: call(net.agents[r], arrs[r]) for r in range(3)})
+        assert all((arrs[r] == want[i]).all() for r in range(3))
+    for rank in (0, 2):
+        net.execute(rank, net.agents[rank].shutdown())
+        assert net.agents[rank].state is State.TASK_COMPLETE
+    net.kill(1)  # dies after its last collective
+    agent = net.restart(1, 1)
+    while net.step():
+        pass
+    assert agent.states_known()
+    net.execute(1, agent.load_checkpoint())
+    while net.step():
+        pass
+    version, blob, _ = net.loaded[1]
+    assert (version, blob) == ((1, b"model v1") if checkpointed else (0, None))
+    for i in range(len(counts)):
+        arr = inputs[1][i].copy()
+        net.execute(1, agent.begin(call(agent, arr), net.now))
+        while net.step():
+            pass
+        assert net.done.pop(1) == (version, i) and (arr == want[i]).all()
+    assert agent.recovery_statistics()["replayed_calls"] == len(counts)
+    assert not net.failed

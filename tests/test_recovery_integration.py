@@ -533,3 +533,20 @@ def test_prepare_fun_is_not_called_for_a_replayed_call() -> None:
     assert "2.0" not in calls and calls[0] == "2.1", calls
     others = re.search(r"PREPARED rank=0 attempt=0 calls=(\S*)", out)
     assert others and "2.0" in others.group(1).split(","), out[-4000:]
+
+
+@pytest.mark.parametrize(("victim", "where"), [(1, "finalize"), (2, "checkpoint"),
+                                               (0, "finalize")])
+def test_a_worker_killed_after_its_last_collective_rejoins(victim: int, where: str) -> None:
+    """Recovery on, ``finalize`` holds until every rank finalized: a worker that dies after
+    its last collective (before its last checkpoint, or before ``finalize``) is restarted,
+    loads the checkpoint (and replays the last calls) from neighbours that already
+    finalized, and the job ends with everyone's digest."""
+    job = run_job(3, f"--die-at-end={victim},{where}", "--iters=2")
+    assert f"DYING rank={victim} before {where}" in job.stdout, job.tail()
+    assert_recovered(job, 3, {victim: 1}, ("--iters=2",))
+    # the others took the last checkpoint (before they finalized): the replacement loads it
+    # and has nothing to replay (tests/test_recovery.py replays from finalized neighbours)
+    mine = job.stats()[victim, 1]
+    assert mine["replayed_calls"] == 0 and 0 < mine["fetched_bytes"] <= CHECKPOINT_SLACK, mine
+    assert not job.leftovers()

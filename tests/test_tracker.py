@@ -14,6 +14,7 @@ import socket
 import struct
 import subprocess
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -372,7 +373,7 @@ async def test_bad_connections_do_not_disturb_the_job(
         _raw_connection(tracker.port, MAGIC),  # silent after the magic
         _authenticated_garbage(tracker.port, struct.pack("<I", 1 << 30)),
         _authenticated_garbage(tracker.port, b"\x03\x00\x00\x00\xc1\xc1\xc1"),
-        _authenticated_garbage(tracker.port, encode_frame({"t": "shutdown"})),
+        _authenticated_garbage(tracker.port, encode_frame({"t": "shutdown", "hold": False})),
         TrackerClient.connect(bad_secret, 20009),
         return_exceptions=True,
     )
@@ -620,3 +621,72 @@ def test_tracker_cli_success() -> None:
         proc.wait()
         if proc.stdout is not None:
             proc.stdout.close()
+
+
+@pytest.mark.asyncio
+async def test_a_held_shutdown_waits_for_every_rank(make_tracker: Callable[..., Any]) -> None:
+    """Recovery on: a finished worker holds (bye only once every rank finished) and still
+    hears about a neighbour that dies and comes back meanwhile."""
+    tracker = await make_tracker(2)
+    lost: list[tuple[str, int | None, str]] = []
+    tracker.on_worker_lost = lambda task, rank, reason: lost.append((task, rank, reason))
+    early, late = await join_job(tracker, ["0", "1"])
+    await asyncio.gather(early.wait_assignment(5), late.wait_assignment(5))
+    notices: list[tuple[str, int, int]] = []
+    early.on_peer_lost = lambda r, inc, why: notices.append(("lost", r, inc))
+    early.on_peer_recovered = lambda r, inc, addr: notices.append(("recovered", r, inc))
+    held = asyncio.ensure_future(early.shutdown(5, hold=True))
+    await wait_until(lambda: tracker.status()["finished"] == 1)
+    await late.close()  # rank 1 dies after its last collective
+    await wait_until(lambda: notices == [("lost", 1, 0)])
+    assert lost and lost[0][:2] == ("1", 1) and not held.done()
+    restarted = await TrackerClient.connect(config(tracker, "1", num_attempt=1), 23457)
+    await restarted.wait_assignment(5)
+    await wait_until(lambda: notices[-1] == ("recovered", 1, 1))
+    assert not held.done()
+    await restarted.shutdown(5, hold=True)  # the last one: bye to both
+    await asyncio.wait_for(held, 5)
+    result = await tracker.wait_done(5)
+    assert result.success, result
+
+
+@pytest.mark.asyncio
+async def test_a_held_worker_that_dies_is_lost_and_may_rejoin(
+    make_tracker: Callable[..., Any],
+) -> None:
+    tracker = await make_tracker(2)
+    lost: list[tuple[str, int | None, str]] = []
+    tracker.on_worker_lost = lambda task, rank, reason: lost.append((task, rank, reason))
+    victim, other = await join_job(tracker, ["0", "1"])
+    await asyncio.gather(victim.wait_assignment(5), other.wait_assignment(5))
+    notices: list[tuple[int, int]] = []
+    other.on_peer_lost = lambda r, inc, why: notices.append((r, inc))
+    held = asyncio.ensure_future(victim.shutdown(30, hold=True))
+    await wait_until(lambda: tracker.status()["finished"] == 1)
+    held.cancel()
+    await victim.close()  # it dies while it holds
+    await wait_until(lambda: notices == [(0, 0)])
+    assert lost[0][:2] == ("0", 0) and tracker.status()["finished"] == 0
+    again = await TrackerClient.connect(config(tracker, "0", num_attempt=1), 23458)
+    assert (await again.wait_assignment(5)).incarnation == 1
+    await asyncio.gather(again.shutdown(5, hold=True), other.shutdown(5, hold=True))
+    assert (await tracker.wait_done(5)).success
+
+
+@pytest.mark.asyncio
+async def test_a_held_shutdown_ends_with_an_abort_or_its_deadline(
+    make_tracker: Callable[..., Any],
+) -> None:
+    tracker = await make_tracker(3)
+    a, b, c = await join_job(tracker, ["0", "1", "2"])
+    await asyncio.gather(*(x.wait_assignment(5) for x in (a, b, c)))
+    held = asyncio.ensure_future(a.shutdown(30, hold=True))
+    t0 = time.monotonic()
+    await b.shutdown(0.3, hold=True)  # nobody else finishes in time: it leaves, bounded
+    assert time.monotonic() - t0 < 5
+    await wait_until(lambda: tracker.status()["finished"] == 2)
+    tracker.mark_failed("2", "exit code 1 after 3 attempts")
+    with pytest.raises(JobAbortedError, match="failed for good"):
+        await asyncio.wait_for(held, 5)
+    await c.close()
+    assert not (await tracker.wait_done(5)).success

@@ -77,6 +77,7 @@ class _Task:
     port: int = 0
     conn: _Conn | None = None
     finished: bool = False
+    held: bool = False  # finished, and still serving until every rank has (shutdown hold)
     losses: int = 0  # times this task's worker was lost (connection or heartbeats)
 
 
@@ -391,9 +392,20 @@ class Tracker:
             return True
         if kind == "shutdown":
             task.finished = True
-            conn.send({"t": "bye"})
             logger.info("%s shut down", _describe(task))
-            if self._by_rank and all(t.finished for t in self._by_rank.values()):
+            everyone = bool(self._by_rank) and all(t.finished for t in self._by_rank.values())
+            if msg["hold"] and not everyone and self._result is None:
+                # recovery on: it keeps serving a restarted neighbour until every rank has
+                # finished (then bye), and is treated as lost if it dies meanwhile
+                task.held = True
+                return True
+            task.held = False  # (a held worker that gave up waiting says shutdown again)
+            conn.send({"t": "bye"})
+            if everyone:
+                for other in self._by_rank.values():
+                    if other.held and other.conn is not None:
+                        other.conn.send({"t": "bye"})
+                    other.held = False
                 self._finish(True, "every rank shut down")
             return False
         raise ProtocolError(f"unexpected {kind} from a registered worker")
@@ -489,7 +501,7 @@ class Tracker:
             return
         for rank in topology(task.rank, self.n_workers).neighbors:
             neighbor = self._by_rank[rank]
-            if neighbor.conn is not None and not neighbor.finished:
+            if neighbor.conn is not None and (neighbor.held or not neighbor.finished):
                 neighbor.conn.send({**notice, "rank": task.rank, "incarnation": task.incarnation})
 
     def _connection_ended(self, conn: _Conn, reason: str, broken: bool) -> None:
@@ -501,8 +513,11 @@ class Tracker:
             return
         conn.task = None
         task.conn = None
-        if task.finished:
+        if task.finished and not task.held:
             return
+        # a held worker that dies was serving its neighbours: it is lost like any other (the
+        # launcher restarts it, and its replacement replays and finalizes again)
+        task.finished = task.held = False
         task.losses += 1
         # Fault tolerance hook point: the launcher may restart the task (it then registers
         # again) or give up (mark_failed).  Until then the job waits.
@@ -519,7 +534,8 @@ class Tracker:
             return
         logger.error("job aborted: %s", reason)
         for conn in self._conns:
-            if conn is not exclude and conn.task is not None and not conn.task.finished:
+            task = conn.task
+            if conn is not exclude and task is not None and (task.held or not task.finished):
                 conn.send({"t": "abort", "reason": reason})
         self._finish(False, reason)
 

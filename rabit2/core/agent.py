@@ -247,8 +247,9 @@ class Agent(RecoveryMixin):
     def on_bytes(self, peer: int, nbytes: int, now: float) -> list[Command]:
         """``nbytes`` landed in the buffer returned by the last :meth:`recv_buffer`."""
         self._go(Event.READABLE)
-        if self.state in (State.FAILED, State.TASK_COMPLETE):
-            return []
+        if self.state is State.FAILED or (self.state is State.TASK_COMPLETE
+                                          and not self.recover):
+            return []  # (a finalized rank with recovery on still serves its neighbours)
         link = self.links[peer]
         cmds: list[Command] = []
         try:
@@ -756,7 +757,8 @@ class Agent(RecoveryMixin):
         """The link to ``peer`` closed or failed."""
         self._go(Event.HANGUP)
         cmds: list[Command] = []
-        if peer in self.dead_links or self.state in (State.FAILED, State.TASK_COMPLETE):
+        if peer in self.dead_links or self.state is State.FAILED or (
+                self.state is State.TASK_COMPLETE and not self.recover):
             return cmds
         self.dead_links[peer] = reason
         active = self.active

@@ -50,7 +50,7 @@ MESSAGE_FIELDS: Final[Mapping[str, Mapping[str, type]]] = {
     "register": {"task_id": str, "attempt": int, "port": int, "world_size": int},
     "print": {"msg": str},
     "heartbeat": {},
-    "shutdown": {},
+    "shutdown": {"hold": bool},
     "error": {"msg": str},
     "status": {},
     # tracker -> worker

@@ -138,6 +138,8 @@ _table: dict[tuple[State, Event], State] = {
     (S.TASK_COMPLETE, E.ERROR): S.TASK_COMPLETE,
     (S.TASK_COMPLETE, E.SHUTDOWN): S.TASK_COMPLETE,
     (S.TASK_COMPLETE, E.TIMEOUT): S.TASK_COMPLETE,
+    # with recovery on, finalize holds until every rank finalized: a restarted neighbour's
+    # link comes up and is served its checkpoint and results (docs/recovery.md)
     (S.TASK_COMPLETE, E.LINK_UP): S.TASK_COMPLETE,
 }
 # a neighbour that finished wiring may start its first call while we are still wiring: the

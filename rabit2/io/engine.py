@@ -237,6 +237,8 @@ class Engine:
         self._ckpt_waiter: _Waiter | None = None
         self._ckpt_loaded: tuple[int, bytes | None, bytes | None] = (0, None, None)
         self._redials: set[asyncio.Task[None]] = set()
+        self._holding = False  # finalize waits for every rank, serving its neighbours
+        self._closing = False
         self._failed = asyncio.Event()  # set when the tracker aborts the job
 
     # ------------------------------------------------------------------ bootstrap
@@ -568,7 +570,9 @@ class Engine:
                 and self.agent.error is None
                 and self.agent.state.value not in ("task-complete", "failed")):
             # the higher rank of a broken link dials again: the same process if it lives
-            # (a reset), or its replacement once the tracker says where (peer_recovered)
+            # (a reset), or its replacement once the tracker says where (peer_recovered).
+            # A rank that holds in finalize waits for peer_recovered: links also close when
+            # the ranks leave after bye.
             self._schedule_redial(peer, self.agent.links[peer].incarnation,
                                   assignment.peers[peer])
 
@@ -615,6 +619,8 @@ class Engine:
         self._schedule_redial(rank, incarnation, address)
 
     def _schedule_redial(self, rank: int, incarnation: int, address: tuple[str, int]) -> None:
+        if self._closing:
+            return  # (closing the links hangs them up: no new task may outlive the loop)
         task = self.loop.create_task(self._redial(rank, incarnation, address))
         self._redials.add(task)
         task.add_done_callback(self._redials.discard)
@@ -713,20 +719,38 @@ class Engine:
     # ------------------------------------------------------------------ shutdown
 
     def finalize(self) -> None:
-        """Tell the tracker we are done, close every link, stop the loop.  Bounded."""
+        """Tell the tracker we are done, close every link, stop the loop.  Bounded.
+
+        With recovery on (and no failure) the worker first holds, still serving its
+        neighbours, until every rank has finalized: a neighbour that dies after its last
+        collective is restarted, replays from the results kept here and finalizes too
+        (``docs/recovery.md``).  The hold is bounded by ``timeout_sec``; an abort of the job
+        meanwhile raises :class:`JobAbortedError`."""
+        assignment = self.assignment
+        hold = (self.config.recover and assignment is not None and assignment.world_size > 1
+                and self.agent.error is None and self.tracker is not None)
+        wait = self.config.timeout_sec if hold else self.config.connect_timeout_sec
         try:
-            self.loop_thread.run(self._finalize(), self.config.connect_timeout_sec + 5)
+            self.loop_thread.run(self._finalize(hold, wait),
+                                 wait + self.config.connect_timeout_sec + 5)
         finally:
             self.close()
 
-    async def _finalize(self) -> None:
+    async def _finalize(self, hold: bool, wait: float) -> None:
         if self.agent.state.value != "task-complete":
             self._execute(self.agent.shutdown())
+        self._holding = hold
         try:
             if self.tracker is not None:
-                await self.tracker.shutdown(self.config.connect_timeout_sec)
+                await self.tracker.shutdown(wait, hold=hold,
+                                            leave_timeout=self.config.connect_timeout_sec)
+        except JobAbortedError:
+            if hold:
+                raise
         except RabitError as exc:
             logger.warning("tracker shutdown: %s", exc)
+        finally:
+            self._holding = False
 
     def close(self) -> None:
         """Release every resource; safe to call twice and from any state."""
@@ -734,6 +758,7 @@ class Engine:
             return
 
         async def _close() -> None:
+            self._closing = True
             pending = [*self._redials, *self._handshakes]
             if self._accept_task is not None:
                 pending.append(self._accept_task)

@@ -240,8 +240,14 @@ class TrackerClient:
         """Ask the tracker to abort the whole job with ``msg`` as the reason; never blocks."""
         self._send_from_any_thread({"t": "error", "msg": _truncate(str(msg))})
 
-    async def shutdown(self, timeout: float) -> None:
+    async def shutdown(self, timeout: float, hold: bool = False,
+                       leave_timeout: float = 10.0) -> None:
         """Tell the tracker this worker finished, wait for its ``bye``, then close.
+
+        ``hold``: the tracker answers only once every rank has finished (recovery on: this
+        worker keeps serving a restarted neighbour meanwhile), or aborts the job; an abort
+        then raises :class:`JobAbortedError`.  If ``timeout`` passes first, the worker says
+        ``shutdown`` again without ``hold`` and leaves (a warning, within ``leave_timeout``).
 
         The connection is closed when this returns or raises.  Raises
         :class:`CollectiveTimeoutError` if no ``bye`` arrived within ``timeout`` and
@@ -252,14 +258,26 @@ class TrackerClient:
             if self._lost is not None:
                 raise self._lost
             self._closing = True
-            self._send({"t": "shutdown"})
+            self._send({"t": "shutdown", "hold": hold})
             try:
                 await asyncio.wait_for(self._bye.wait(), timeout)
             except TimeoutError:
-                raise CollectiveTimeoutError(
-                    f"the tracker did not acknowledge shutdown within {timeout}s"
-                ) from None
+                if not hold:
+                    raise CollectiveTimeoutError(
+                        f"the tracker did not acknowledge shutdown within {timeout}s"
+                    ) from None
+                logger.warning("not every rank finalized within %gs: leaving without them",
+                               timeout)
+                self._send({"t": "shutdown", "hold": False})
+                try:
+                    await asyncio.wait_for(self._bye.wait(), leave_timeout)
+                except TimeoutError:
+                    raise CollectiveTimeoutError(
+                        f"the tracker did not acknowledge shutdown within {leave_timeout}s"
+                    ) from None
             if not self._bye_received:
+                if isinstance(self._failure, JobAbortedError):
+                    raise self._failure
                 raise self._lost or TrackerError("tracker connection lost before bye")
         finally:
             await self.close()
@@ -326,6 +344,8 @@ class TrackerClient:
         elif kind == "abort":
             self._fail(JobAbortedError(f"the tracker aborted the job: {msg['reason']}"))
             self._report_abort(f"the tracker aborted the job: {msg['reason']}")
+            if self._closing:
+                self._bye.set()  # a held shutdown ends with the abort
         elif kind == "bye":
             self._bye_received = True
             self._bye.set()

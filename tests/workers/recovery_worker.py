@@ -36,7 +36,9 @@ one element more than on the first attempt (a restarted worker that diverges in 
 a collective that the launcher's give-up interrupts can still end with the tracker's typed
 abort).  ``--pause-before-load=R,S``: on attempt >= 1, rank R sleeps S seconds between
 ``init`` and ``load_checkpoint``; ``--pause-before-init=T,S``: on attempt >= 1, task T sleeps
-S seconds before ``init``.  ``--tag=X`` is ignored: it marks the command line, to look
+S seconds before ``init``.  ``--die-at-end=R,WHERE``: on attempt 0, rank R SIGKILLs itself
+after its last collective, before the last ``checkpoint`` (WHERE = ``checkpoint``) or before
+``finalize`` (WHERE = ``finalize``).  ``--tag=X`` is ignored: it marks the command line, to look
 for leftover processes.
 """
 
@@ -58,7 +60,8 @@ from rabit2.errors import RabitError
 def options(argv: list[str]) -> dict[str, str]:
     opts = {"iters": "4", "calls": "tsrb", "tree-count": "30000", "ring-count": "2000000",
             "bcast-count": "200000", "bcast-root": "0", "diverge": "", "on-sigterm": "die",
-            "obj-kib": "16", "pause-before-load": "", "pause-before-init": "", "tag": ""}
+            "obj-kib": "16", "pause-before-load": "", "pause-before-init": "", "die-at-end": "",
+            "tag": ""}
     for arg in argv:
         if arg.startswith("--") and "=" in arg:
             key, _, value = arg[2:].partition("=")
@@ -152,6 +155,8 @@ def main() -> int:
                 else:
                     raise SystemExit(f"recovery_worker: unknown call kind {kind!r}")
                 chain = hashlib.sha256(chain.encode() + kind.encode() + out.tobytes()).hexdigest()
+            if it == iters - 1:
+                die_at_end(opts, rank, attempt, "checkpoint")
             rabit2.checkpoint({"it": it, "digest": chain})
     except RabitError as exc:
         print_stats(rank, attempt)
@@ -161,10 +166,19 @@ def main() -> int:
         with contextlib.suppress(RabitError):
             rabit2.finalize()
         return 3
+    die_at_end(opts, rank, attempt, "finalize")
     print_stats(rank, attempt)
     print(f"DIGEST rank={rank} {chain}", flush=True)
     rabit2.finalize()
     return 0
+
+
+def die_at_end(opts: dict[str, str], rank: int, attempt: int, where: str) -> None:
+    if opts["die-at-end"] and attempt == 0:
+        who, when = opts["die-at-end"].split(",")
+        if int(who) == rank and when == where:
+            print(f"DYING rank={rank} before {where} t={time.time():.6f}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def print_stats(rank: int, attempt: int) -> None:
