@@ -237,7 +237,6 @@ class Engine:
         self._ckpt_waiter: _Waiter | None = None
         self._ckpt_loaded: tuple[int, bytes | None, bytes | None] = (0, None, None)
         self._redials: set[asyncio.Task[None]] = set()
-        self._holding = False  # finalize waits for every rank, serving its neighbours
         self._closing = False
         self._failed = asyncio.Event()  # set when the tracker aborts the job
 
@@ -739,7 +738,6 @@ class Engine:
     async def _finalize(self, hold: bool, wait: float) -> None:
         if self.agent.state.value != "task-complete":
             self._execute(self.agent.shutdown())
-        self._holding = hold
         try:
             if self.tracker is not None:
                 await self.tracker.shutdown(wait, hold=hold,
@@ -749,8 +747,6 @@ class Engine:
                 raise
         except RabitError as exc:
             logger.warning("tracker shutdown: %s", exc)
-        finally:
-            self._holding = False
 
     def close(self) -> None:
         """Release every resource; safe to call twice and from any state."""
