@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -152,6 +153,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--iters", type=int, help="iterations per size (default: adapts to size)")
     ap.add_argument("--iters-scale", type=float, default=1.0, help="multiplies default iters")
     ap.add_argument("--warmup", type=int, help="untimed iterations (default: iters/20, >= 2)")
+    ap.add_argument("--warmup-mb", type=float, default=0.0,
+                    help="at least this many MB of each size untimed first (e.g. 260 fills "
+                         "the default 256 MB replay store: steady-state figures)")
     ap.add_argument("--quick", action="store_true", help="about 10x fewer iterations")
     ap.add_argument("--impl", default="rabit2", help="label stored in the JSON lines")
     ap.add_argument("rabit_args", nargs="*", metavar="k=v", help="passed to rabit2.init")
@@ -182,6 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for size in ns.sizes:
                 iters = ns.iters or max(3, round(default_iters(size) * ns.iters_scale))
                 warmup = ns.warmup if ns.warmup is not None else max(2, iters // 20)
+                warmup = max(warmup, math.ceil(ns.warmup_mb * (1 << 20) / size))
                 times, span = bench.run(op, size, iters, warmup)
                 if rank != 0:
                     continue

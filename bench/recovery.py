@@ -1,14 +1,17 @@
 """What fault tolerance costs and how long a recovery takes, through ``rabit2-submit``.
 
-    python bench/recovery.py overhead [--n 2,4] [--sizes 1M,16M,64M] [--rounds 3]
+    python bench/recovery.py overhead [--n 2,4] [--sizes 1M,16M,64M] [--rounds 3] [--steady]
     python bench/recovery.py timeline [--n 4] [--repeat 3]
 
 ``overhead`` runs ``bench_collectives.py`` with recovery off and on (``RABIT2_RECOVER=0/1``),
 alternating, ``--rounds`` times each, and prints the median of each setting and their ratio:
 the no-fault cost of keeping results for replay and of the staging that makes offsets safe
-(docs/recovery.md).  ``timeline`` kills one worker in the middle of a ring allreduce and
-reports, from the workers' own clocks (one host): detection, restart, init, checkpoint load,
-replay and resume, as in ``bench/README.md``.
+(docs/recovery.md).  The benchmark never checkpoints, so the first ``rabit2_replay_mb / size``
+calls of each size also fill the replay store with fresh memory; ``--steady`` times each
+size only once the store is full (steady state: buffers are recycled).  ``timeline`` kills
+one worker in the middle of a ring allreduce and reports, from the workers' own clocks (one
+host): detection, restart, init, checkpoint load, replay and resume, as in
+``bench/README.md``.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ def overhead(args: argparse.Namespace) -> None:
                            sys.executable, str(COLLECTIVES), "--sizes", args.sizes,
                            "--ops", args.ops, "--out", str(out), "--iters-scale",
                            str(args.iters_scale)]
+                    if args.steady:
+                        # fill the replay store before timing: no first-touch page faults
+                        cmd += ["--warmup-mb", "260"]
                     run_job(cmd, Path(tmp) / f"n{n}-{setting}-{rnd}.log", 1800)
                     for line in out.read_text().splitlines():
                         rec = json.loads(line)
@@ -99,6 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", default="1M,16M,64M")
     parser.add_argument("--ops", default="allreduce,broadcast")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steady", action="store_true",
+                        help="overhead: time each size only once the replay store is full")
     parser.add_argument("--iters-scale", type=float, default=1.0)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--kill-after", default="4M")

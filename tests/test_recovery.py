@@ -247,17 +247,37 @@ def test_no_fault_job_with_recovery_on() -> None:
     assert all(a.recovery_statistics()["links_up"] == 0 for a in job.net.agents.values())
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@pytest.mark.parametrize("count", [1, 1500, 5001])
-def test_retained_results_are_the_results(world: int, count: int) -> None:
-    """What a rank keeps for replays equals the call's result (at world 2 the ring copies
-    its own segment into the retained buffer as it reduces it)."""
-    spec = Spec("allreduce", count)
+@pytest.mark.parametrize("world", [2, 3, 5])
+@pytest.mark.parametrize("spec", [Spec("allreduce", 1), Spec("allreduce", 1500),
+                                  Spec("allreduce", 5001), Spec("broadcast", 20_000, root=1),
+                                  Spec("object", 20_000, root=2)], ids=str)
+def test_retained_results_are_the_results(world: int, spec: Spec) -> None:
+    """What a rank keeps for replays equals the call's result (a world-2 ring keeps its
+    staging buffer; a broadcast receiver copies the stream as it arrives, head included)."""
     job = run_job(world, [], program=[[spec, spec]], max_piece=997)
-    for agent in job.net.agents.values():
+    for rank, agent in job.net.agents.items():
         for seqno in (0, 1):
             got = agent.results.get((0, seqno))
-            assert got is not None and bytes(got[1]) == expected(world, 0, seqno, spec)
+            assert got is not None
+            if spec.kind == "allreduce":
+                assert bytes(got[1]) == expected(world, 0, seqno, spec)
+            else:  # the stream: for an object, an 8-byte size head and then the array
+                assert bytes(got[1]).endswith(expected(world, 0, seqno, spec)), rank
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("victim", [0, 1, 2])
+def test_a_large_broadcast_replays_from_the_copy_made_while_it_arrived(
+        world: int, victim: int) -> None:
+    """A rank killed after two large broadcasts (and before the next call) is served what
+    it did not send itself from its neighbours' retained copies, bit for bit."""
+    victim %= world
+    program = [[Spec("broadcast", 30_000, root=1), Spec("object", 25_000, root=0), SMALL]]
+    for seed in range(2):
+        job = run_job(world, [Kill(victim, (0, 2), 0)], seed=seed, program=program,
+                      max_piece=1 << 14)
+        stats = job.net.agents[victim].recovery_statistics()
+        assert stats["replayed_calls"] >= 1 and stats["fetched_bytes"] >= 30_000 * 8, stats
 
 
 @pytest.mark.parametrize("world", [2, 3, 4, 5, 8])

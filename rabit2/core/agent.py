@@ -63,6 +63,7 @@ from rabit2.core.records import (
 from rabit2.core.recovery import (
     DEFAULT_RETAIN_BYTES,
     GENERATIONS,
+    SMALL_RESULT,
     CallId,
     PeerState,
     ResultStore,
@@ -371,13 +372,34 @@ class Agent(RecoveryMixin):
             if not link.remaining:
                 self._blob_done(link, cmds)
 
-    @staticmethod
-    def _received(plan: Plan, peer: int, pos: int) -> None:
+    def _received(self, plan: Plan, peer: int, pos: int) -> None:
         try:
             plan.on_received(peer, pos)
         except (ValueError, TypeError, MemoryError) as exc:
             # a broadcast head that names no valid array, or a size that cannot be allocated
             raise ProtocolError(f"cannot place the data from rank {peer}: {exc}") from None
+        active = self.active
+        if active is not None and active.mirror is not None and pos > active.mirrored:
+            self._mirror(active, pos)
+
+    def _mirror(self, active: ActiveCall, upto: int) -> None:
+        """Copy a broadcast's received stream bytes ``[mirrored, upto)`` to the buffer that
+        will be retained for replays (``docs/recovery.md``)."""
+        plan = active.plan
+        assert isinstance(plan, TreeBroadcast) and active.mirror is not None
+        at = active.mirrored
+        dest = active.mirror.data
+        for view in plan.in_streams[plan.in_link].views(at, upto):
+            dest[at : at + len(view)] = view
+            at += len(view)
+        active.mirrored = at
+
+    def _start_mirror(self, active: ActiveCall, plan: TreeBroadcast) -> None:
+        """Recovery on, a receiving rank of a broadcast of known size: take the buffer
+        that the stream is copied to as it arrives.  Small results are kept as bytes."""
+        total = plan.in_streams[plan.in_link].length
+        if total > SMALL_RESULT:
+            active.mirror = self.results.take(total)
 
     def _dispatch_header(self, peer: int, link: Link, frame: FrameHeader, now: float,
                          cmds: list[Command]) -> None:
@@ -466,6 +488,8 @@ class Agent(RecoveryMixin):
             raise ProtocolError(f"broadcast of {total} B: {exc}") from None
         active.desc = dataclasses.replace(active.desc, total_bytes=total)
         active.prefix = data_prefix(active.desc, *active.call_id)
+        if self.recover and plan.in_link >= 0:
+            self._start_mirror(active, plan)
         for peer in plan.out_streams:
             active.sent.setdefault(peer, 0)
         deferred, active.deferred = active.deferred, {}
@@ -547,6 +571,9 @@ class Agent(RecoveryMixin):
         self.seqno += 1
         active = ActiveCall(call, call_id, desc, plan)
         self.active = active
+        if (self.recover and isinstance(plan, TreeBroadcast) and plan.in_link >= 0
+                and plan.sized):
+            self._start_mirror(active, plan)
         self.last_progress = now
         cmds: list[Command] = []
         if not self.recover:
@@ -646,8 +673,14 @@ class Agent(RecoveryMixin):
 
     def _retain(self, active: ActiveCall) -> None:
         """Keep the result for replays: a world-2 ring already holds the other segment in
-        its staging buffer, so only its own segment is copied there."""
+        its staging buffer, so only its own segment is copied there; a broadcast receiver
+        copied its stream while it arrived."""
         plan = active.plan
+        if active.mirror is not None:
+            assert isinstance(plan, TreeBroadcast)
+            self._mirror(active, plan.in_streams[plan.in_link].length)
+            self.results.keep(active.call_id, active.desc, active.mirror)
+            return
         if not isinstance(plan, RingAllreduce) or plan.staged is None or active.final:
             self.results.add(active.call_id, active.desc, self._result_pieces(active))
             return

@@ -201,7 +201,7 @@ class ActiveCall:
     """Bookkeeping of the call in progress."""
 
     __slots__ = ("call", "call_id", "deferred", "desc", "fetching", "final", "frames_seen",
-                 "plan", "prefix", "sent", "skip_in", "started_empty")
+                 "mirror", "mirrored", "plan", "prefix", "sent", "skip_in", "started_empty")
 
     def __init__(self, call: Call, call_id: tuple[int, int], desc: CallDescriptor,
                  plan: Plan) -> None:
@@ -218,3 +218,7 @@ class ActiveCall:
         self.skip_in: set[int] = set()  # in-streams this call does not wait for any more
         # needs for the out-streams of a broadcast whose size this rank does not know yet
         self.deferred: dict[int, tuple[int, bool]] = {}
+        # recovery on, a broadcast's receiver: the retained copy of the stream, made as the
+        # bytes arrive (while they are in cache, and while the sender is still sending)
+        self.mirror: np.ndarray | None = None
+        self.mirrored = 0

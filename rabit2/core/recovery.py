@@ -30,7 +30,7 @@ CallId = tuple[int, int]
 
 DEFAULT_RETAIN_BYTES = 256 << 20
 """Bound on the results a rank keeps for replay (``rabit2_replay_mb``)."""
-_SMALL = 64 << 10  # results up to this size are kept as bytes objects, not recycled buffers
+SMALL_RESULT = 64 << 10  # results up to this size are kept as bytes objects, not buffers
 GENERATIONS = 2
 """Checkpoint versions (and the results of calls made in them) kept on every rank: the
 current one and the one before, so that a neighbour that checkpointed just before a peer
@@ -146,7 +146,7 @@ class ResultStore:
     def add(self, call: CallId, desc: CallDescriptor, pieces: Sequence[memoryview]) -> None:
         """Keep a copy of the result, given as the pieces it is made of."""
         size = sum(len(p) for p in pieces)
-        if size <= _SMALL:
+        if size <= SMALL_RESULT:
             # a small result: one bytes object, cheaper to make than a numpy buffer
             if self._make_room(call, size):
                 self._results[call] = (desc, b"".join(pieces))
