@@ -522,3 +522,17 @@ def test_finalized_neighbours_serve_a_restarted_rank(checkpointed: bool) -> None
         assert net.done.pop(1) == (version, i) and (arr == want[i]).all()
     assert agent.recovery_statistics()["replayed_calls"] == len(counts)
     assert not net.failed
+
+
+def test_a_broadcast_larger_than_the_store_is_not_copied() -> None:
+    """A result above ``rabit2_replay_mb`` is not kept, so a receiver does not copy it."""
+    job = Job(3, [[Spec("broadcast", 40_000, root=0)]], retain_bytes=100_000, **KW)
+    taken: list[int] = []
+    for agent in job.net.agents.values():
+        store = agent.results
+        store.take = lambda size, take=store.take: taken.append(size) or take(size)  # type: ignore[method-assign]
+    job.run()
+    job.check()
+    assert taken == []
+    for agent in job.net.agents.values():
+        assert agent.results.get((0, 0)) is None and agent.results.nbytes == 0

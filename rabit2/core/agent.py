@@ -396,9 +396,10 @@ class Agent(RecoveryMixin):
 
     def _start_mirror(self, active: ActiveCall, plan: TreeBroadcast) -> None:
         """Recovery on, a receiving rank of a broadcast of known size: take the buffer
-        that the stream is copied to as it arrives.  Small results are kept as bytes."""
+        that the stream is copied to as it arrives.  Small results are kept as bytes, and
+        one larger than ``rabit2_replay_mb`` is not kept at all."""
         total = plan.in_streams[plan.in_link].length
-        if total > SMALL_RESULT:
+        if SMALL_RESULT < total <= self.results.limit:  # (a larger one is never kept)
             active.mirror = self.results.take(total)
 
     def _dispatch_header(self, peer: int, link: Link, frame: FrameHeader, now: float,

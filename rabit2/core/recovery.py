@@ -146,6 +146,9 @@ class ResultStore:
     def add(self, call: CallId, desc: CallDescriptor, pieces: Sequence[memoryview]) -> None:
         """Keep a copy of the result, given as the pieces it is made of."""
         size = sum(len(p) for p in pieces)
+        if size > self.limit:
+            self._make_room(call, size)  # never kept: forget what came before it, copy nothing
+            return
         if size <= SMALL_RESULT:
             # a small result: one bytes object, cheaper to make than a numpy buffer
             if self._make_room(call, size):
