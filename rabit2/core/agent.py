@@ -487,7 +487,8 @@ class Agent(RecoveryMixin):
             plan.size(total)
         except (ValueError, TypeError, MemoryError) as exc:
             raise ProtocolError(f"broadcast of {total} B: {exc}") from None
-        active.desc = dataclasses.replace(active.desc, total_bytes=total)
+        desc = active.desc  # (dataclasses.replace costs several microseconds here)
+        active.desc = CallDescriptor(desc.kind, desc.dtype_code, desc.op_code, desc.root, total)
         active.prefix = data_prefix(active.desc, *active.call_id)
         if self.recover and plan.in_link >= 0:
             self._start_mirror(active, plan)
