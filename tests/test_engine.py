@@ -268,21 +268,73 @@ def test_polling_and_sleeping_waits(spin_us: str, loop_kind: str) -> None:
 
 @pytest.mark.parametrize("spin", [0.0, 0.002])
 def test_waiter_polls_then_sleeps_and_times_out(spin: float) -> None:
-    from rabit2.io.engine import _Waiter  # noqa: PLC0415
+    from rabit2.io.engine import LoopThread, _Poller, _Waiter  # noqa: PLC0415
 
-    waiter = _Waiter()
-    t0 = time.monotonic()
-    assert not waiter.wait(0.05, spin)  # nobody finishes it: False after the deadline
-    assert time.monotonic() - t0 >= 0.04
-    waiter = _Waiter()
-    error = RuntimeError("x")
-    timer = threading.Timer(0.01, waiter.finish, (error,))  # finished while it sleeps
-    timer.start()
-    assert waiter.wait(5, spin) and waiter.error is error
-    timer.join()
-    waiter = _Waiter()
-    waiter.finish(None)  # finished before the wait: returns at once
-    assert waiter.wait(5, spin) and waiter.error is None
+    loop_thread = LoopThread("asyncio", batch=spin > 0)
+    poller = _Poller(spin, loop_thread)
+    try:
+        waiter = _Waiter()
+        t0 = time.monotonic()
+        assert not poller.wait(waiter, 0.05)  # nobody finishes it: False after the deadline
+        assert time.monotonic() - t0 >= 0.04
+        waiter = _Waiter()
+        error = RuntimeError("x")
+        timer = threading.Timer(0.01, waiter.finish, (error,))  # finished while it sleeps
+        timer.start()
+        assert poller.wait(waiter, 5) and waiter.error is error
+        timer.join()
+        waiter = _Waiter()
+        waiter.finish(None)  # finished before the wait: returns at once
+        assert poller.wait(waiter, 5) and waiter.error is None
+    finally:
+        loop_thread.stop()
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_BATCH"), reason="Linux scheduling policies")
+def test_a_contended_cpu_stops_the_polling_for_a_while() -> None:
+    """A thread that keeps this CPU busy while the caller polls: polling would hand it the
+    CPU for whole time slices, so the caller sleeps at once for the next calls and the loop
+    thread is no longer SCHED_BATCH; then polling is tried again (docs/design.md)."""
+    from rabit2.io.engine import LoopThread, _Poller, _Waiter  # noqa: PLC0415
+
+    cpu = sorted(os.sched_getaffinity(0))[0]
+    old = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})  # this thread; the threads it starts inherit the mask
+    stop = threading.Event()
+
+    def burn() -> None:
+        while not stop.is_set():
+            sum(range(20_000))  # pure Python: holds the CPU (and the GIL in slices)
+
+    try:
+        loop_thread = LoopThread("asyncio", batch=True)
+
+        async def policy() -> int:
+            return os.sched_getscheduler(0)
+
+        assert loop_thread.run(policy(), 5) == os.SCHED_BATCH
+        poller = _Poller(0.05, loop_thread)
+        burner = threading.Thread(target=burn, daemon=True)
+        burner.start()
+        waiter = _Waiter()
+        finisher = threading.Timer(0.3, waiter.finish, (None,))
+        finisher.start()
+        assert poller.wait(waiter, 5)
+        assert poller.skip == 16 and poller.backoff == 32
+        assert loop_thread.run(policy(), 5) == os.SCHED_OTHER
+        stop.set()
+        burner.join(5)
+        finisher.join()
+        for _ in range(16):  # the calls that sleep at once; then polling comes back
+            done = _Waiter()
+            done.finish(None)
+            assert poller.wait(done, 5)
+        assert poller.skip == 0
+        assert loop_thread.run(policy(), 5) == os.SCHED_BATCH
+        loop_thread.stop()
+    finally:
+        stop.set()
+        os.sched_setaffinity(0, old)
 
 
 def test_close_leaves_no_redial_behind(loop_kind: str) -> None:

@@ -73,14 +73,29 @@ class LoopThread:
         self.loop = new_event_loop(kind)
         self._batch = batch
         self.is_uvloop = type(self.loop).__module__.startswith("uvloop")
+        self._native_id = 0
+        self._started = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rabit2-loop", daemon=True)
         self._thread.start()
+        self._started.wait(10)
+        # the loop thread's CPU time, readable from the caller (None where unsupported)
+        self.cpu_clock: int | None = None
+        with contextlib.suppress(AttributeError, OSError):
+            self.cpu_clock = time.pthread_getcpuclockid(self._thread.ident or 0)
 
     def _run(self) -> None:
+        self._native_id = threading.get_native_id()
+        self._started.set()
         if self._batch:
-            _batch_policy()
+            _set_batch(0, True)
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
+
+    def set_batch(self, on: bool) -> None:
+        """Switch the loop thread between SCHED_BATCH and the normal policy (any thread)."""
+        if self._batch != on and self._native_id:
+            self._batch = on
+            _set_batch(self._native_id, on)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         """Run ``coro`` on the loop and wait for it; ``CollectiveTimeoutError`` past ``timeout``."""
@@ -100,22 +115,78 @@ class LoopThread:
             self.loop.close()
 
 
-def _batch_policy() -> None:
-    """Make the calling thread SCHED_BATCH (Linux): a thread woken by another thread of its
-    own process then waits for that thread to block or yield instead of preempting it while
-    it holds the GIL (which costs two more context switches per hand-off).  Only with a
-    polling caller (:meth:`_Waiter.wait`), which yields the CPU on every turn: a batch loop
-    thread beside a busy thread that never yields would wait a whole time slice."""
-    policy = getattr(os, "SCHED_BATCH", None)
-    if policy is None or not hasattr(os, "sched_setscheduler"):
+def _set_batch(tid: int, on: bool) -> None:
+    """Make thread ``tid`` (0: the calling one) SCHED_BATCH, or normal again (Linux): a
+    batch thread woken by another thread of its process waits for that thread to block or
+    yield instead of preempting it while it holds the GIL (which costs two more context
+    switches per hand-off).  Only beside a polling caller (:class:`_Poller`), which yields
+    the CPU on every turn: a batch loop thread beside a busy thread that never yields would
+    wait a whole time slice."""
+    batch, other = getattr(os, "SCHED_BATCH", None), getattr(os, "SCHED_OTHER", None)
+    if batch is None or other is None or not hasattr(os, "sched_setscheduler"):
         return
     try:
-        os.sched_setscheduler(0, policy, os.sched_param(0))  # 0: this thread, on Linux
+        os.sched_setscheduler(tid, batch if on else other, os.sched_param(0))
     except OSError as exc:  # a container may forbid it; only latency suffers
-        logger.debug("SCHED_BATCH not available for the loop thread: %s", exc)
+        logger.debug("cannot set the loop thread's scheduling policy: %s", exc)
 
 
 _yield_cpu: Callable[[], Any] = getattr(os, "sched_yield", lambda: time.sleep(0))
+_SLICE = 1e-3
+"""While a caller polls: other threads of its CPU ran this long between two of its turns
+(not the loop thread, which is doing the call's work) = the CPU is contended."""
+
+
+class _Poller:
+    """How a caller waits for its call (``docs/design.md``, "Waiting"): poll for up to
+    ``spin`` seconds, yielding the CPU on every turn, with the loop thread SCHED_BATCH, then
+    sleep.  If other threads of this CPU held it for a time slice meanwhile (a compute
+    thread, a BLAS pool spinning after its last call), polling hands them the CPU and the
+    batch loop thread waits behind them: the caller then sleeps at once and the loop thread
+    goes back to the normal policy for the next ``skip`` calls (16, doubling while it keeps
+    happening, up to 65536), after which polling is tried again."""
+
+    def __init__(self, spin: float, loop_thread: LoopThread) -> None:
+        self.spin = spin
+        self.loop_thread = loop_thread
+        self.skip = 0
+        self.backoff = 16
+
+    def wait(self, waiter: _Waiter, timeout: float) -> bool:
+        if self.spin > 0.0:
+            if self.skip:
+                self.skip -= 1
+                if not self.skip:
+                    self.loop_thread.set_batch(True)
+            elif self._poll(waiter):
+                logger.debug("CPU contended while polling: sleeping for the next %d calls",
+                             self.backoff)
+                self.loop_thread.set_batch(False)
+                self.skip = self.backoff
+                self.backoff = min(self.backoff * 2, 65536)
+            else:
+                self.backoff = 16
+        return waiter.lock.acquire(True, timeout)
+
+    def _poll(self, waiter: _Waiter) -> bool:
+        """Poll until the call finishes or ``spin`` passes; True if the CPU was contended."""
+        clock = time.perf_counter
+        start = now = clock()
+        end = start + self.spin
+        loop_clock = self.loop_thread.cpu_clock
+        loop_cpu = time.clock_gettime(loop_clock) if loop_clock is not None else 0.0
+        mine = time.thread_time()
+        while not waiter.finished and now < end:
+            _yield_cpu()
+            last, now = now, clock()
+            if now - last > _SLICE:
+                # a long turn: the loop thread doing the call's work, or someone else?
+                used = time.thread_time() - mine
+                if loop_clock is not None:
+                    used += time.clock_gettime(loop_clock) - loop_cpu
+                if (now - start) - used > _SLICE:
+                    return True
+        return False
 
 
 class _Waiter:
@@ -123,10 +194,7 @@ class _Waiter:
 
     A bare lock is the cheapest cross-thread wake-up CPython has (a concurrent.futures
     Future adds a Condition and costs ~12 us more per call on this path).  Before it sleeps
-    on the lock, the caller polls for a short while, giving the CPU away on each turn
-    (``sched_yield`` releases the GIL, so the loop thread runs whenever it has work): an idle
-    vCPU is slow to wake on a virtual machine, and keeping it busy for a small call's
-    duration cut the 4 KiB N=2 allreduce from ~165 to ~55 us (``docs/design.md``).
+    on the lock, the caller may poll ``finished`` (:class:`_Poller`).
     """
 
     __slots__ = ("error", "finished", "lock")
@@ -143,14 +211,6 @@ class _Waiter:
             self.error = error
             self.lock.release()
 
-    def wait(self, timeout: float, spin: float) -> bool:
-        """Wait until :meth:`finish` (polling for ``spin`` seconds first); False on timeout."""
-        if spin > 0.0 and not self.finished:
-            clock = time.perf_counter
-            end = clock() + spin
-            while not self.finished and clock() < end:
-                _yield_cpu()
-        return self.lock.acquire(True, timeout)
 
 
 class PeerLink(asyncio.BufferedProtocol):
@@ -205,7 +265,6 @@ class Engine:
 
     def __init__(self, config: Config) -> None:
         self.config = config
-        self._spin = config.spin_us / 1e6
         _bind_to_cpu(os.environ.get("RABIT2_BIND_CPU"))
         self.agent = Agent(
             ring_mincount=config.reduce_ring_mincount,
@@ -219,6 +278,7 @@ class Engine:
         # the loop thread defers to a polling caller (both off with rabit2_spin_us=0)
         self.loop_thread = LoopThread(config.loop, batch=config.spin_us > 0)
         self.loop = self.loop_thread.loop
+        self._poller = _Poller(config.spin_us / 1e6, self.loop_thread)
         self.links: dict[int, PeerLink] = {}
         self.tracker: TrackerClient | None = None
         self.assignment: Assignment | None = None
@@ -472,7 +532,7 @@ class Engine:
         # the agent's progress deadline fails a stuck call; this outer bound only guards
         # against a dead loop thread
         bound = self.config.timeout_sec * 2 + 60
-        if not waiter.wait(bound, self._spin):
+        if not self._poller.wait(waiter, bound):
             raise CollectiveTimeoutError(f"the loop thread did not answer within {bound:g} s")
         if waiter.error is not None:
             raise waiter.error
