@@ -230,18 +230,40 @@ def test_cli_interrupt_leaves_no_worker(worker: Path) -> None:
     assert_all_dead(pid_dir)
 
 
-def test_bind_cpu_for_pins_round_robin_unless_none() -> None:
-    from tracker.submit import bind_cpu_for  # noqa: PLC0415
+def test_bind_cpus_for_groups_or_round_robin() -> None:
+    from tracker.submit import bind_cpus_for  # noqa: PLC0415
 
-    cpus = [2, 5]
-    assert [bind_cpu_for(t, 2, "auto", cpus) for t in range(2)] == [2, 5]
+    two = [2, 5]
+    assert [bind_cpus_for(t, 2, "auto", two) for t in range(2)] == [(2,), (5,)]
     # oversubscribed too: pinned polling workers beat floating ones (docs/design.md, Waiting)
-    assert [bind_cpu_for(t, 4, "auto", cpus) for t in range(4)] == [2, 5, 2, 5]
-    assert [bind_cpu_for(t, 4, "core", cpus) for t in range(4)] == [2, 5, 2, 5]
-    assert bind_cpu_for(0, 1, "none", cpus) is None
-    env = build_worker_env({}, {}, task_id=1, attempt=0, bind_cpu=5)
-    assert env["RABIT2_BIND_CPU"] == "5"
+    assert [bind_cpus_for(t, 4, "auto", two) for t in range(4)] == [(2,), (5,), (2,), (5,)]
+    assert [bind_cpus_for(t, 4, "core", two) for t in range(4)] == [(2,), (5,), (2,), (5,)]
+    assert bind_cpus_for(0, 1, "none", two) is None
+    # a larger machine: each worker gets its share, so its BLAS/OpenMP pools have room
+    eight = list(range(8))
+    assert [bind_cpus_for(t, 3, "auto", eight) for t in range(3)] == [
+        (0, 1), (2, 3), (4, 5)]
+    assert bind_cpus_for(1, 2, "core", eight) == (1,)
+    assert bind_cpus_for(0, 1, "auto", eight) == tuple(eight)
+    env = build_worker_env({}, {}, task_id=1, attempt=0, bind_cpus=(4, 5))
+    assert env["RABIT2_BIND_CPU"] == "4,5"
     assert "RABIT2_BIND_CPU" not in build_worker_env({}, {}, task_id=1, attempt=0)
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux CPU affinity")
+def test_workers_start_pinned() -> None:
+    """The launcher starts each worker on its CPUs (not only RABIT2_BIND_CPU), so that
+    thread pools made at import time are sized for them; its own mask is unchanged."""
+    from tracker.submit import _pinned  # noqa: PLC0415
+
+    cpu = sorted(os.sched_getaffinity(0))[-1]
+    before = os.sched_getaffinity(0)
+    with _pinned((cpu,)):
+        out = subprocess.run(
+            [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+            capture_output=True, text=True, check=True, timeout=30)
+    assert out.stdout.strip() == f"[{cpu}]"
+    assert os.sched_getaffinity(0) == before
 
 
 def test_bind_and_heartbeat_options_are_parsed_and_checked() -> None:

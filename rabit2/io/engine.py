@@ -836,15 +836,18 @@ class Engine:
         self.loop_thread.stop()
 
 
-def _bind_to_cpu(cpu: str | None) -> None:
-    """Pin this process (before the loop thread starts, so it inherits the mask).
+def _bind_to_cpu(cpus: str | None) -> None:
+    """Pin this process (before the loop thread starts, so it inherits the mask) to the
+    comma-separated CPUs of ``RABIT2_BIND_CPU``.
 
-    Set by ``rabit2-submit --bind``: with the API thread and the loop thread on one core,
-    handing a call to the loop is a context switch instead of a cross-core wake-up.
+    ``rabit2-submit --bind`` starts its workers pinned already (so that thread pools made
+    at import are sized for it) and sets the variable too; other launchers may set it
+    alone.  With the API thread and the loop thread on one core, handing a call to the loop
+    is a context switch instead of a cross-core wake-up.
     """
-    if not cpu or not hasattr(os, "sched_setaffinity"):
+    if not cpus or not hasattr(os, "sched_setaffinity"):
         return
     try:
-        os.sched_setaffinity(0, {int(cpu)})
+        os.sched_setaffinity(0, {int(cpu) for cpu in cpus.split(",")})
     except (ValueError, OSError) as exc:
-        logger.warning("cannot bind to CPU %s: %s", cpu, exc)
+        logger.warning("cannot bind to CPUs %s: %s", cpus, exc)
