@@ -174,19 +174,27 @@ class _Poller:
         start = now = clock()
         end = start + self.spin
         loop_clock = self.loop_thread.cpu_clock
-        loop_cpu = time.clock_gettime(loop_clock) if loop_clock is not None else 0.0
+        loop_cpu = _cpu_time(loop_clock)
         mine = time.thread_time()
         while not waiter.finished and now < end:
             _yield_cpu()
             last, now = now, clock()
             if now - last > _SLICE:
                 # a long turn: the loop thread doing the call's work, or someone else?
-                used = time.thread_time() - mine
-                if loop_clock is not None:
-                    used += time.clock_gettime(loop_clock) - loop_cpu
+                used = time.thread_time() - mine + _cpu_time(loop_clock) - loop_cpu
                 if (now - start) - used > _SLICE:
                     return True
         return False
+
+
+def _cpu_time(clock_id: int | None) -> float:
+    """CPU seconds of the thread behind ``clock_id`` (0.0 if unknown or gone)."""
+    if clock_id is None:
+        return 0.0
+    try:
+        return time.clock_gettime(clock_id)
+    except OSError:
+        return 0.0
 
 
 class _Waiter:
