@@ -104,8 +104,9 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
     parser.add_argument("--kill-grace", type=float, default=5.0, metavar="S",
                         help="seconds between SIGTERM and SIGKILL when stopping workers")
     parser.add_argument("--bind", choices=("auto", "core", "none"), default="auto",
-                        help="pin worker i to CPU i mod ncpu (auto, the default, and core; "
-                             "also with more workers than CPUs) or not at all (none)")
+                        help="auto (default): start each worker on an equal group of the "
+                             "CPUs (one CPU each, round-robin, when there are more workers "
+                             "than CPUs); core: worker i on CPU i mod ncpu; none: no pinning")
     parser.add_argument("--heartbeat-timeout", type=float, default=30.0, metavar="S",
                         help="a worker silent this long (e.g. a paused process) is lost; "
                              "its neighbours fail their calls at once (default 30)")
