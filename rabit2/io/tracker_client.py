@@ -260,27 +260,27 @@ class TrackerClient:
             self._closing = True
             self._send({"t": "shutdown", "hold": hold})
             try:
-                await asyncio.wait_for(self._bye.wait(), timeout)
-            except TimeoutError:
+                await self._wait_bye(timeout)
+            except CollectiveTimeoutError:
                 if not hold:
-                    raise CollectiveTimeoutError(
-                        f"the tracker did not acknowledge shutdown within {timeout}s"
-                    ) from None
+                    raise
                 logger.warning("not every rank finalized within %gs: leaving without them",
                                timeout)
                 self._send({"t": "shutdown", "hold": False})
-                try:
-                    await asyncio.wait_for(self._bye.wait(), leave_timeout)
-                except TimeoutError:
-                    raise CollectiveTimeoutError(
-                        f"the tracker did not acknowledge shutdown within {leave_timeout}s"
-                    ) from None
+                await self._wait_bye(leave_timeout)
             if not self._bye_received:
                 if isinstance(self._failure, JobAbortedError):
                     raise self._failure
                 raise self._lost or TrackerError("tracker connection lost before bye")
         finally:
             await self.close()
+
+    async def _wait_bye(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._bye.wait(), timeout)
+        except TimeoutError:
+            raise CollectiveTimeoutError(
+                f"the tracker did not acknowledge shutdown within {timeout}s") from None
 
     async def close(self) -> None:
         """Close the connection without the shutdown exchange.  Idempotent; never raises."""
