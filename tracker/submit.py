@@ -175,21 +175,19 @@ def _pinned(cpus: Sequence[int] | None) -> Iterator[None]:
     thread pools created at import time (OpenBLAS, OpenMP) are sized for it.  Pinning later,
     in ``rabit2.init``, left numpy's BLAS with a thread per CPU of the machine spinning on
     one CPU (a 4 KiB allreduce after a small matmul: 0.5-16 ms instead of ~0.05 ms)."""
-    if not cpus or not hasattr(os, "sched_setaffinity"):
-        yield
-        return
-    old = os.sched_getaffinity(0)
-    try:
-        os.sched_setaffinity(0, cpus)
-    except OSError as exc:
-        print(f"[rabit2-submit] cannot pin a worker to CPUs {list(cpus)}: {exc}",
-              file=sys.stderr)
-        yield
-        return
+    old = None
+    if cpus and hasattr(os, "sched_setaffinity"):
+        try:
+            old = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, cpus)
+        except OSError as exc:
+            print(f"[rabit2-submit] cannot pin a worker to CPUs {list(cpus)}: {exc}",
+                  file=sys.stderr)
     try:
         yield
     finally:
-        os.sched_setaffinity(0, old)
+        if old is not None:
+            os.sched_setaffinity(0, old)
 
 
 def build_worker_env(
