@@ -8,9 +8,12 @@ thread, and a barrier-based allreduce sums the ranks' contributions in a shuffle
 from __future__ import annotations
 
 import itertools
+import json
+import math
 import pickle
 import threading
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -410,11 +413,31 @@ def test_cli_single_process_and_resume(capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_parse_args_presets_and_overrides() -> None:
-    p, rabit_args = gbdt.parse_args(["--size", "bench", "--trees", "3", "a=1", "b=2"])
+    p, rabit_args, trace = gbdt.parse_args(["--size", "bench", "--trees", "3", "a=1", "b=2"])
     assert (p.features, p.bins, p.depth, p.trees) == (100, 256, 6, 3)
-    assert rabit_args == ["a=1", "b=2"]
+    assert rabit_args == ["a=1", "b=2"] and trace is None
+    assert gbdt.parse_args(["--trace", "/x/{rank}.jsonl"]).trace == "/x/{rank}.jsonl"
     assert gbdt.parse_args([])[0] == gbdt.PRESETS["ci"]
     with pytest.raises(SystemExit):
         gbdt.parse_args(["notkv"])
     with pytest.raises(SystemExit):
         gbdt.parse_args(["--bins", "1"])
+
+
+def test_trace_has_one_line_per_allreduce(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """``--trace``: one JSON line per allreduce, whose seconds add up to ``allreduce_s``."""
+    api = FakeApi()
+    path = tmp_path / "trace-{rank}.jsonl"
+    assert gbdt.main(["--trees", "3", "--rows", "2000", "--bins", "16", "--depth", "3",
+                      "--trace", str(path)], api) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    fields = dict(kv.split("=", 1) for kv in last.split()[1:])
+    lines = [json.loads(x) for x in (tmp_path / "trace-0.jsonl").read_text().splitlines()]
+    done = next(m for m in api.log if m.startswith("gbdt done"))
+    calls = int(done.split("allreduce_calls=")[1].split()[0])
+    assert [x["call"] for x in lines] == list(range(calls)) and calls > 3 * 3
+    assert all(x["bytes"] > 0 and x["s"] >= 0 and x["prepare_s"] >= 0 for x in lines)
+    assert any(x["prepare_s"] > 0 for x in lines)  # the lazily built histograms
+    assert math.isclose(sum(x["s"] for x in lines), float(fields["allreduce_s"]),
+                        rel_tol=1e-4, abs_tol=1e-5)

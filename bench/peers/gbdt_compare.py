@@ -6,7 +6,11 @@ its ``allreduce`` bound to ``xgboost.collective`` 1.7.6 (in ``bench/peers/.venv1
 with XGBoost's own tracker, TCP_NODELAY on). Both print ``allreduce_s`` (time inside
 allreduce calls, histogram building excluded) and the model digest, which must agree.
 
-    python bench/peers/gbdt_compare.py [--n 2,4] [--size bench]
+    python bench/peers/gbdt_compare.py [--n 2,4] [--size bench] [--runs 3] [--trace DIR]
+
+``--trace DIR`` keeps every worker's per-call trace (the example's ``--trace``) in DIR and
+prints, per message size, the seconds each implementation spent in those calls (slowest
+rank), which is where a difference between the two comes from.
 
 Worker mode (internal): ``PYTHON gbdt_compare.py --worker -- <gbdt args>``.
 """
@@ -111,6 +115,19 @@ def run_rabit2(n: int, gbdt_args: list[str]) -> str:
     return proc.stdout + proc.stderr
 
 
+def per_size(paths: list[Path]) -> dict[int, tuple[int, float]]:
+    """From the ranks' traces: message size -> (calls, the slowest rank's seconds)."""
+    ranks: list[dict[int, list[float]]] = []
+    for path in paths:
+        sizes: dict[int, list[float]] = {}
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            sizes.setdefault(int(rec["bytes"]), []).append(float(rec["s"]))
+        ranks.append(sizes)
+    return {size: (len(ranks[0][size]), max(sum(r.get(size, [])) for r in ranks))
+            for size in sorted(ranks[0])}
+
+
 def summary(out: str) -> tuple[float, set[str]]:
     """(the slowest rank's allreduce_s, the set of digests)."""
     times = [float(x) for x in re.findall(r"gbdt rank=\d+ .*allreduce_s=([0-9.]+)", out)]
@@ -125,6 +142,9 @@ def main() -> int:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--n", default="2,4")
     ap.add_argument("--size", default="bench")
+    ap.add_argument("--runs", type=int, default=1, help="runs of each implementation per N")
+    ap.add_argument("--trace", type=Path, metavar="DIR",
+                    help="keep per-call traces in DIR and print a per-size breakdown")
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     ns = ap.parse_args()
     if ns.worker:
@@ -132,15 +152,37 @@ def main() -> int:
     if not VENV17_PYTHON.exists():
         print("classic engine unavailable: run bench/peers/setup.sh xgb17 first")
         return 1
-    gbdt_args = ["--size", ns.size]
     print("| N | rabit2 allreduce_s | classic rabit (xgboost 1.7.6) allreduce_s | ratio | "
           "digests agree |")
     print("| --- | --- | --- | --- | --- |")
+    breakdowns = []
     for n in (int(x) for x in ns.n.split(",")):
-        r2, d2 = summary(run_rabit2(n, gbdt_args))
-        c17, d17 = summary(run_classic(n, gbdt_args))
-        agree = len(d2) == 1 and d2 == d17
-        print(f"| {n} | {r2:.3f} s | {c17:.3f} s | {c17 / r2:.2f}x | {agree} |", flush=True)
+        for run in range(ns.runs):
+            traces: dict[str, list[Path]] = {}
+            args: dict[str, list[str]] = {}
+            for impl in ("rabit2", "classic"):
+                args[impl] = ["--size", ns.size]
+                if ns.trace is not None:
+                    ns.trace.mkdir(parents=True, exist_ok=True)
+                    stem = f"n{n}-run{run}-{impl}"
+                    args[impl] += ["--trace", str(ns.trace / f"{stem}-{{rank}}.jsonl")]
+                    traces[impl] = [ns.trace / f"{stem}-{r}.jsonl" for r in range(n)]
+            r2, d2 = summary(run_rabit2(n, args["rabit2"]))
+            c17, d17 = summary(run_classic(n, args["classic"]))
+            agree = len(d2) == 1 and d2 == d17
+            print(f"| {n} | {r2:.3f} s | {c17:.3f} s | {c17 / r2:.2f}x | {agree} |",
+                  flush=True)
+            if traces:
+                breakdowns.append((n, run, per_size(traces["rabit2"]),
+                                   per_size(traces["classic"])))
+    for n, run, mine, theirs in breakdowns:
+        print(f"\nN={n}, run {run}: seconds in the calls of each size (slowest rank)\n")
+        print("| bytes | calls | rabit2 | classic rabit | classic / rabit2 |")
+        print("| --- | --- | --- | --- | --- |")
+        for size, (calls, secs) in mine.items():
+            other = theirs.get(size, (0, float("nan")))[1]
+            print(f"| {size} | {calls} | {secs * 1e3:.1f} ms | {other * 1e3:.1f} ms | "
+                  f"{other / secs if secs else float('nan'):.2f}x |")
     return 0
 
 

@@ -75,14 +75,16 @@ every rank generates identically.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import importlib
+import json
 import math
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple, Protocol, TypedDict
+from typing import Any, NamedTuple, Protocol, TextIO, TypedDict
 
 import numpy as np
 from numpy.typing import NDArray
@@ -465,11 +467,12 @@ class TimedAllreduce:
     not communication, and ``allreduce_s`` is what benchmarks compare across implementations.
     """
 
-    def __init__(self, inner: AllreduceFn) -> None:
+    def __init__(self, inner: AllreduceFn, trace: TextIO | None = None) -> None:
         self.inner = inner
         self.seconds = 0.0
         self.calls = 0
         self.bytes = 0
+        self.trace = trace
 
     def __call__(
         self,
@@ -490,7 +493,11 @@ class TimedAllreduce:
 
         t0 = time.perf_counter()
         out = self.inner(data, op, wrapped)
-        self.seconds += time.perf_counter() - t0 - prep_s
+        seconds = time.perf_counter() - t0 - prep_s
+        self.seconds += seconds
+        if self.trace is not None:
+            self.trace.write(json.dumps({"call": self.calls, "bytes": data.nbytes,
+                                         "s": seconds, "prepare_s": prep_s}) + "\n")
         self.calls += 1
         self.bytes += data.nbytes
         return out
@@ -727,8 +734,17 @@ def train(
 # --------------------------------------------------------------------------------------------
 
 
-def parse_args(argv: Sequence[str] | None) -> tuple[Params, list[str]]:
-    """Parse options into ``Params`` and the ``k=v`` arguments passed to ``rabit2.init``."""
+class Options(NamedTuple):
+    """The command line: learner parameters, ``k=v`` arguments for ``rabit2.init``, and
+    where to write the per-call trace (``--trace``; None: nowhere)."""
+
+    params: Params
+    rabit_args: list[str]
+    trace: str | None = None
+
+
+def parse_args(argv: Sequence[str] | None) -> Options:
+    """Parse the command line (see :class:`Options`)."""
     ap = argparse.ArgumentParser(
         prog="python -m rabit2.examples.gbdt",
         description="Distributed histogram GBDT (binary logistic) over rabit2.",
@@ -747,6 +763,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Params, list[str]]:
     ap.add_argument("--eta", type=float)
     ap.add_argument("--seed", type=int)
     ap.add_argument("--eval-rows", type=int, dest="eval_rows")
+    ap.add_argument(
+        "--trace",
+        metavar="PATH",
+        help="write one JSON line per allreduce (call, bytes, s, prepare_s) to PATH; "
+        "'{rank}' in PATH is replaced by the rank",
+    )
     ap.add_argument(
         "rabit_args",
         nargs="*",
@@ -767,17 +789,25 @@ def parse_args(argv: Sequence[str] | None) -> tuple[Params, list[str]]:
         params.validate()
     except ValueError as e:
         ap.error(str(e))
-    return params, list(ns.rabit_args)
+    return Options(params, list(ns.rabit_args), ns.trace)
 
 
 def main(argv: Sequence[str] | None = None, comm: Any = None) -> int:
     """Entry point. ``comm`` defaults to the :mod:`rabit2` module (tests may inject another)."""
     # Imported here so that the pure parts (and the tests) do not need the runtime.
     api: Any = comm if comm is not None else importlib.import_module("rabit2")
-    params, rabit_args = parse_args(argv)
+    params, rabit_args, trace_path = parse_args(argv)
     api.init(rabit_args)
     rank, world = int(api.get_rank()), int(api.get_world_size())
-    timed = TimedAllreduce(api.allreduce)
+    with contextlib.ExitStack() as stack:
+        trace = (stack.enter_context(open(trace_path.replace("{rank}", str(rank)), "w"))
+                 if trace_path else None)
+        _run(api, params, rank, world, TimedAllreduce(api.allreduce, trace))
+    api.finalize()
+    return 0
+
+
+def _run(api: Any, params: Params, rank: int, world: int, timed: TimedAllreduce) -> None:
     ops = Ops(sum=api.Op.SUM, min=api.Op.MIN, max=api.Op.MAX)
     t_start = time.perf_counter()
 
@@ -821,8 +851,6 @@ def main(argv: Sequence[str] | None = None, comm: Any = None) -> int:
         f"allreduce_s={timed.seconds:.6f} digest={digest}",
         flush=True,
     )
-    api.finalize()
-    return 0
 
 
 if __name__ == "__main__":
