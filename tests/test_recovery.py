@@ -536,3 +536,50 @@ def test_a_broadcast_larger_than_the_store_is_not_copied() -> None:
     assert taken == []
     for agent in job.net.agents.values():
         assert agent.results.get((0, 0)) is None and agent.results.nbytes == 0
+
+
+# -- found by the randomized fault soak (test_random_fault_plans below) ----------------------
+
+
+def test_a_reset_off_the_calls_route_does_not_end_the_call_early() -> None:
+    """Ranks 3 and 4 reset their link while 3 still receives a broadcast from rank 2 (the
+    route from root 4 runs 4 -> 1 -> 2 -> 3; the ring link 3-4 is off it).  Rank 4 has
+    finished the broadcast, but 3 takes none of 4's stream: 4 must not send it the result,
+    or 3 completes early and 2's last frames of the call reach it in the next one."""
+    program = [[Spec("object", 20_000, root=4)], [Spec("object", 300, root=6)]]
+    hits = 0
+    for seed, after in enumerate((2_000, 16_349, 60_000, 120_000)):
+        reset = Reset(3, 4, (0, 0), after)
+        job = ResetJob(8, program, seed=seed, resets=[reset], max_piece=3000, **KW)
+        job.run()
+        job.check()
+        hits += reset.done
+        assert all(agent.incarnation == 0 for agent in job.net.agents.values())
+    assert hits == 4
+
+
+def test_a_reset_after_a_restarted_rank_caught_up_settles_the_blocked_neighbour() -> None:
+    """A restarted rank 0 finishes the call its neighbours were blocked in; its link to
+    rank 6 (still in that call) then resets.  Rank 0 is no longer replaying, so it must say
+    where it stands like a survivor (and send 6 the result), not as a replaying rank that
+    6 would wait on for a ``need`` that never comes."""
+    program = [[Spec("allreduce", 999)], [Spec("object", 300, root=0), Spec("allreduce", 999)]]
+    kill = Kill(0, (0, 0), 14_642, restart_after=3625)
+    reset = Reset(0, 6, (0, 0), 1 << 30)  # once the restarted rank 0 completed the call
+    job = ResetJob(7, program, seed=17, kills=[kill], resets=[reset], max_piece=3000, **KW)
+    job.run()
+    job.check()
+    assert reset.done and job.net.agents[0].incarnation == 1
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_reset_while_a_rank_is_between_calls_resends_its_last_result(seed: int) -> None:
+    """World 2: the root of the last broadcast has finished it (and the program) when its
+    link to the other rank resets; that rank still needs the end of the stream.  The root,
+    between calls, must send the retained result in its place."""
+    program = [[Spec("allreduce", 100), Spec("broadcast", 300, root=1)]]
+    reset = Reset(1, 0, (0, 1), 1 << 30)  # rank 1 receives nothing: reset as it completes
+    job = ResetJob(2, program, seed=seed, resets=[reset], max_piece=7, **KW)
+    job.run()
+    job.check()
+    assert reset.done

@@ -207,10 +207,15 @@ class RecoveryMixin:
 
     def _replaying(self) -> bool:
         """A restarted rank before the call its neighbours are in.  Once it is in that call
-        (resumed at the offsets) it answers a newly restarted neighbour like a survivor."""
+        (resumed at the offsets), or past it between two calls, it answers a neighbour like
+        a survivor: a neighbour still blocked in that call waits for this rank's word on it
+        (a result, or ``need -1``), which a rank that says it replays would never give."""
+        if not self.restarted:
+            return False
         active = self.active
-        return self.restarted and not (active is not None
-                                       and active.call_id >= self._live_frontier())
+        if active is not None:
+            return active.call_id < self._live_frontier()
+        return (self.version, self.seqno) <= self._live_frontier()
 
     def _on_state(self, peer: int, link: Link, state: PeerState,
                   cmds: list[Command]) -> None:
@@ -239,6 +244,15 @@ class RecoveryMixin:
         if state.active and state.at >= current and (active is None or state.at > current):
             link.pending = state  # a call we have not begun: settled when we begin it
             self._pending_states = True
+        if (state.active and state.at < current and state.need >= 0
+                and (got := self.results.get(state.at)) is not None):
+            # it is still in a call we finished (we may be in a later one, or between
+            # calls), and our stream of it went down with the old connection: the result
+            # stands in for it.  Not when it takes none of our stream of that call (need
+            # -1, a link off the call's route): its input comes from another rank, which
+            # is still sending it
+            self._reply(peer, 0, state.at, got[0], got[1], cmds)
+            return
         if active is None:
             return
         if state.at == active.call_id:
@@ -256,10 +270,6 @@ class RecoveryMixin:
         elif state.at > active.call_id:
             link.awaiting_need = False  # it finished our call: it needs nothing more of it
             self._apply_need(active, peer, -1)
-        elif state.active and (got := self.results.get(state.at)) is not None:
-            # it is still in a call we finished, and our stream of it went down with the
-            # old connection: the result stands in for it
-            self._reply(peer, 0, state.at, got[0], got[1], cmds)
 
     def states_known(self) -> bool:
         """Every neighbour has sent its state (a restarted rank waits for this in init)."""
