@@ -583,3 +583,17 @@ def test_a_reset_while_a_rank_is_between_calls_resends_its_last_result(seed: int
     job.run()
     job.check()
     assert reset.done
+
+
+def test_a_neighbour_lost_while_a_restarted_rank_is_in_its_resumed_call_is_a_typed_error() -> None:
+    """Rank 0 dies mid ring allreduce and resumes it at the offsets its neighbours held;
+    while it is still in that call its ring neighbour 6 dies and its replacement asks for
+    0's stream from an earlier byte than the resume made.  Rank 0 must refuse (typed error
+    on every rank), not send its buffer's unreduced bytes in place of partial sums."""
+    program = [[Spec("allreduce", 5000), Spec("allreduce", 1500)]]
+    kills = [Kill(0, (0, 0), 30_420, restart_after=1492),
+             Kill(6, (0, 0), 28_602, restart_after=5512)]
+    job = Job(7, program, seed=130, kills=kills, max_piece=2007,
+              **{**KW, "tree_chunk": 4096})
+    with pytest.raises(UnrecoverableError, match="resumed that call from byte"):
+        job.run()

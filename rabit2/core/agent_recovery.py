@@ -332,6 +332,8 @@ class RecoveryMixin:
                               active)
         for q in live:
             st = self.peer_states[q]
+            if not finished:
+                active.floors[q] = max(0, st.need)
             self._apply_need(active, q, st.need, seen=st.seen)
             if q in plan.in_streams:
                 self._send_control(q, {"t": "need", "call": list(call), "from": needs[q]},
@@ -391,6 +393,16 @@ class RecoveryMixin:
             raise UnrecoverableError(
                 f"rank {peer} needs partial sums of call {active.call_id} from byte {offset}, "
                 f"but rank {self.rank} restarted and holds only that call's result")
+        if offset < min(active.floors.get(peer, 0), stream.length):
+            # the resume asked the in-streams only for what the out-streams needed then:
+            # bytes below the floor were never made here, and sending the buffer's content
+            # in their place would corrupt the result
+            raise UnrecoverableError(
+                f"rank {peer} needs call {active.call_id} from byte {offset}, but rank "
+                f"{self.rank} was restarted and resumed that call from byte "
+                f"{active.floors[peer]} of its stream to rank {peer}: a neighbour lost while "
+                "a restarted rank is still in the call it resumed is not recovered "
+                "(docs/recovery.md)")
         old = active.sent.get(peer, 0)
         self._recovery_stats["resent_bytes"] += max(0, old - offset)
         active.sent[peer] = offset

@@ -200,8 +200,9 @@ class Fetch:
 class ActiveCall:
     """Bookkeeping of the call in progress."""
 
-    __slots__ = ("call", "call_id", "deferred", "desc", "fetching", "final", "frames_seen",
-                 "mirror", "mirrored", "plan", "prefix", "sent", "skip_in", "started_empty")
+    __slots__ = ("call", "call_id", "deferred", "desc", "fetching", "final", "floors",
+                 "frames_seen", "mirror", "mirrored", "plan", "prefix", "sent", "skip_in",
+                 "started_empty")
 
     def __init__(self, call: Call, call_id: tuple[int, int], desc: CallDescriptor,
                  plan: Plan) -> None:
@@ -216,6 +217,9 @@ class ActiveCall:
         self.fetching = 0  # fetches whose bytes this call still waits for
         self.final = False  # the whole result is fetched: every out-stream can be served
         self.skip_in: set[int] = set()  # in-streams this call does not wait for any more
+        # a call resumed at offsets: the out-stream byte from which each peer's stream can
+        # be made (what that peer held when the resume was computed)
+        self.floors: dict[int, int] = {}
         # needs for the out-streams of a broadcast whose size this rank does not know yet
         self.deferred: dict[int, tuple[int, bool]] = {}
         # recovery on, a broadcast's receiver: the retained copy of the stream, made as the
