@@ -595,5 +595,19 @@ def test_a_neighbour_lost_while_a_restarted_rank_is_in_its_resumed_call_is_a_typ
              Kill(6, (0, 0), 28_602, restart_after=5512)]
     job = Job(7, program, seed=130, kills=kills, max_piece=2007,
               **{**KW, "tree_chunk": 4096})
-    with pytest.raises(UnrecoverableError, match="resumed that call from byte"):
+    with pytest.raises(UnrecoverableError, match="resumed that call past it"):
         job.run()
+
+
+def test_one_need_per_call_when_a_link_resets_while_a_restarted_rank_is_between_calls() -> None:
+    """World 2: rank 0 dies after its first call, is restarted and replays it; its link
+    then resets while it is between that call and the one rank 1 is blocked in.  It begins
+    that call (asking for rank 1's stream with a need) before rank 1's state from the new
+    connection arrives; that state must not make it ask a second time, or rank 1 sends
+    its stream twice and the copy lands in the next call."""
+    program = [[Spec("allgather", 1)], [Spec("allreduce", 100)]]
+    job = ResetJob(2, program, seed=727, kills=[Kill(0, (0, 0), 11_250, restart_after=1935)],
+                   resets=[Reset(0, 1, (0, 0), 32_153)], max_piece=1869, **KW)
+    job.run()
+    job.check()
+    assert job.resets[0].done and job.net.agents[0].incarnation == 1

@@ -602,8 +602,7 @@ class Agent(RecoveryMixin):
                     # the link came up it waits to hear that we hold none of its stream
                     self._apply_need(active, peer, state.need, seen=state.seen)
                     if link.up_at < call_id and peer in plan.in_streams:
-                        self._send_control(peer, {"t": "need", "call": list(call_id),
-                                                  "from": 0}, cmds)
+                        self._send_need(peer, call_id, 0, cmds)
         except RabitError as exc:
             self._fail(exc, cmds)
             return cmds

@@ -167,7 +167,7 @@ class RecoveryMixin:
         was_down = not link.up
         link.incarnation = incarnation
         link.up = True
-        link.state = link.pending = None
+        link.state = link.pending = link.need_sent = None
         self.dead_links.pop(peer, None)
         self.down_since.pop(peer, None)
         active = self.active
@@ -265,8 +265,7 @@ class RecoveryMixin:
             elif state.active and link.up_at < active.call_id and peer in active.plan.in_streams:
                 # we were behind when the link came up and began this call since: the peer
                 # still waits to hear how much of its stream we hold
-                self._send_control(peer, {"t": "need", "call": list(active.call_id),
-                                          "from": link.pos}, cmds)
+                self._send_need(peer, active.call_id, link.pos, cmds)
         elif state.at > active.call_id:
             link.awaiting_need = False  # it finished our call: it needs nothing more of it
             self._apply_need(active, peer, -1)
@@ -332,12 +331,9 @@ class RecoveryMixin:
                               active)
         for q in live:
             st = self.peer_states[q]
-            if not finished:
-                active.floors[q] = max(0, st.need)
             self._apply_need(active, q, st.need, seen=st.seen)
             if q in plan.in_streams:
-                self._send_control(q, {"t": "need", "call": list(call), "from": needs[q]},
-                                   cmds)
+                self._send_need(q, call, needs[q], cmds)
 
     def _fetch_result(self, active: ActiveCall, finished: list[int], cmds: list[Command]) -> None:
         call = active.call_id
@@ -374,6 +370,15 @@ class RecoveryMixin:
             raise ProtocolError(f"rank {peer} resumes call {call}, which rank {self.rank} "
                                 "has not started")
 
+    def _send_need(self, peer: int, call: CallId, offset: int, cmds: list[Command]) -> None:
+        """Tell ``peer`` from which byte of its stream of ``call`` to send (-1: none of it),
+        once per call and connection."""
+        link = self.links[peer]
+        if link.need_sent == call:
+            return
+        link.need_sent = call
+        self._send_control(peer, {"t": "need", "call": list(call), "from": offset}, cmds)
+
     def _apply_need(self, active: ActiveCall, peer: int, offset: int,
                     seen: bool = False) -> None:
         plan = active.plan
@@ -393,15 +398,14 @@ class RecoveryMixin:
             raise UnrecoverableError(
                 f"rank {peer} needs partial sums of call {active.call_id} from byte {offset}, "
                 f"but rank {self.rank} restarted and holds only that call's result")
-        if offset < min(active.floors.get(peer, 0), stream.length):
+        if offset < stream.length and not active.plan.serves_from(peer, offset):
             # the resume asked the in-streams only for what the out-streams needed then:
-            # bytes below the floor were never made here, and sending the buffer's content
-            # in their place would corrupt the result
+            # bytes made from skipped input cannot be made here, and sending the buffer's
+            # content in their place would corrupt the result
             raise UnrecoverableError(
                 f"rank {peer} needs call {active.call_id} from byte {offset}, but rank "
-                f"{self.rank} was restarted and resumed that call from byte "
-                f"{active.floors[peer]} of its stream to rank {peer}: a neighbour lost while "
-                "a restarted rank is still in the call it resumed is not recovered "
+                f"{self.rank} was restarted and resumed that call past it: a neighbour lost "
+                "while a restarted rank is still in the call it resumed is not recovered "
                 "(docs/recovery.md)")
         old = active.sent.get(peer, 0)
         self._recovery_stats["resent_bytes"] += max(0, old - offset)

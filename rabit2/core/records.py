@@ -140,8 +140,8 @@ class Link:
     """Receive-side framing state of one peer link."""
 
     __slots__ = ("awaiting_need", "awaiting_state", "blob", "blob_fetch", "body_kind", "end",
-                 "error_buf", "filled", "frame", "incarnation", "mode", "pending", "pos",
-                 "remaining", "scratch", "send_scratch", "stage", "start", "state", "up",
+                 "error_buf", "filled", "frame", "incarnation", "mode", "need_sent", "pending",
+                 "pos", "remaining", "scratch", "send_scratch", "stage", "start", "state", "up",
                  "up_at", "up_call")
 
     def __init__(self) -> None:
@@ -174,6 +174,9 @@ class Link:
         # the link just came up: send nothing of any call until the peer's state arrived
         # (what we send may depend on it, and an answer to it must not be overtaken)
         self.awaiting_state = False
+        # the call whose "need" this rank sent on the current connection (one per call: a
+        # second one would make the peer send its stream again)
+        self.need_sent: CallId | None = None
 
     def reset_framing(self, pos: int) -> None:
         """A new connection: nothing of the old one's partial frames carries over."""
@@ -200,9 +203,8 @@ class Fetch:
 class ActiveCall:
     """Bookkeeping of the call in progress."""
 
-    __slots__ = ("call", "call_id", "deferred", "desc", "fetching", "final", "floors",
-                 "frames_seen", "mirror", "mirrored", "plan", "prefix", "sent", "skip_in",
-                 "started_empty")
+    __slots__ = ("call", "call_id", "deferred", "desc", "fetching", "final", "frames_seen",
+                 "mirror", "mirrored", "plan", "prefix", "sent", "skip_in", "started_empty")
 
     def __init__(self, call: Call, call_id: tuple[int, int], desc: CallDescriptor,
                  plan: Plan) -> None:
@@ -217,9 +219,6 @@ class ActiveCall:
         self.fetching = 0  # fetches whose bytes this call still waits for
         self.final = False  # the whole result is fetched: every out-stream can be served
         self.skip_in: set[int] = set()  # in-streams this call does not wait for any more
-        # a call resumed at offsets: the out-stream byte from which each peer's stream can
-        # be made (what that peer held when the resume was computed)
-        self.floors: dict[int, int] = {}
         # needs for the out-streams of a broadcast whose size this rank does not know yet
         self.deferred: dict[int, tuple[int, bool]] = {}
         # recovery on, a broadcast's receiver: the retained copy of the stream, made as the

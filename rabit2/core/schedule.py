@@ -141,6 +141,14 @@ class Plan:
         del peer
         return 0
 
+    def serves_from(self, peer: int, offset: int) -> bool:
+        """Whether this rank can (still) send its stream to ``peer`` from ``offset``.  Always
+        on a plan that was not resumed; after :meth:`resume`, the in-streams restart where the
+        out-streams needed them then, and bytes made from skipped input cannot be sent (a
+        neighbour lost again while this rank is still in the call would ask for them)."""
+        del peer, offset
+        return True
+
 
 class TreeAllreduce(Plan):
     """Reduce up the tree into ``buf`` and broadcast the result down, pipelined in chunks.
@@ -174,6 +182,7 @@ class TreeAllreduce(Plan):
         n = len(buf)
         itemsize = dtype.itemsize
         self.chunk = max(itemsize, chunk - chunk % itemsize)
+        self.up_from = 0  # a resumed non-root: the first up-stream byte it can make
         self.scratch = {c: scratch(c, n) for c in self.children}
         ins = {c: Stream([self.scratch[c]]) for c in self.children}
         outs = {c: Stream([buf]) for c in self.children}
@@ -242,6 +251,7 @@ class TreeAllreduce(Plan):
             start = z - z % itemsize
             if self.children:
                 self.reduced = start
+                self.up_from = start
                 for c in self.children:
                     self.received[c] = start
             return Resume({self.parent: 0, **dict.fromkeys(self.children, start)})
@@ -258,6 +268,10 @@ class TreeAllreduce(Plan):
     def final_from(self, peer: int) -> int:
         # the up-stream carries partial sums (at the root there is none); down is the result
         return len(self.buf) if peer == self.parent else 0
+
+    def serves_from(self, peer: int, offset: int) -> bool:
+        # up: the children resent their contributions from ``up_from`` only; down: results
+        return peer != self.parent or offset >= self.up_from
 
 
 class PairExchange(Plan):
@@ -464,6 +478,7 @@ class RingAllreduce(_RingChain):
         self.own_segment = own  # reduced last (the final in-piece of reduce-scatter)
         self.staged = stage_gather
         self.own_in_start = rs_bytes - (own[1] - own[0])
+        self.in_from: int | None = None  # a resumed plan: where its in-stream restarted
 
     def resume(self, out_needs: dict[int, int]) -> Resume:
         """``prev`` holds ``z`` bytes of our stream.  Out byte ``q >= first_out`` forwards in
@@ -475,6 +490,7 @@ class RingAllreduce(_RingChain):
         z = out_needs.get(self.prev, 0)
         pos = min(self._align_in(max(0, z - self._first_out)), self.rs_bytes)
         self._skip_to(pos)
+        self.in_from = pos
         fetch = []
         if pos > self.own_in_start:
             lo = self.own_segment[0]
@@ -483,6 +499,19 @@ class RingAllreduce(_RingChain):
 
     def final_from(self, peer: int) -> int:
         return self._first_out + self.own_in_start  # the allgather part of the out-stream
+
+    def serves_from(self, peer: int, offset: int) -> bool:
+        """Out byte ``q >= first_out`` forwards in byte ``q - first_out``, skipped below
+        ``in_from`` after a resume.  The first out-piece is this rank's own input, intact
+        until the allgather lands this rank's first result segment over it."""
+        del peer
+        if self.in_from is None:
+            return True  # not resumed: a live rank (docs/recovery.md shows it holds the bytes)
+        if offset >= self._first_out:
+            return offset - self._first_out >= self.in_from
+        # the allgather overwrites the first out-piece from its start as its result arrives
+        overwritten = min(max(0, self.received[self.next] - self.rs_bytes), self._first_out)
+        return self.in_from == 0 and offset >= overwritten
 
 
 class RingAllgather(_RingChain):
