@@ -611,3 +611,23 @@ def test_one_need_per_call_when_a_link_resets_while_a_restarted_rank_is_between_
     job.run()
     job.check()
     assert job.resets[0].done and job.net.agents[0].incarnation == 1
+
+
+@pytest.mark.parametrize(("world", "program", "kill", "reset", "seed", "max_piece"), [
+    (6, [[Spec("allreduce", 5000), Spec("allreduce", 999), Spec("allreduce", 1500)]],
+     Kill(4, (0, 2), 20_994, restart_after=1953), Reset(4, 3, (0, 2), 32_850), 582, 5079),
+    (8, [[Spec("allgather", 50)]],
+     Kill(7, (0, 0), 34_447, restart_after=3819), Reset(7, 6, (0, 0), 8502), 651, 1330),
+], ids=["ring", "allgather"])
+def test_a_reset_while_the_restarted_rank_replays_gets_the_result_to_the_blocked_neighbour(
+        world: int, program: list[list[Spec]], kill: Kill, reset: Reset, seed: int,
+        max_piece: int) -> None:
+    """The restarted rank replays the call its neighbour is blocked in from the result
+    (another neighbour finished it) and serves the blocked one from it; their link resets
+    before the last bytes arrive.  The restarted rank, still replaying, must send the result
+    again on the new connection (the neighbour waits for nothing else)."""
+    job = ResetJob(world, program, seed=seed, kills=[kill], resets=[reset],
+                   max_piece=max_piece, **{**KW, "tree_chunk": 64 if world == 6 else 4096})
+    job.run()
+    job.check()
+    assert reset.done

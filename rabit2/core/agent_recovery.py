@@ -226,6 +226,7 @@ class RecoveryMixin:
         link.awaiting_state = False
         if self._replaying():
             self.peer_states[peer] = state
+            self._stand_in(peer, state, cmds)  # (a reset while this rank replays)
         else:
             self._settle_state(peer, link, state, cmds)
         if self.active is not None and self.error is None:
@@ -244,16 +245,7 @@ class RecoveryMixin:
         if state.active and state.at >= current and (active is None or state.at > current):
             link.pending = state  # a call we have not begun: settled when we begin it
             self._pending_states = True
-        if (state.active and state.at < current and state.need >= 0
-                and (got := self.results.get(state.at)) is not None):
-            # it is still in a call we finished (we may be in a later one, or between
-            # calls), and our stream of it went down with the old connection: the result
-            # stands in for it.  Not when it takes none of our stream of that call (need
-            # -1, a link off the call's route): its input comes from another rank, which
-            # is still sending it
-            self._reply(peer, 0, state.at, got[0], got[1], cmds)
-            return
-        if active is None:
+        if self._stand_in(peer, state, cmds) or active is None:
             return
         if state.at == active.call_id:
             if link.up_call == active.call_id:
@@ -269,6 +261,20 @@ class RecoveryMixin:
         elif state.at > active.call_id:
             link.awaiting_need = False  # it finished our call: it needs nothing more of it
             self._apply_need(active, peer, -1)
+
+    def _stand_in(self, peer: int, state: PeerState, cmds: list[Command]) -> bool:
+        """``peer`` is still in a call this rank finished (it may be in a later one, or
+        between calls, or replaying), and this rank's stream of it went down with the old
+        connection: send the retained result in its place.  Not when the peer takes none of
+        our stream of that call (need -1, a link off the call's route): its input comes from
+        another rank, which is still sending it."""
+        active = self.active
+        current = active.call_id if active is not None else (self.version, self.seqno)
+        if (state.active and not state.recovering and state.at < current and state.need >= 0
+                and (got := self.results.get(state.at)) is not None):
+            self._reply(peer, 0, state.at, got[0], got[1], cmds)
+            return True
+        return False
 
     def states_known(self) -> bool:
         """Every neighbour has sent its state (a restarted rank waits for this in init)."""
