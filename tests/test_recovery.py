@@ -631,3 +631,19 @@ def test_a_reset_while_the_restarted_rank_replays_gets_the_result_to_the_blocked
     job.run()
     job.check()
     assert reset.done
+
+
+def test_a_replayed_broadcast_whose_in_link_has_not_begun_it_is_received_not_fetched() -> None:
+    """Rank 4 dies; its neighbours run ahead through broadcasts that avoid it, except rank
+    6, its in-link for the broadcast from root 3, which is still blocked earlier.  The
+    restarted rank replays that broadcast: rank 3 finished it, but fetching the result
+    from 3 would end the call while 6 (which begins it later) sends the whole stream into
+    the next call.  It must take the stream from 6."""
+    program = [[Spec("allgather", 1), Spec("allgather", 2000)],
+               [Spec("allreduce", 7), Spec("object", 20_000, root=5)],
+               [Spec("broadcast", 20_000, root=3)]]
+    job = ResetJob(7, program, seed=728, kills=[Kill(4, (1, 0), 22_709, restart_after=3128)],
+                   resets=[Reset(1, 0, (0, 1), 38_135)], max_piece=5554, **KW)
+    job.run()
+    job.check()
+    assert job.net.agents[4].incarnation == 1

@@ -309,7 +309,16 @@ class RecoveryMixin:
         if not finished and not live:
             return
         plan = active.plan
-        if finished:
+        if finished and isinstance(plan, TreeBroadcast) and roles.get(plan.in_link) is Role.FRESH:
+            # a broadcast that reached the neighbours who finished it by another route:
+            # this rank's in-link has not begun it, and will send the whole stream when it
+            # does.  Fetching the result as well would end the call under that stream
+            self._recovery_stats["resumed_calls"] += 1
+            needs = {p: -1 for p in live}  # (downstream: their announce frames are not needed)
+            active.skip_in.update(p for p, role in roles.items() if role is not Role.FRESH)
+            for p in finished:
+                self._apply_need(active, p, -1)
+        elif finished:
             self._recovery_stats["replayed_calls"] += 1
             self._fetch_result(active, finished, cmds)
             needs = {p: -1 for p in live}  # their streams of this call are not needed now
