@@ -647,3 +647,20 @@ def test_a_replayed_broadcast_whose_in_link_has_not_begun_it_is_received_not_fet
     job.run()
     job.check()
     assert job.net.agents[4].incarnation == 1
+
+
+def test_a_reset_during_an_unsized_broadcast_waits_for_the_peers_need() -> None:
+    """Ranks 5 and 0 reset their link while rank 0 receives a small object broadcast whose
+    size it does not know yet (so it has no out-stream to 5 yet) and 5 is still one call
+    behind.  When the size arrives, rank 0 must still wait for 5's need before sending:
+    sending at once and again from the need doubled the stream (protocol error)."""
+    program = [[Spec("allreduce", 12_000), Spec("allreduce", 100)],
+               [Spec("allreduce", 12_000)],
+               [Spec("broadcast", 20_000, root=0), Spec("object", 1, root=2),
+                Spec("allreduce", 12_000)]]
+    reset = Reset(5, 0, (2, 0), 30_007)
+    job = ResetJob(6, program, seed=289, kills=[Kill(0, (2, 2), 16_955, restart_after=472)],
+                   resets=[reset], max_piece=4794, **{**KW, "tree_chunk": 64})
+    job.run()
+    job.check()
+    assert reset.done

@@ -50,6 +50,13 @@ from rabit2.errors import MismatchError, ProtocolError, RabitError, Unrecoverabl
 State, Event = fsm.State, fsm.Event
 
 
+def _sends_to(plan: Plan, peer: int) -> bool:
+    """Whether ``plan`` has (or, a broadcast whose size is not known yet, will have) an
+    out-stream to ``peer``."""
+    return peer in plan.out_streams or (isinstance(plan, TreeBroadcast) and not plan.sized
+                                        and peer in plan.out_links)
+
+
 class RecoveryMixin:
     """Recovery behaviour of :class:`~rabit2.core.agent.Agent` (see the module docstring)."""
 
@@ -176,7 +183,7 @@ class RecoveryMixin:
         link.up_at = link.up_call or (self.version, self.seqno)
         if was_down:
             self._recovery_stats["links_up"] += 1
-            if active is not None and peer in active.plan.out_streams:
+            if active is not None and _sends_to(active.plan, peer):
                 link.awaiting_need = True
         if self.recover:
             link.awaiting_state = True
