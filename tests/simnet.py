@@ -109,6 +109,9 @@ class SimNet:
                 target[:n] = data[pos : pos + n]
                 pos += n
                 self.execute(dst, self.agents[dst].on_bytes(src, n, self.now))
+        # what either side wrote while those last bytes arrived went to the dead connection
+        for src, dst in pending:
+            del self.queues[(src, dst)][:]
         self.paused.discard((a, b))
         self.paused.discard((b, a))
         self.execute(a, self.agents[a].on_hangup(b, "reset", self.now))
