@@ -411,6 +411,8 @@ class ResetJob(Job):
             flight = self.inflight.get(reset.a)
             if reset.done or flight is None or (flight[0], flight[1]) != reset.at:
                 continue
+            if reset.b in self.net.dead:
+                continue  # (a link to a dead rank is down already: nothing to reset)
             got = self.net.agents[reset.a].statistics().bytes_received - flight[3]
             if got >= reset.after_bytes or reset.a in self.net.done:
                 self.net.reset(reset.a, reset.b)
@@ -664,3 +666,15 @@ def test_a_reset_during_an_unsized_broadcast_waits_for_the_peers_need() -> None:
     job.run()
     job.check()
     assert reset.done
+
+
+def test_a_stand_in_dropped_two_checkpoints_ago_is_a_typed_error_not_a_hang() -> None:
+    """World 3: rank 2 finishes an allgather, then a broadcast that avoids rank 1, and
+    checkpoints twice while rank 1 still receives the end of 2's allgather stream; their
+    link then resets.  Rank 2 no longer retains that result (two generations), so rank 1
+    cannot finish: it must fail at once with UnrecoverableError, not wait forever."""
+    program = [[Spec("allgather", 2000)], [Spec("broadcast", 1)]]
+    job = ResetJob(3, program, seed=2098, resets=[Reset(2, 1, (1, 0), 30_104)],
+                   max_piece=2509, **{**KW, "tree_chunk": 64})
+    with pytest.raises(UnrecoverableError, match="no longer retains"):
+        job.run()

@@ -91,6 +91,8 @@ class RecoveryMixin:
         def _maybe_complete(self, active: ActiveCall, cmds: list[Command]) -> None: ...
         def _size_to(self, plan: TreeBroadcast, total: int, active: ActiveCall) -> None: ...
         def _received(self, plan: Plan, peer: int, pos: int) -> None: ...
+        @staticmethod
+        def _needs_input(active: ActiveCall, peer: int) -> bool: ...
 
     # ------------------------------------------------------------------ local models
 
@@ -277,11 +279,22 @@ class RecoveryMixin:
         another rank, which is still sending it."""
         active = self.active
         current = active.call_id if active is not None else (self.version, self.seqno)
-        if (state.active and not state.recovering and state.at < current and state.need >= 0
-                and (got := self.results.get(state.at)) is not None):
+        if not (state.active and not state.recovering and state.at < current
+                and state.need >= 0):
+            return False
+        got = self.results.get(state.at)
+        if got is not None:
             self._reply(peer, 0, state.at, got[0], got[1], cmds)
-            return True
-        return False
+        elif state.at < self.results.oldest:
+            # dropped (more than two checkpoints ago, or too large to keep): say so, and
+            # the peer fails at once if it still needs our bytes of that call
+            self._reply(peer, 0, state.at, NO_CALL, None, cmds,
+                        f"rank {self.rank} finished call {state.at} and no longer retains "
+                        "its result (it ran more than two checkpoints ahead, or the result "
+                        "is larger than rabit2_replay_mb)")
+        else:
+            return False
+        return True
 
     def states_known(self) -> bool:
         """Every neighbour has sent its state (a restarted rank waits for this in init)."""
@@ -528,6 +541,12 @@ class RecoveryMixin:
         request = msg["id"]
         active = self.active
         current = active.call_id if active is not None else (self.version, self.seqno)
+        if request == 0 and not msg["found"]:
+            # a neighbour that finished our call no longer holds its stream for us
+            if active is not None and call == active.call_id and self._needs_input(active, peer):
+                raise UnrecoverableError(f"rank {self.rank} cannot finish call {call}: "
+                                         f"{msg['reason']}")
+            return
         if request == 0 and (call < current or (active is not None and active.final
                                                  and call == current)):
             # a result sent for a call we meanwhile finished (or already have): read, drop
