@@ -752,3 +752,17 @@ def test_random_fault_plans(seed: int) -> None:
 def test_random_fault_plans_soak(seed: int) -> None:
     """The same, over many more plans (``pytest --slow -k soak``, a few minutes)."""
     _run_random_plan(seed)
+
+
+def test_a_reset_with_a_restarted_rank_that_replayed_past_the_call_releases_it() -> None:
+    """Rank 6 is restarted and replays past the call rank 4 is blocked in; their link then
+    resets while 6 is between calls, still replaying.  Rank 4 must not wait for a need from
+    6 for that call (6 needs none of it any more)."""
+    program = [[Spec("broadcast", 3000, root=2)],
+               [Spec("allreduce", 7), Spec("broadcast", 3000, root=1), Spec("allreduce", 999)]]
+    reset = Reset(6, 4, (1, 0), 17_781)
+    job = ResetJob(7, program, seed=1743, kills=[Kill(6, (1, 0), 30_020, restart_after=3436)],
+                   resets=[reset], max_piece=1698, **{**KW, "tree_chunk": 64})
+    job.run()
+    job.check()
+    assert reset.done

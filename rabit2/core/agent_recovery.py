@@ -247,7 +247,11 @@ class RecoveryMixin:
         """A live rank hears where a peer stands on a new connection to it."""
         active = self.active
         if state.recovering:
-            return  # a restarted peer says what it needs with a "need" when it gets there
+            if active is not None and state.at > active.call_id:
+                # a restarted peer that replayed past our call: it needs none of our stream
+                link.awaiting_need = False
+                self._apply_need(active, peer, -1)
+            return  # otherwise it says what it needs with a "need" when it gets there
         # the same process came back on a new connection (the old one was reset): its state
         # says how much of our stream of its current call it holds
         current = active.call_id if active is not None else (self.version, self.seqno)
