@@ -766,3 +766,16 @@ def test_a_reset_with_a_restarted_rank_that_replayed_past_the_call_releases_it()
     job.run()
     job.check()
     assert reset.done
+
+
+@pytest.mark.parametrize("seed", [672, 1716, 1975, 9164])
+def test_resets_with_a_rank_that_is_still_replaying(seed: int) -> None:
+    """Soak plans where a link resets while one end is a restarted rank still replaying
+    (receiving a broadcast from an in-link that had not begun it, or already past the other
+    end's call): neither end sends another need for that call, so each must act on the
+    other's state (resend from its need, stand in with the result, or release the stream
+    of a call the other finished)."""
+    job, _ = _random_plan(seed)
+    job.run()
+    job.check()
+    assert any(reset.done for reset in job.resets)

@@ -206,7 +206,7 @@ class RecoveryMixin:
         active = self.active
         at = active.call_id if active is not None else (self.version, self.seqno)
         need, seen = -1, False
-        if active is not None and peer in active.plan.in_streams:
+        if active is not None and peer in active.plan.in_streams and peer not in active.skip_in:
             need = active.plan.received[peer]
             seen = active.frames_seen.get(peer, 0) > 0
         locals_ = tuple(sorted(v for owner, v in self.local_models if owner == peer))
@@ -235,7 +235,9 @@ class RecoveryMixin:
         link.awaiting_state = False
         if self._replaying():
             self.peer_states[peer] = state
-            self._stand_in(peer, state, cmds)  # (a reset while this rank replays)
+            # (a reset while this rank replays)
+            if not self._stand_in(peer, state, cmds):
+                self._resend_after_reset(peer, link, state)
         else:
             self._settle_state(peer, link, state, cmds)
         if self.active is not None and self.error is None:
@@ -247,10 +249,9 @@ class RecoveryMixin:
         """A live rank hears where a peer stands on a new connection to it."""
         active = self.active
         if state.recovering:
-            if active is not None and state.at > active.call_id:
-                # a restarted peer that replayed past our call: it needs none of our stream
-                link.awaiting_need = False
-                self._apply_need(active, peer, -1)
+            if self._stand_in(peer, state, cmds) or active is None:
+                return
+            self._resend_after_reset(peer, link, state)
             return  # otherwise it says what it needs with a "need" when it gets there
         # the same process came back on a new connection (the old one was reset): its state
         # says how much of our stream of its current call it holds
@@ -275,6 +276,22 @@ class RecoveryMixin:
             link.awaiting_need = False  # it finished our call: it needs nothing more of it
             self._apply_need(active, peer, -1)
 
+    def _resend_after_reset(self, peer: int, link: Link, state: PeerState) -> None:
+        """Where a restarted rank (on either side) will send no ``need`` for our current
+        call, the state is the answer: the peer is past the call (it needs none of our
+        stream), or the link reset while both were in it (resend from its ``need``, as
+        between two survivors)."""
+        active = self.active
+        if active is None:
+            return
+        if state.at > active.call_id:
+            link.awaiting_need = False
+            self._apply_need(active, peer, -1)
+        elif (state.active and state.at == active.call_id
+              and link.up_call == active.call_id):
+            link.awaiting_need = False
+            self._apply_need(active, peer, state.need, seen=state.seen)
+
     def _stand_in(self, peer: int, state: PeerState, cmds: list[Command]) -> bool:
         """``peer`` is still in a call this rank finished (it may be in a later one, or
         between calls, or replaying), and this rank's stream of it went down with the old
@@ -283,8 +300,7 @@ class RecoveryMixin:
         another rank, which is still sending it."""
         active = self.active
         current = active.call_id if active is not None else (self.version, self.seqno)
-        if not (state.active and not state.recovering and state.at < current
-                and state.need >= 0):
+        if not (state.active and state.at < current and state.need >= 0):
             return False
         got = self.results.get(state.at)
         if got is not None:
