@@ -768,6 +768,16 @@ def test_a_reset_with_a_restarted_rank_that_replayed_past_the_call_releases_it()
     assert reset.done
 
 
+def test_a_reset_peers_state_for_a_call_two_ahead_waits_for_that_call() -> None:
+    """A link resets while rank 3 is already in a call that rank 2 will begin only after
+    one more call: 3's state must be kept until 2 begins that call (2 then tells 3 where
+    to resend from), not dropped when 2 begins the call in between (3 waited forever)."""
+    job, _ = _random_plan(10099)
+    job.run()
+    job.check()
+    assert any(reset.done for reset in job.resets)
+
+
 @pytest.mark.parametrize("seed", [672, 1716, 1975, 9164])
 def test_resets_with_a_rank_that_is_still_replaying(seed: int) -> None:
     """Soak plans where a link resets while one end is a restarted rank still replaying

@@ -596,8 +596,11 @@ class Agent(RecoveryMixin):
             if self.restarted:
                 self._begin_replay(active, cmds)
             for peer, link in self.links.items() if self._pending_states else ():
-                state, link.pending = link.pending, None
-                if state is not None and state.at == call_id and link.up:
+                state = link.pending
+                if state is None or state.at > call_id:
+                    continue  # (a later call: kept until this rank begins that one)
+                link.pending = None
+                if state.at == call_id and link.up:
                     # a peer whose link was reset waits in this call; if we were behind when
                     # the link came up it waits to hear that we hold none of its stream
                     self._apply_need(active, peer, state.need, seen=state.seen)
