@@ -778,6 +778,17 @@ def test_a_reset_peers_state_for_a_call_two_ahead_waits_for_that_call() -> None:
     assert any(reset.done for reset in job.resets)
 
 
+def test_a_second_reset_while_a_stand_in_result_arrives_asks_for_it_again() -> None:
+    """World 2: after a reset rank 0 (already done with the call) sends rank 1 the 160 kB
+    result in place of its stream; the link resets again before that blob has arrived.
+    Rank 1 must ask for it again on the new connection instead of waiting for the rest of
+    a blob that went down with the old one."""
+    job, _ = _random_plan(4055)
+    job.run()
+    job.check()
+    assert all(reset.done for reset in job.resets)
+
+
 @pytest.mark.parametrize("seed", [672, 1716, 1975, 9164])
 def test_resets_with_a_rank_that_is_still_replaying(seed: int) -> None:
     """Soak plans where a link resets while one end is a restarted rank still replaying

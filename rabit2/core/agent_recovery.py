@@ -174,12 +174,14 @@ class RecoveryMixin:
             raise ProtocolError(f"rank {peer} came back as incarnation {incarnation} after "
                                 f"{link.incarnation}")
         was_down = not link.up
+        same_process = incarnation == link.incarnation
         link.incarnation = incarnation
         link.up = True
         link.state = link.pending = link.need_sent = None
         self.dead_links.pop(peer, None)
         self.down_since.pop(peer, None)
         active = self.active
+        in_flight = link.blob_fetch  # a blob that was arriving on the old connection
         link.reset_framing(active.plan.received.get(peer, 0) if active is not None else 0)
         link.up_call = active.call_id if active is not None else None
         link.up_at = link.up_call or (self.version, self.seqno)
@@ -190,6 +192,8 @@ class RecoveryMixin:
         if self.recover:
             link.awaiting_state = True
             self._send_control(peer, self._state_for(peer).to_msg(), cmds)
+            if was_down and same_process:
+                self._reissue_fetches(peer, in_flight, cmds)
             hops = dict(self._replica_targets()).get(peer)
             if was_down and hops is not None:
                 # a ring neighbour came back without the replicas of our local model
@@ -472,11 +476,34 @@ class RecoveryMixin:
                  active: ActiveCall | None = None) -> None:
         request = self._next_request
         self._next_request += 1
-        self._fetches[request] = Fetch(request, peer, what, call, lo == 0 and hi < 0, dest)
+        self._fetches[request] = Fetch(request, peer, what, call, lo == 0 and hi < 0, dest,
+                                       lo=lo, hi=hi)
         if active is not None:
             active.fetching += 1
         self._send_control(peer, {"t": "fetch", "id": request, "what": what,
                                   "call": list(call), "lo": lo, "hi": hi}, cmds)
+
+    def _reissue_fetches(self, peer: int, in_flight: Fetch | None,
+                         cmds: list[Command]) -> None:
+        """The link to ``peer`` was reset (the same process is back): what this rank had
+        asked it for, and a result it was sending unasked, may be lost with the old
+        connection.  Ask again on the new one (the answers land where the old ones would
+        have)."""
+        lost = [f for f in self._fetches.values() if f.peer == peer]
+        if in_flight is not None and in_flight.request == 0 and in_flight.what == "result":
+            lost.append(in_flight)
+        active = self.active
+        for fetch in lost:
+            self._fetches.pop(fetch.request, None)
+            mine = (fetch.what == "result" and active is not None
+                    and active.call_id == fetch.call)
+            if fetch.what == "result" and not mine:
+                continue  # (a call that is over: nothing waits for it)
+            if mine:
+                assert active is not None
+                active.fetching -= 1
+            self._request(peer, fetch.what, fetch.call, fetch.lo, fetch.hi, fetch.dest, cmds,
+                          active if mine else None)
 
     def _refetch(self, fetch: Fetch, cmds: list[Command]) -> None:
         """The neighbour a fetch went to was lost: ask another one that holds the same."""
