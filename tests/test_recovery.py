@@ -789,6 +789,16 @@ def test_a_second_reset_while_a_stand_in_result_arrives_asks_for_it_again() -> N
     assert all(reset.done for reset in job.resets)
 
 
+def test_a_neighbour_ahead_holds_its_next_call_back_from_a_replaying_rank() -> None:
+    """Rank 2 restarts and fetches the result of a call from rank 3, which meanwhile began
+    a later call with rank 2 on its route.  Sending that call's frames at once put them
+    ahead of the reply on the link; rank 2 held them (a later call) and so never read the
+    reply.  A neighbour now holds a call back from a replaying rank until its need."""
+    job, _ = _random_plan(10593)
+    job.run()
+    job.check()
+
+
 @pytest.mark.parametrize("seed", [672, 1716, 1975, 9164])
 def test_resets_with_a_rank_that_is_still_replaying(seed: int) -> None:
     """Soak plans where a link resets while one end is a restarted rank still replaying

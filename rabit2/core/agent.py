@@ -447,7 +447,8 @@ class Agent(RecoveryMixin):
         if kind == "state":
             self._on_state(peer, link, PeerState.from_msg(msg), cmds)
         elif kind == "need":
-            self._on_need(peer, link, call_id(msg["call"], "need.call"), msg["from"], cmds)
+            self._on_need(peer, link, call_id(msg["call"], "need.call"), msg["from"], cmds,
+                          msg["caught_up"])
         elif kind == "fetch":
             self._on_fetch(peer, msg, cmds)
         elif kind == "reply":
@@ -611,6 +612,8 @@ class Agent(RecoveryMixin):
             return cmds
         if self._pending_states:
             self._pending_states = any(link.pending is not None for link in self.links.values())
+        if self.recover:
+            self._hold_for_replaying(active)
         # frames of this call that arrived early were held: replay their headers now
         for peer in held:
             link = self.links[peer]

@@ -9,6 +9,7 @@ named in the ``TYPE_CHECKING`` block below.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +49,11 @@ from rabit2.core.schedule import Plan, TreeBroadcast
 from rabit2.errors import MismatchError, ProtocolError, RabitError, UnrecoverableError
 
 State, Event = fsm.State, fsm.Event
+
+
+MAX_PENDING_NEEDS = 64
+"""Needs a peer may send for calls this rank has not begun (a replaying peer runs ahead
+through calls that this rank is still to make)."""
 
 
 def _sends_to(plan: Plan, peer: int) -> bool:
@@ -342,6 +348,7 @@ class RecoveryMixin:
         if call > self._live_frontier():
             self.restarted = False  # caught up: from here on this rank is a survivor
             self.peer_states = {}  # a new dict: the API thread may be reading the old one
+            self._need_from_all(active, cmds, caught_up=True)
             return
         if any(st.recovering for st in self.peer_states.values()):
             raise UnrecoverableError(
@@ -351,6 +358,7 @@ class RecoveryMixin:
         finished = [p for p, role in roles.items() if role is Role.FINISHED]
         live = [p for p, role in roles.items() if role is Role.LIVE]
         if not finished and not live:
+            self._need_from_all(active, cmds)
             return
         plan = active.plan
         if finished and isinstance(plan, TreeBroadcast) and roles.get(plan.in_link) is Role.FRESH:
@@ -393,6 +401,18 @@ class RecoveryMixin:
             self._apply_need(active, q, st.need, seen=st.seen)
             if q in plan.in_streams:
                 self._send_need(q, call, needs[q], cmds)
+        self._need_from_all(active, cmds)
+
+    def _need_from_all(self, active: ActiveCall, cmds: list[Command],
+                       caught_up: bool = False) -> None:
+        """A replaying rank tells every neighbour it has not told yet where its stream of
+        this call starts: all of it if this rank takes it, none otherwise (they hold their
+        streams back for it; ``docs/recovery.md``)."""
+        call, plan = active.call_id, active.plan
+        for peer, link in self.links.items():
+            if link.up and link.need_sent != call:
+                takes = peer in plan.in_streams and peer not in active.skip_in
+                self._send_need(peer, call, 0 if takes else -1, cmds, caught_up)
 
     def _fetch_result(self, active: ActiveCall, finished: list[int], cmds: list[Command]) -> None:
         call = active.call_id
@@ -407,10 +427,21 @@ class RecoveryMixin:
         self._request(sources[0], "result", call, 0, -1, dest, cmds, active)
 
     def _on_need(self, peer: int, link: Link, call: CallId, offset: int,
-                 cmds: list[Command]) -> None:
-        """``peer`` holds ``offset`` bytes of our stream of ``call`` (-1: wants none of it)."""
+                 cmds: list[Command], caught_up: bool = False) -> None:
+        """``peer`` holds ``offset`` bytes of our stream of ``call`` (-1: wants none of it).
+        A replaying peer says so for every call it begins (``caught_up``: and it is done
+        replaying)."""
         active = self.active
         current = active.call_id if active is not None else (self.version, self.seqno)
+        if caught_up and link.state is not None:
+            link.state = dataclasses.replace(link.state, recovering=False)
+            if (active is not None and call < current and link.awaiting_need
+                    and _sends_to(active.plan, peer)):
+                # held back for it in a later call: it will need all of that stream
+                link.awaiting_need = False
+                self._apply_need(active, peer, 0)
+                self._pump(active, cmds)
+                self._maybe_complete(active, cmds)
         if active is not None and call == current:
             link.awaiting_need = False
             self._apply_need(active, peer, offset)
@@ -425,18 +456,40 @@ class RecoveryMixin:
                 raise UnrecoverableError(f"rank {peer} resumes call {call}, which rank "
                                          f"{self.rank} finished and no longer retains")
             self._reply(peer, 0, call, got[0], got[1], cmds)
+        elif len(link.pending_needs) < MAX_PENDING_NEEDS:
+            # a replaying peer (or one past its replay while this rank replays) is ahead
+            link.pending_needs[call] = offset  # applied when this rank begins that call
         else:
-            raise ProtocolError(f"rank {peer} resumes call {call}, which rank {self.rank} "
-                                "has not started")
+            raise ProtocolError(f"rank {peer} sent needs for more than {MAX_PENDING_NEEDS} "
+                                f"calls rank {self.rank} has not started")
 
-    def _send_need(self, peer: int, call: CallId, offset: int, cmds: list[Command]) -> None:
+    def _hold_for_replaying(self, active: ActiveCall) -> None:
+        """Starting a call: send nothing of it to a neighbour that is still replaying until
+        it says from where (its ``need``, perhaps already here).  Frames of a later call
+        would stop it reading the link, behind them, the results it fetches from us."""
+        call = active.call_id
+        for peer, link in self.links.items():
+            if link.pending_needs:
+                for old in [c for c in link.pending_needs if c < call]:
+                    del link.pending_needs[old]
+            offset = link.pending_needs.pop(call, None)
+            if not link.up or not _sends_to(active.plan, peer):
+                continue
+            if offset is not None:
+                self._apply_need(active, peer, offset)
+            elif link.state is not None and link.state.recovering:
+                link.awaiting_need = True
+
+    def _send_need(self, peer: int, call: CallId, offset: int, cmds: list[Command],
+                   caught_up: bool = False) -> None:
         """Tell ``peer`` from which byte of its stream of ``call`` to send (-1: none of it),
         once per call and connection."""
         link = self.links[peer]
         if link.need_sent == call:
             return
         link.need_sent = call
-        self._send_control(peer, {"t": "need", "call": list(call), "from": offset}, cmds)
+        self._send_control(peer, {"t": "need", "call": list(call), "from": offset,
+                                  "caught_up": caught_up}, cmds)
 
     def _apply_need(self, active: ActiveCall, peer: int, offset: int,
                     seen: bool = False) -> None:

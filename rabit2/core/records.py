@@ -140,9 +140,9 @@ class Link:
     """Receive-side framing state of one peer link."""
 
     __slots__ = ("awaiting_need", "awaiting_state", "blob", "blob_fetch", "body_kind", "end",
-                 "error_buf", "filled", "frame", "incarnation", "mode", "need_sent", "pending",
-                 "pos", "remaining", "scratch", "send_scratch", "stage", "start", "state", "up",
-                 "up_at", "up_call")
+                 "error_buf", "filled", "frame", "incarnation", "mode", "need_sent",
+                 "pending", "pending_needs", "pos", "remaining", "scratch", "send_scratch",
+                 "stage", "start", "state", "up", "up_at", "up_call")
 
     def __init__(self) -> None:
         # headers are read into this staging buffer together with whatever follows them, so
@@ -177,6 +177,8 @@ class Link:
         # the call whose "need" this rank sent on the current connection (one per call: a
         # second one would make the peer send its stream again)
         self.need_sent: CallId | None = None
+        # a replaying peer's needs for calls this rank has not begun yet (call -> offset)
+        self.pending_needs: dict[CallId, int] = {}
 
     def reset_framing(self, pos: int) -> None:
         """A new connection: nothing of the old one's partial frames carries over."""
