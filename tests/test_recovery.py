@@ -799,6 +799,26 @@ def test_a_neighbour_ahead_holds_its_next_call_back_from_a_replaying_rank() -> N
     job.check()
 
 
+def test_a_stand_in_result_cut_off_by_the_senders_death_is_dropped_cleanly() -> None:
+    """Rank 0, done with a call, sends rank 1 the result in place of its stream after a
+    reset, and dies before the whole blob arrived.  Rank 1 must go back to waiting for
+    rank 0's stream (its replacement resumes the call), with its own buffer untouched by
+    the half-arrived result."""
+    job, _ = _random_plan(15525)
+    job.run()
+    job.check()
+
+
+@pytest.mark.parametrize("seed", [45, 104, 168, 287, 1359])
+def test_a_replaying_ranks_start_of_stream_needs_do_not_restart_flowing_streams(
+        seed: int) -> None:
+    """A restarted rank's "your stream starts at 0" for a call must not make a neighbour
+    that did not hold that call back for it send the stream a second time."""
+    job, _ = _random_plan(seed)
+    job.run()
+    job.check()
+
+
 @pytest.mark.parametrize("seed", [672, 1716, 1975, 9164])
 def test_resets_with_a_rank_that_is_still_replaying(seed: int) -> None:
     """Soak plans where a link resets while one end is a restarted rank still replaying

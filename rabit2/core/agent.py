@@ -448,7 +448,7 @@ class Agent(RecoveryMixin):
             self._on_state(peer, link, PeerState.from_msg(msg), cmds)
         elif kind == "need":
             self._on_need(peer, link, call_id(msg["call"], "need.call"), msg["from"], cmds,
-                          msg["caught_up"])
+                          msg["caught_up"], msg["held"])
         elif kind == "fetch":
             self._on_fetch(peer, msg, cmds)
         elif kind == "reply":
@@ -812,6 +812,7 @@ class Agent(RecoveryMixin):
         link.up = False
         link.awaiting_need = False
         self.down_since[peer] = now
+        self._drop_stand_in(link, peer)
         try:
             for fetch in [f for f in self._fetches.values() if f.peer == peer]:
                 self._refetch(fetch, cmds)

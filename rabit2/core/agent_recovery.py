@@ -412,7 +412,7 @@ class RecoveryMixin:
         for peer, link in self.links.items():
             if link.up and link.need_sent != call:
                 takes = peer in plan.in_streams and peer not in active.skip_in
-                self._send_need(peer, call, 0 if takes else -1, cmds, caught_up)
+                self._send_need(peer, call, 0 if takes else -1, cmds, caught_up, held=True)
 
     def _fetch_result(self, active: ActiveCall, finished: list[int], cmds: list[Command]) -> None:
         call = active.call_id
@@ -427,9 +427,11 @@ class RecoveryMixin:
         self._request(sources[0], "result", call, 0, -1, dest, cmds, active)
 
     def _on_need(self, peer: int, link: Link, call: CallId, offset: int,
-                 cmds: list[Command], caught_up: bool = False) -> None:
+                 cmds: list[Command], caught_up: bool = False, held: bool = False) -> None:
         """``peer`` holds ``offset`` bytes of our stream of ``call`` (-1: wants none of it).
-        A replaying peer says so for every call it begins (``caught_up``: and it is done
+        A replaying peer says where each call's stream starts for every call it begins
+        (``held``: it holds nothing of it, so it only matters where this rank holds the
+        stream back for it or has not begun the call; ``caught_up``: the peer is done
         replaying)."""
         active = self.active
         current = active.call_id if active is not None else (self.version, self.seqno)
@@ -443,6 +445,8 @@ class RecoveryMixin:
                 self._pump(active, cmds)
                 self._maybe_complete(active, cmds)
         if active is not None and call == current:
+            if held and not link.awaiting_need:
+                return  # the stream was not held back: it is flowing from its start
             link.awaiting_need = False
             self._apply_need(active, peer, offset)
             self._pump(active, cmds)
@@ -481,7 +485,7 @@ class RecoveryMixin:
                 link.awaiting_need = True
 
     def _send_need(self, peer: int, call: CallId, offset: int, cmds: list[Command],
-                   caught_up: bool = False) -> None:
+                   caught_up: bool = False, held: bool = False) -> None:
         """Tell ``peer`` from which byte of its stream of ``call`` to send (-1: none of it),
         once per call and connection."""
         link = self.links[peer]
@@ -489,7 +493,7 @@ class RecoveryMixin:
             return
         link.need_sent = call
         self._send_control(peer, {"t": "need", "call": list(call), "from": offset,
-                                  "caught_up": caught_up}, cmds)
+                                  "caught_up": caught_up, "held": held}, cmds)
 
     def _apply_need(self, active: ActiveCall, peer: int, offset: int,
                     seen: bool = False) -> None:
@@ -543,8 +547,7 @@ class RecoveryMixin:
         connection.  Ask again on the new one (the answers land where the old ones would
         have)."""
         lost = [f for f in self._fetches.values() if f.peer == peer]
-        if in_flight is not None and in_flight.request == 0 and in_flight.what == "result":
-            lost.append(in_flight)
+        del in_flight  # (an unasked result cut off by the reset was dropped at the hang-up)
         active = self.active
         for fetch in lost:
             self._fetches.pop(fetch.request, None)
@@ -655,10 +658,17 @@ class RecoveryMixin:
             # our need reached a rank that had finished the call: it sent the result
             if active is None or active.call_id != call:
                 raise ProtocolError(f"rank {peer} sent an unasked result of call {call}")
+            # it lands in a buffer of its own and is copied into the caller's array once
+            # whole: if the sender dies (or the link resets) half way, the call goes back
+            # to waiting for that peer's stream with its own state untouched
+            if (active.call.kind is not CollectiveKind.BROADCAST
+                    and size != len(active.call.buf)):
+                raise MismatchError(f"sequence mismatch: rank {peer} holds {size} B of call "
+                                    f"{call}, rank {self.rank} has {len(active.call.buf)} B")
+            fetch = Fetch(0, peer, "result", call, True, None)
+            fetch.hops = int(peer not in active.skip_in)  # (see _drop_stand_in)
             active.final = True
             active.skip_in.add(peer)
-            dest = None if active.call.kind is CollectiveKind.BROADCAST else active.call.buf
-            fetch = Fetch(0, peer, "result", call, True, dest)
             active.fetching += 1
         else:
             found = self._fetches.get(request)
@@ -715,9 +725,25 @@ class RecoveryMixin:
             return
         if active.call.kind is CollectiveKind.BROADCAST:
             self._land_broadcast(active, fetch.dest)
+        elif fetch.request == 0:
+            active.call.buf[:] = fetch.dest  # an unasked result, whole now
         active.fetching -= 1
         self._pump(active, cmds)
         self._maybe_complete(active, cmds)
+
+    def _drop_stand_in(self, link: Link, peer: int) -> None:
+        """The link that was bringing an unasked result of the current call went down half
+        way: the call waits for that peer's stream again (``hops`` of the fetch says
+        whether the result had replaced it)."""
+        fetch, active = link.blob_fetch, self.active
+        if (fetch is None or fetch.request != 0 or fetch.what != "result" or active is None
+                or active.call_id != fetch.call):
+            return
+        link.blob_fetch = None
+        active.fetching -= 1
+        active.final = False
+        if fetch.hops:
+            active.skip_in.discard(peer)
 
     def _land_broadcast(self, active: ActiveCall, data: memoryview) -> None:
         """A fetched broadcast result: the stream as the in-link would have delivered it."""
