@@ -187,7 +187,6 @@ class RecoveryMixin:
         self.dead_links.pop(peer, None)
         self.down_since.pop(peer, None)
         active = self.active
-        in_flight = link.blob_fetch  # a blob that was arriving on the old connection
         link.reset_framing(active.plan.received.get(peer, 0) if active is not None else 0)
         link.up_call = active.call_id if active is not None else None
         link.up_at = link.up_call or (self.version, self.seqno)
@@ -199,7 +198,7 @@ class RecoveryMixin:
             link.awaiting_state = True
             self._send_control(peer, self._state_for(peer).to_msg(), cmds)
             if was_down and same_process:
-                self._reissue_fetches(peer, in_flight, cmds)
+                self._reissue_fetches(peer, cmds)
             hops = dict(self._replica_targets()).get(peer)
             if was_down and hops is not None:
                 # a ring neighbour came back without the replicas of our local model
@@ -540,14 +539,12 @@ class RecoveryMixin:
         self._send_control(peer, {"t": "fetch", "id": request, "what": what,
                                   "call": list(call), "lo": lo, "hi": hi}, cmds)
 
-    def _reissue_fetches(self, peer: int, in_flight: Fetch | None,
-                         cmds: list[Command]) -> None:
+    def _reissue_fetches(self, peer: int, cmds: list[Command]) -> None:
         """The link to ``peer`` was reset (the same process is back): what this rank had
-        asked it for, and a result it was sending unasked, may be lost with the old
-        connection.  Ask again on the new one (the answers land where the old ones would
-        have)."""
+        asked it for may be lost with the old connection.  Ask again on the new one (the
+        answers land where the old ones would have; an unasked result cut off by the reset
+        was dropped at the hang-up)."""
         lost = [f for f in self._fetches.values() if f.peer == peer]
-        del in_flight  # (an unasked result cut off by the reset was dropped at the hang-up)
         active = self.active
         for fetch in lost:
             self._fetches.pop(fetch.request, None)
@@ -666,7 +663,7 @@ class RecoveryMixin:
                 raise MismatchError(f"sequence mismatch: rank {peer} holds {size} B of call "
                                     f"{call}, rank {self.rank} has {len(active.call.buf)} B")
             fetch = Fetch(0, peer, "result", call, True, None)
-            fetch.hops = int(peer not in active.skip_in)  # (see _drop_stand_in)
+            fetch.replaced = peer not in active.skip_in
             active.final = True
             active.skip_in.add(peer)
             active.fetching += 1
@@ -733,8 +730,7 @@ class RecoveryMixin:
 
     def _drop_stand_in(self, link: Link, peer: int) -> None:
         """The link that was bringing an unasked result of the current call went down half
-        way: the call waits for that peer's stream again (``hops`` of the fetch says
-        whether the result had replaced it)."""
+        way: the call waits for that peer's stream again."""
         fetch, active = link.blob_fetch, self.active
         if (fetch is None or fetch.request != 0 or fetch.what != "result" or active is None
                 or active.call_id != fetch.call):
@@ -742,7 +738,7 @@ class RecoveryMixin:
         link.blob_fetch = None
         active.fetching -= 1
         active.final = False
-        if fetch.hops:
+        if fetch.replaced:
             active.skip_in.discard(peer)
 
     def _land_broadcast(self, active: ActiveCall, data: memoryview) -> None:
