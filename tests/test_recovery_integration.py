@@ -477,6 +477,18 @@ def test_a_reset_link_between_live_workers_is_dialed_again(rank: int, seqno: int
           f"{sum(v['resent_bytes'] for v in stats.values())} B")
 
 
+@pytest.mark.integration
+def test_a_reset_link_to_a_restarted_worker_is_dialed_at_its_new_address() -> None:
+    """Rank 2 is killed and restarted (it listens on a new port); later its link to rank 3
+    resets.  Rank 3 must dial the address the tracker announced for the replacement, not the
+    dead process's (it retried that one until the job's deadline)."""
+    args = ("--calls=osbr", "--iters=2", "--ring-count=200000", "--bcast-count=50000")
+    job = run_job(4, *args, "mock=2,0,0,0,6928", "mock=3,1,0,0,107385,2")
+    assert_recovered(job, 4, {2: 1}, args)
+    assert "resets its link to rank 2" in job.out, job.tail()
+    assert job.stats()[3, 0]["links_up"] >= 2, job.tail()  # the restart, then the reset
+
+
 # ----------------------------------------------------------------------------- 9. GBDT
 
 

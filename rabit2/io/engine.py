@@ -680,10 +680,13 @@ class Engine:
     def _on_peer_recovered(self, rank: int, incarnation: int, address: tuple[str, int]) -> None:
         """A lost neighbour was restarted: the higher rank of a link dials, as at init."""
         assignment = self.assignment
-        if (not self.config.recover or assignment is None or rank not in self.agent.links
-                or rank > assignment.rank):
+        if not self.config.recover or assignment is None or rank not in self.agent.links:
             return
-        self._schedule_redial(rank, incarnation, address)
+        # where it listens now: a later reset of that link is dialed there, not at the
+        # address of the process that died
+        assignment.peers[rank] = address
+        if rank < assignment.rank:
+            self._schedule_redial(rank, incarnation, address)
 
     def _schedule_redial(self, rank: int, incarnation: int, address: tuple[str, int]) -> None:
         if self._closing:
