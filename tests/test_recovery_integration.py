@@ -363,6 +363,21 @@ def test_two_adjacent_ranks_killed_at_once_fail_with_a_typed_error() -> None:
     assert not job.leftovers()
 
 
+@pytest.mark.integration
+def test_a_worker_that_exits_after_shutting_down_is_not_restarted() -> None:
+    """Workers that end in a typed error report it, shut down with the tracker and exit 3;
+    the launcher must not restart them (the tracker would refuse the replacement with
+    "already shut down", which only buried the real error under TrackerErrors)."""
+    job = run_job(3, "--calls=trsb", "--iters=2", "--ring-count=200000",
+                  "--bcast-count=50000", "mock=0,1,2,0,9017", "mock=2,1,2,0,105304",
+                  timeout=90)
+    assert job.returncode != 0, job.tail()
+    assert "already shut down" not in job.out, job.tail()
+    assert "after shutting down; not restarting it" in job.out, job.tail()
+    assert any(f["type"] == "UnrecoverableError" for f in job.failures()), job.tail()
+    assert not job.leftovers()
+
+
 # ----------------------------------------------------------------------------- 6. gone for good
 
 

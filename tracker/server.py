@@ -106,7 +106,8 @@ class Tracker:
     """The asyncio tracker.  All methods run on the tracker's event loop.
 
     Hooks (called on the loop; exceptions are logged and ignored):
-    ``on_worker_lost(task_id, rank_or_None, reason)`` and ``on_rank_assigned(task_id, rank)``.
+    ``on_worker_lost(task_id, rank_or_None, reason)``, ``on_rank_assigned(task_id, rank)`` and
+    ``on_task_finished(task_id)`` (a ``shutdown`` that does not hold: the task is done for good).
     """
 
     def __init__(
@@ -153,6 +154,7 @@ class Tracker:
         self._closing = False
         self.on_worker_lost: Callable[[str, int | None, str], None] | None = None
         self.on_rank_assigned: Callable[[str, int], None] | None = None
+        self.on_task_finished: Callable[[str], None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -392,6 +394,8 @@ class Tracker:
             return True
         if kind == "shutdown":
             task.finished = True
+            if not msg["hold"]:
+                _call_hook(self.on_task_finished, task.task_id)
             logger.info("%s shut down", _describe(task))
             everyone = bool(self._by_rank) and all(t.finished for t in self._by_rank.values())
             if msg["hold"] and not everyone and self._result is None:
@@ -581,14 +585,27 @@ class TrackerThread:
         self._ranks: dict[str, int] = {}
         self._ranks_lock = threading.Lock()
         self._silent: list[str] = []
+        self._finished: set[str] = set()
         self.tracker.on_rank_assigned = self._remember_rank
         self.tracker.on_worker_lost = self._worker_lost
+        self.tracker.on_task_finished = self._task_finished
 
     def _worker_lost(self, task_id: str, rank: int | None, reason: str) -> None:
         del rank
         if reason.startswith(SILENCE_REASON):
             with self._ranks_lock:
                 self._silent.append(task_id)
+
+    def _task_finished(self, task_id: str) -> None:
+        with self._ranks_lock:
+            self._finished.add(task_id)
+
+    def has_finished(self, task_id: str) -> bool:
+        """Whether the task told the tracker it is done for good (a ``shutdown`` that does
+        not hold): the tracker refuses it from then on, so a launcher must not restart it,
+        whatever its exit status."""
+        with self._ranks_lock:
+            return task_id in self._finished
 
     def take_silent(self) -> list[str]:
         """Task ids the tracker gave up on for silence (a paused or wedged process that

@@ -352,6 +352,12 @@ class LocalLauncher:
                 task.status = "ok"
             elif self._abort_seen_at is not None:
                 task.status = "failed"  # the job is over: a restart could only hang
+            elif self.tracker.has_finished(str(task.task_id)):
+                # it shut down with the tracker before exiting (e.g. after a typed error it
+                # reported): the tracker refuses a replacement, so do not start one
+                task.status = "failed"
+                self._note(f"task {task.task_id} exited with {code} after shutting down; "
+                           "not restarting it")
             elif task.attempts < self.options.max_attempts:
                 task.status = "restarting"
                 task.restart_at = now + self.options.restart_delay
