@@ -819,6 +819,23 @@ def test_a_replaying_ranks_start_of_stream_needs_do_not_restart_flowing_streams(
     job.check()
 
 
+def test_a_fetch_from_a_neighbour_whose_store_moved_on_asks_another_one() -> None:
+    """The neighbour a restarted rank fetches a result from checkpointed twice since its
+    state was sent and dropped it; another neighbour still holds it: ask that one."""
+    job, _ = _random_plan(13117)
+    job.run()
+    job.check()
+
+
+def test_a_second_stand_in_for_a_call_already_served_releases_its_sender() -> None:
+    """Two neighbours, both reset while the root of a tiny broadcast still waited for
+    their announce frames, each send it the result in their place: the second copy (dropped)
+    must still stand in for its sender's frame, or the root waits for it forever."""
+    job, _ = _random_plan(27264)
+    job.run()
+    job.check()
+
+
 @pytest.mark.parametrize("seed", [672, 1716, 1975, 9164])
 def test_resets_with_a_rank_that_is_still_replaying(seed: int) -> None:
     """Soak plans where a link resets while one end is a restarted rank still replaying

@@ -529,11 +529,12 @@ class RecoveryMixin:
 
     def _request(self, peer: int, what: str, call: CallId, lo: int, hi: int,
                  dest: memoryview | None, cmds: list[Command],
-                 active: ActiveCall | None = None) -> None:
+                 active: ActiveCall | None = None, tried: frozenset[int] = frozenset()) -> None:
         request = self._next_request
         self._next_request += 1
-        self._fetches[request] = Fetch(request, peer, what, call, lo == 0 and hi < 0, dest,
-                                       lo=lo, hi=hi)
+        fetch = Fetch(request, peer, what, call, lo == 0 and hi < 0, dest, lo=lo, hi=hi)
+        fetch.tried = tried
+        self._fetches[request] = fetch
         if active is not None:
             active.fetching += 1
         self._send_control(peer, {"t": "fetch", "id": request, "what": what,
@@ -558,28 +559,32 @@ class RecoveryMixin:
             self._request(peer, fetch.what, fetch.call, fetch.lo, fetch.hi, fetch.dest, cmds,
                           active if mine else None)
 
-    def _refetch(self, fetch: Fetch, cmds: list[Command]) -> None:
-        """The neighbour a fetch went to was lost: ask another one that holds the same."""
+    def _refetch(self, fetch: Fetch, cmds: list[Command], why: str = "") -> None:
+        """The neighbour a fetch went to was lost (or no longer holds what was asked, ``why``:
+        its state was older than its store): ask another one that holds the same."""
         del self._fetches[fetch.request]
         active = self.active
         if active is not None and active.call_id == fetch.call and fetch.what == "result":
             active.fetching -= 1
+        tried = fetch.tried | {fetch.peer}
         for peer, st in self.peer_states.items():
-            if peer == fetch.peer or not self.links[peer].up:
+            if peer in tried or not self.links[peer].up:
                 continue
             if fetch.what == "checkpoint" and fetch.call[0] in st.versions:
-                self._request(peer, "checkpoint", fetch.call, 0, -1, None, cmds)
+                self._request(peer, "checkpoint", fetch.call, 0, -1, None, cmds, tried=tried)
                 return
             if fetch.what == "local" and fetch.call[0] in st.locals:
-                self._request(peer, "local", fetch.call, 0, -1, None, cmds)
+                self._request(peer, "local", fetch.call, 0, -1, None, cmds, tried=tried)
                 return
             if (fetch.what == "result" and fetch.whole and active is not None
                     and role_of(st, fetch.call) is Role.FINISHED and st.oldest <= fetch.call):
-                self._request(peer, "result", fetch.call, 0, -1, fetch.dest, cmds, active)
+                self._request(peer, "result", fetch.call, 0, -1, fetch.dest, cmds, active,
+                              tried=tried)
                 return
         raise UnrecoverableError(
-            f"rank {self.rank} lost rank {fetch.peer} while fetching {fetch.what} "
-            f"{fetch.call}, and no other neighbour holds it")
+            f"rank {self.rank} cannot fetch {fetch.what} {fetch.call}: "
+            f"{why or f'rank {fetch.peer} was lost while serving it'}, and no other neighbour "
+            "holds it")
 
     def _on_fetch(self, peer: int, msg: dict[str, Any], cmds: list[Command]) -> None:
         what, call = msg["what"], call_id(msg["call"], "fetch.call")
@@ -649,8 +654,12 @@ class RecoveryMixin:
             return
         if request == 0 and (call < current or (active is not None and active.final
                                                  and call == current)):
-            # a result sent for a call we meanwhile finished (or already have): read, drop
+            # a result sent for a call we meanwhile finished (or already have): read, drop.
+            # It stands in for that peer's stream, which will not come any more
             fetch = Fetch(0, peer, "discard", call, True, memoryview(bytearray(size)))
+            if active is not None and call == current:
+                active.skip_in.add(peer)
+                self._maybe_complete(active, cmds)
         elif request == 0:
             # our need reached a rank that had finished the call: it sent the result
             if active is None or active.call_id != call:
@@ -673,6 +682,10 @@ class RecoveryMixin:
                 raise ProtocolError(f"rank {peer} replies to request {request} nobody made")
             fetch = found
         if not msg["found"]:
+            if request and fetch.whole and fetch.what in ("result", "checkpoint", "local"):
+                # its store moved on since its state: another neighbour may still hold it
+                self._refetch(fetch, cmds, msg["reason"])
+                return
             raise UnrecoverableError(f"rank {self.rank} cannot recover: {msg['reason']}")
         if fetch.what == "result":
             desc = descriptor_from_wire(msg["desc"])

@@ -192,8 +192,8 @@ class Link:
 class Fetch:
     """A request this rank sent with ``fetch`` and the place its answer goes."""
 
-    __slots__ = ("call", "dest", "hi", "hops", "lo", "peer", "replaced", "request", "what",
-                 "whole")
+    __slots__ = ("call", "dest", "hi", "hops", "lo", "peer", "replaced", "request", "tried",
+                 "what", "whole")
 
     def __init__(self, request: int, peer: int, what: str, call: CallId, whole: bool,
                  dest: memoryview | None, hops: int = 0, lo: int = 0, hi: int = -1) -> None:
@@ -203,6 +203,7 @@ class Fetch:
         # an unasked result: the sender's stream was skipped because of it (undone if the
         # result is cut off half way)
         self.replaced = False
+        self.tried: frozenset[int] = frozenset()  # neighbours asked before, in vain
         self.dest = dest  # None: a blob of the announced size is allocated (checkpoints)
         self.hops = hops  # a pushed local model: how many more ring hops it travels
 
