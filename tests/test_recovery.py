@@ -837,6 +837,15 @@ def test_a_second_stand_in_for_a_call_already_served_releases_its_sender() -> No
     job.check()
 
 
+def test_a_call_begun_before_a_replaying_peers_state_arrived_is_held_back_too() -> None:
+    """Rank 2 begins a call after a restarted rank 1 connected but before 1's state (which
+    says it replays) arrived; the state must still make 2 hold that call back for 1's need,
+    or its frames sit ahead of the result 1 fetches from 2 (hang)."""
+    job, _ = _random_plan(31623)
+    job.run()
+    job.check()
+
+
 @pytest.mark.parametrize("seed", [672, 1716, 1975, 9164])
 def test_resets_with_a_rank_that_is_still_replaying(seed: int) -> None:
     """Soak plans where a link resets while one end is a restarted rank still replaying

@@ -260,6 +260,16 @@ class RecoveryMixin:
         if state.recovering:
             if self._stand_in(peer, state, cmds) or active is None:
                 return
+            if state.at < active.call_id and _sends_to(active.plan, peer):
+                # a replaying peer behind the call we began while its state was on the
+                # way (nothing of it was sent: the state was awaited): hold it back for
+                # its need, as _hold_for_replaying does at begin
+                offset = link.pending_needs.pop(active.call_id, None)
+                if offset is None:
+                    link.awaiting_need = True
+                else:
+                    self._apply_need(active, peer, offset)
+                return
             self._resend_after_reset(peer, link, state)
             return  # otherwise it says what it needs with a "need" when it gets there
         # the same process came back on a new connection (the old one was reset): its state
