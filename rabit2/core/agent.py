@@ -183,6 +183,8 @@ class Agent(RecoveryMixin):
         self._fetches: dict[int, Fetch] = {}
         self._next_request = 1
         self._pending_states = False  # some link holds a reset peer's state for a later call
+        # some neighbour is replaying, or sent needs for calls not begun yet (begin looks)
+        self._watch_replays = False
         self._recovery_stats = {"links_up": 0, "fetched_bytes": 0, "resent_bytes": 0,
                                 "replayed_calls": 0, "resumed_calls": 0}
 
@@ -612,7 +614,7 @@ class Agent(RecoveryMixin):
             return cmds
         if self._pending_states:
             self._pending_states = any(link.pending is not None for link in self.links.values())
-        if self.recover:
+        if self._watch_replays:
             self._hold_for_replaying(active)
         # frames of this call that arrived early were held: replay their headers now
         for peer in held:

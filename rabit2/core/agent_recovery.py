@@ -89,6 +89,7 @@ class RecoveryMixin:
         _fetches: dict[int, Fetch]
         _next_request: int
         _pending_states: bool
+        _watch_replays: bool
         _recovery_stats: dict[str, int]
         _frames_sent: int
 
@@ -242,6 +243,7 @@ class RecoveryMixin:
                                 f"link opened by incarnation {link.incarnation}")
         link.state = state
         link.awaiting_state = False
+        self._watch_replays = self._watch_replays or state.recovering
         if self._replaying():
             self.peer_states[peer] = state
             # (a reset while this rank replays)
@@ -472,6 +474,7 @@ class RecoveryMixin:
         elif len(link.pending_needs) < MAX_PENDING_NEEDS:
             # a replaying peer (or one past its replay while this rank replays) is ahead
             link.pending_needs[call] = offset  # applied when this rank begins that call
+            self._watch_replays = True
         else:
             raise ProtocolError(f"rank {peer} sent needs for more than {MAX_PENDING_NEEDS} "
                                 f"calls rank {self.rank} has not started")
@@ -492,6 +495,9 @@ class RecoveryMixin:
                 self._apply_need(active, peer, offset)
             elif link.state is not None and link.state.recovering:
                 link.awaiting_need = True
+        self._watch_replays = any(
+            link.pending_needs or (link.state is not None and link.state.recovering)
+            for link in self.links.values())
 
     def _send_need(self, peer: int, call: CallId, offset: int, cmds: list[Command],
                    caught_up: bool = False, held: bool = False) -> None:
