@@ -769,6 +769,21 @@ def test_a_reset_with_a_restarted_rank_that_replayed_past_the_call_releases_it()
     assert reset.done
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_a_reset_while_a_restarted_rank_fetches_from_its_only_neighbour_asks_again(
+        seed: int) -> None:
+    """World 2: the restarted rank fetches a broadcast's result from the only neighbour
+    that holds it, and their link resets just then.  The fetch waits for the link to come
+    back and is asked again (it was an UnrecoverableError: "no other neighbour holds it")."""
+    program = [[Spec("broadcast", 20_000, root=1), Spec("allreduce", 100)]]
+    reset = Reset(0, 1, (0, 0), 0)
+    job = ResetJob(2, program, seed=seed, kills=[Kill(0, (0, 0), 0, restart_after=50)],
+                   resets=[reset], max_piece=997, **KW)
+    job.run()
+    job.check()
+    assert reset.done and job.net.agents[0].incarnation == 1
+
+
 # Soak plans that each caught a bug (fixed), run on every test run: seed -> what went wrong.
 SOAK_REGRESSIONS = {
     10099: "a reset peer's state for a call two ahead was dropped when this rank began the "

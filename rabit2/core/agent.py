@@ -817,7 +817,7 @@ class Agent(RecoveryMixin):
         self._drop_stand_in(link, peer)
         try:
             for fetch in [f for f in self._fetches.values() if f.peer == peer]:
-                self._refetch(fetch, cmds)
+                self._refetch(fetch, cmds, park=True)
         except RabitError as exc:
             self._fail(exc, cmds)
             return cmds

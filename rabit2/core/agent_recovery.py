@@ -98,6 +98,8 @@ class RecoveryMixin:
         def _maybe_complete(self, active: ActiveCall, cmds: list[Command]) -> None: ...
         def _size_to(self, plan: TreeBroadcast, total: int, active: ActiveCall) -> None: ...
         def _received(self, plan: Plan, peer: int, pos: int) -> None: ...
+        def _fail(self, error: RabitError, cmds: list[Command], *, source: int = -1,
+                  close: int = -1, flood: bool = True) -> None: ...
         @staticmethod
         def _needs_input(active: ActiveCall, peer: int) -> bool: ...
 
@@ -200,6 +202,14 @@ class RecoveryMixin:
             self._send_control(peer, self._state_for(peer).to_msg(), cmds)
             if was_down and same_process:
                 self._reissue_fetches(peer, cmds)
+            elif was_down:
+                # parked on a neighbour that died: its replacement holds none of it
+                try:
+                    for fetch in [f for f in self._fetches.values() if f.peer == peer]:
+                        self._refetch(fetch, cmds)
+                except RabitError as exc:
+                    self._fail(exc, cmds)
+                    return cmds
             hops = dict(self._replica_targets()).get(peer)
             if was_down and hops is not None:
                 # a ring neighbour came back without the replicas of our local model
@@ -575,9 +585,13 @@ class RecoveryMixin:
             self._request(peer, fetch.what, fetch.call, fetch.lo, fetch.hi, fetch.dest, cmds,
                           active if mine else None)
 
-    def _refetch(self, fetch: Fetch, cmds: list[Command], why: str = "") -> None:
+    def _refetch(self, fetch: Fetch, cmds: list[Command], why: str = "",
+                 park: bool = False) -> None:
         """The neighbour a fetch went to was lost (or no longer holds what was asked, ``why``:
-        its state was older than its store): ask another one that holds the same."""
+        its state was older than its store): ask another one that holds the same.  With
+        ``park`` (its link just went down, perhaps only reset), a fetch no other neighbour
+        can serve waits for that link instead: the same process asks again when it is
+        back (:meth:`_reissue_fetches`), a replacement makes it fail."""
         del self._fetches[fetch.request]
         active = self.active
         if active is not None and active.call_id == fetch.call and fetch.what == "result":
@@ -597,6 +611,11 @@ class RecoveryMixin:
                 self._request(peer, "result", fetch.call, 0, -1, fetch.dest, cmds, active,
                               tried=tried)
                 return
+        if park:
+            self._fetches[fetch.request] = fetch
+            if active is not None and active.call_id == fetch.call and fetch.what == "result":
+                active.fetching += 1
+            return
         raise UnrecoverableError(
             f"rank {self.rank} cannot fetch {fetch.what} {fetch.call}: "
             f"{why or f'rank {fetch.peer} was lost while serving it'}, and no other neighbour "
