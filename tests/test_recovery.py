@@ -751,7 +751,8 @@ def test_random_fault_plans(seed: int) -> None:
 @pytest.mark.parametrize("seed", range(40, 10_000))
 def test_random_fault_plans_soak(seed: int) -> None:
     """The same, over many more plans (``pytest --slow -k random_fault_plans_soak``, about
-    five minutes; seeds 0-30 000 all passed on 2026-11-23)."""
+    five minutes).  On 2026-11-23 seeds 0-34 000 all passed; seed 38 025 (outside this
+    range) still hangs: see the note on issue 3."""
     _run_random_plan(seed)
 
 
