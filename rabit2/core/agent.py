@@ -607,7 +607,7 @@ class Agent(RecoveryMixin):
                     # a peer whose link was reset waits in this call; if we were behind when
                     # the link came up it waits to hear that we hold none of its stream
                     self._apply_need(active, peer, state.need, seen=state.seen)
-                    if link.up_at < call_id and peer in plan.in_streams:
+                    if link.up_call != call_id and peer in plan.in_streams:
                         self._send_need(peer, call_id, 0, cmds)
         except RabitError as exc:
             self._fail(exc, cmds)

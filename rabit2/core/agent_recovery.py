@@ -258,7 +258,7 @@ class RecoveryMixin:
             self.peer_states[peer] = state
             # (a reset while this rank replays)
             if not self._stand_in(peer, state, cmds):
-                self._resend_after_reset(peer, link, state)
+                self._resend_after_reset(peer, link, state, cmds)
         else:
             self._settle_state(peer, link, state, cmds)
         if self.active is not None and self.error is None:
@@ -269,6 +269,11 @@ class RecoveryMixin:
                       cmds: list[Command]) -> None:
         """A live rank hears where a peer stands on a new connection to it."""
         active = self.active
+        current = active.call_id if active is not None else (self.version, self.seqno)
+        if state.active and state.at >= current and (active is None or state.at > current):
+            # a call we have not begun (the peer may be replaying): settled when we begin it
+            link.pending = state
+            self._pending_states = True
         if state.recovering:
             if self._stand_in(peer, state, cmds) or active is None:
                 return
@@ -282,14 +287,10 @@ class RecoveryMixin:
                 else:
                     self._apply_need(active, peer, offset)
                 return
-            self._resend_after_reset(peer, link, state)
+            self._resend_after_reset(peer, link, state, cmds)
             return  # otherwise it says what it needs with a "need" when it gets there
         # the same process came back on a new connection (the old one was reset): its state
         # says how much of our stream of its current call it holds
-        current = active.call_id if active is not None else (self.version, self.seqno)
-        if state.active and state.at >= current and (active is None or state.at > current):
-            link.pending = state  # a call we have not begun: settled when we begin it
-            self._pending_states = True
         if self._stand_in(peer, state, cmds) or active is None:
             return
         if state.at == active.call_id:
@@ -307,7 +308,8 @@ class RecoveryMixin:
             link.awaiting_need = False  # it finished our call: it needs nothing more of it
             self._apply_need(active, peer, -1)
 
-    def _resend_after_reset(self, peer: int, link: Link, state: PeerState) -> None:
+    def _resend_after_reset(self, peer: int, link: Link, state: PeerState,
+                            cmds: list[Command]) -> None:
         """Where a restarted rank (on either side) will send no ``need`` for our current
         call, the state is the answer: the peer is past the call (it needs none of our
         stream), or the link reset while both were in it (resend from its ``need``, as
@@ -322,6 +324,11 @@ class RecoveryMixin:
               and link.up_call == active.call_id):
             link.awaiting_need = False
             self._apply_need(active, peer, state.need, seen=state.seen)
+        elif (state.active and state.at == active.call_id
+              and peer in active.plan.in_streams and peer not in active.skip_in):
+            # we began this call after the link came up: the peer, in it already, waits to
+            # hear how much of its stream we hold
+            self._send_need(peer, active.call_id, link.pos, cmds)
 
     def _stand_in(self, peer: int, state: PeerState, cmds: list[Command]) -> bool:
         """``peer`` is still in a call this rank finished (it may be in a later one, or
