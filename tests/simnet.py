@@ -136,6 +136,8 @@ class SimNet:
         self.failed.pop(rank, None)
         self.loaded.pop(rank, None)
         for peer in agent.links:
+            if peer in self.dead:
+                continue  # (dead too: the link comes up when that one is restarted)
             self.closed.discard((rank, peer))
             self.closed.discard((peer, rank))
             self.paused.discard((rank, peer))

@@ -347,21 +347,19 @@ def test_rank_0_and_a_non_neighbour_killed_at_once(seqno: int, after: int) -> No
 
 
 @pytest.mark.integration
-def test_two_adjacent_ranks_killed_at_once_fail_with_a_typed_error() -> None:
-    """Documented as unsupported: a typed error (UnrecoverableError, or PeerLostError from
-    the init of a replacement that dials the other one's old address before it listens
-    again), a non-zero exit, in bounded time, and no process left behind."""
-    assert 2 in topology(1, 4).neighbors
-    job = run_job(4, "mock=1,1,1,0", "mock=2,1,1,0", "--on-sigterm=report", max_attempts=2,
-                  timeout=60, extra=("--kill-grace", "1"))
-    assert job.returncode != 0, job.tail()
-    assert job.elapsed < 45, job.tail()
-    assert not job.digests(), job.tail()
-    types = {f["type"] for f in job.failures()}
-    print(f"errors: {sorted(types)}")
-    assert types, job.tail()
-    assert types <= RABIT_ERRORS, types
-    assert not job.leftovers()
+@pytest.mark.parametrize(("world", "victims", "seqno", "after"),
+                         [(4, (1, 2), S, -1), (8, (0, 1), R, MIB), (8, (1, 2), R, 3 * MIB)],
+                         ids=["4-before-a-call", "8-rank-0-mid-ring", "8-mid-ring-late"])
+def test_two_adjacent_ranks_killed_at_once_recover(world: int, victims: tuple[int, int],
+                                                   seqno: int, after: int) -> None:
+    """Two neighbours die in the same call (a host with two workers going down): both are
+    restarted, each treats the other as restarted too, and every rank ends with the
+    no-fault digest."""
+    assert victims[1] in topology(victims[0], world).neighbors
+    tail = "" if after < 0 else f",{after}"
+    args = W8_ARGS if world == 8 else ()
+    job = run_job(world, *args, *(f"mock={v},1,{seqno},0{tail}" for v in victims))
+    assert_recovered(job, world, dict.fromkeys(victims, 1), args)
 
 
 @pytest.mark.integration

@@ -712,7 +712,7 @@ class Agent(RecoveryMixin):
 
     def _pump(self, active: ActiveCall, cmds: list[Command]) -> None:
         """Send every out-stream byte that has become ready."""
-        if active.fetching:
+        if active.fetching or active.resume_wait is not None:
             return  # a restarted rank sends nothing until the result it resumes from is in
         plan = active.plan
         desc = active.desc
@@ -744,7 +744,7 @@ class Agent(RecoveryMixin):
     def _maybe_complete(self, active: ActiveCall, cmds: list[Command]) -> None:
         if self.active is not active:
             return  # already completed (or failed) earlier in this event
-        if active.fetching:
+        if active.fetching or active.resume_wait is not None:
             return
         plan = active.plan
         if not active.skip_in:

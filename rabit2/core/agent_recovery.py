@@ -202,8 +202,10 @@ class RecoveryMixin:
             self._send_control(peer, self._state_for(peer).to_msg(), cmds)
             if was_down and same_process:
                 self._reissue_fetches(peer, cmds)
-            elif was_down:
-                # parked on a neighbour that died: its replacement holds none of it
+            elif not same_process:
+                # asked of a neighbour that died (parked, or still in flight if its
+                # replacement connected before the old link was seen to go down): the
+                # replacement holds none of it
                 try:
                     for fetch in [f for f in self._fetches.values() if f.peer == peer]:
                         self._refetch(fetch, cmds)
@@ -378,11 +380,14 @@ class RecoveryMixin:
             self.peer_states = {}  # a new dict: the API thread may be reading the old one
             self._need_from_all(active, cmds, caught_up=True)
             return
-        if any(st.recovering for st in self.peer_states.values()):
-            raise UnrecoverableError(
-                f"rank {self.rank} and a neighbour are both being restarted: recovering two "
-                "adjacent ranks at once is not supported (docs/recovery.md)")
+        # a neighbour restarted too (adjacent losses) that has not passed this call is not
+        # a live neighbour: its state is a snapshot from before it got here.  It says where
+        # it needs our stream with a "need" when it gets to the call (held for it till then)
         roles = {p: role_of(st, call) for p, st in self.peer_states.items()}
+        recovering = {p for p, st in self.peer_states.items()
+                      if st.recovering and roles[p] is not Role.FINISHED}
+        for p in recovering:
+            del roles[p]
         finished = [p for p, role in roles.items() if role is Role.FINISHED]
         live = [p for p, role in roles.items() if role is Role.LIVE]
         if not finished and not live:
@@ -396,6 +401,7 @@ class RecoveryMixin:
             self._recovery_stats["resumed_calls"] += 1
             needs = {p: -1 for p in live}  # (downstream: their announce frames are not needed)
             active.skip_in.update(p for p, role in roles.items() if role is not Role.FRESH)
+            active.skip_in.update(recovering)
             for p in finished:
                 self._apply_need(active, p, -1)
         elif finished:
@@ -403,6 +409,7 @@ class RecoveryMixin:
             self._fetch_result(active, finished, cmds)
             needs = {p: -1 for p in live}  # their streams of this call are not needed now
             active.skip_in.update(p for p, role in roles.items() if role is not Role.FRESH)
+            active.skip_in.update(recovering)
             for q, role in roles.items():
                 # a neighbour that finished needs nothing; one that has not started needs
                 # the whole stream, which must then be made of result bytes
@@ -410,20 +417,75 @@ class RecoveryMixin:
                     self._apply_need(active, q, -1 if role is Role.FINISHED else 0)
         else:
             self._recovery_stats["resumed_calls"] += 1
-            resume = plan.resume({q: max(0, self.peer_states[q].need) for q in live})
-            needs = {p: resume.in_from.get(p, -1) for p in live}
-            for p, offset in resume.in_from.items():
-                self.links[p].pos = offset
-                stream = plan.in_streams[p]
-                if offset and roles[p] is not Role.LIVE:
-                    raise UnrecoverableError(
-                        f"rank {self.rank} must resume call {call} at byte {offset} of rank "
-                        f"{p}'s stream, but rank {p} has not started that call")
-                if offset >= stream.length > 0:
-                    active.frames_seen[p] = 1  # nothing is left to come from there
-            for peer, lo, hi in resume.fetch:
-                self._request(peer, "result", call, lo, hi, active.call.buf[lo:hi], cmds,
-                              active)
+            # a neighbour restarted too whose need decides where our in-streams restart
+            # (ring: the previous rank; tree: the parent) is waited for: it computes that
+            # need from its own live neighbours first
+            wait = {q: link.pending_needs.get(call) for q in plan.resume_needs()
+                    if q in recovering and (link := self.links[q]).up
+                    and link.state is not None and link.state.recovering}
+            # (one that has caught up since is a survivor that sends no need: it holds
+            # nothing of our stream of this call, which we have not begun until now)
+            active.resume_wait = wait
+            for q in wait:
+                # what we need of its own stream does not depend on the resume (the parent
+                # resends the result from 0; the ring's previous rank sends us nothing).
+                # Said now: it may be behind, in a call we skipped, waiting to hear from us
+                self._send_need(q, call, 0 if q in plan.in_streams else -1, cmds)
+            self._resume(active, live, recovering, cmds)
+            return
+        for q in live:
+            st = self.peer_states[q]
+            self._apply_need(active, q, st.need, seen=st.seen)
+            if q in plan.in_streams:
+                self._send_need(q, call, needs[q], cmds)
+        self._need_from_all(active, cmds)
+
+    def _resume(self, active: ActiveCall, live: list[int], recovering: set[int] | None,
+                cmds: list[Command]) -> None:
+        """Resume the call the live neighbours are blocked in, once every awaited need of
+        a neighbour restarted too is in (``recovering`` None: it came now)."""
+        wait = active.resume_wait
+        if wait is not None and any(v is None for v in wait.values()):
+            return
+        active.resume_wait = None
+        call, plan = active.call_id, active.plan
+        if recovering is None:
+            live = [p for p, st in self.peer_states.items()
+                    if not st.recovering and role_of(st, call) is Role.LIVE]
+            recovering = {p for p, st in self.peer_states.items()
+                          if st.recovering and role_of(st, call) is not Role.FINISHED}
+        out_needs = {q: max(0, self.peer_states[q].need) for q in live}
+        for q in recovering:
+            # its need if it already said it, else the lower bound: all of the stream.  A
+            # neighbour that takes none of it (-1: it fetches the result, so the whole
+            # result exists and nothing of ours is needed there) counts as holding it all
+            told = (wait or {}).get(q)
+            if told is None:
+                told = self.links[q].pending_needs.get(call, 0)
+            stream = plan.out_streams.get(q)
+            out_needs[q] = stream.length if told < 0 and stream is not None else max(0, told)
+        resume = plan.resume(out_needs)
+        needs = {p: resume.in_from.get(p, -1) for p in live}
+        for p, offset in resume.in_from.items():
+            self.links[p].pos = offset
+            stream = plan.in_streams[p]
+            if offset and p not in live and p not in recovering:
+                raise UnrecoverableError(
+                    f"rank {self.rank} must resume call {call} at byte {offset} of rank "
+                    f"{p}'s stream, but rank {p} has not started that call")
+            if offset >= stream.length > 0:
+                active.frames_seen[p] = 1  # nothing is left to come from there
+        for peer, lo, hi in resume.fetch:
+            if peer in recovering:
+                raise UnrecoverableError(
+                    f"rank {self.rank} must resume call {call} with result bytes "
+                    f"[{lo}, {hi}) that only rank {peer} held, and it was restarted too "
+                    "(two neighbours lost in the same call, docs/recovery.md)")
+            self._request(peer, "result", call, lo, hi, active.call.buf[lo:hi], cmds,
+                          active)
+        for q in recovering:
+            if q in plan.in_streams:
+                self._send_need(q, call, resume.in_from.get(q, -1), cmds)
         for q in live:
             st = self.peer_states[q]
             self._apply_need(active, q, st.need, seen=st.seen)
@@ -465,6 +527,12 @@ class RecoveryMixin:
         current = active.call_id if active is not None else (self.version, self.seqno)
         if caught_up and link.state is not None:
             link.state = dataclasses.replace(link.state, recovering=False)
+            wait = active.resume_wait if active is not None else None
+            if wait is not None and wait.get(peer, 0) is None and call < current:
+                # waited for as a neighbour restarted too, it has caught up meanwhile: a
+                # survivor now, it sends no need for our call, and holds none of it
+                wait[peer] = 0
+                self._resume(active, [], None, cmds)
             if (active is not None and call < current and link.awaiting_need
                     and _sends_to(active.plan, peer)):
                 # held back for it in a later call: it will need all of that stream
@@ -473,6 +541,10 @@ class RecoveryMixin:
                 self._pump(active, cmds)
                 self._maybe_complete(active, cmds)
         if active is not None and call == current:
+            wait = active.resume_wait
+            if wait is not None and wait.get(peer, 0) is None:
+                wait[peer] = offset  # a neighbour restarted too: our resume waited for it
+                self._resume(active, [], None, cmds)
             if held and not link.awaiting_need:
                 return  # the stream was not held back: it is flowing from its start
             link.awaiting_need = False
@@ -491,6 +563,17 @@ class RecoveryMixin:
         elif len(link.pending_needs) < MAX_PENDING_NEEDS:
             # a replaying peer (or one past its replay while this rank replays) is ahead
             link.pending_needs[call] = offset  # applied when this rank begins that call
+            wait = active.resume_wait if active is not None else None
+            if wait is not None and wait.get(peer, 0) is None:
+                wait[peer] = -1  # it went past our call: it needs none of our stream
+                self._resume(active, [], None, cmds)
+            if active is not None and link.awaiting_need:
+                # held back for it, but it is past this call (it resumed from a later
+                # checkpoint than this rank): it needs none of that stream
+                link.awaiting_need = False
+                self._apply_need(active, peer, -1)
+                self._pump(active, cmds)
+                self._maybe_complete(active, cmds)
             self._watch_replays = True
         else:
             raise ProtocolError(f"rank {peer} sent needs for more than {MAX_PENDING_NEEDS} "
@@ -511,7 +594,16 @@ class RecoveryMixin:
             if offset is not None:
                 self._apply_need(active, peer, offset)
             elif link.state is not None and link.state.recovering:
-                link.awaiting_need = True
+                state = link.state
+                if state.at > call or any(c > call for c in link.pending_needs):
+                    # it resumed past this call (from a later checkpoint): it needs none
+                    self._apply_need(active, peer, -1)
+                elif self.restarted and state.at == call and state.active:
+                    # both replaying, it was in this call when our link came up: its state
+                    # said what it holds of our stream, and it sends no other need for it
+                    self._apply_need(active, peer, state.need, seen=state.seen)
+                else:
+                    link.awaiting_need = True
         self._watch_replays = any(
             link.pending_needs or (link.state is not None and link.state.recovering)
             for link in self.links.values())
@@ -547,14 +639,16 @@ class RecoveryMixin:
                 f"rank {peer} needs partial sums of call {active.call_id} from byte {offset}, "
                 f"but rank {self.rank} restarted and holds only that call's result")
         if offset < stream.length and not active.plan.serves_from(peer, offset):
-            # the resume asked the in-streams only for what the out-streams needed then:
-            # bytes made from skipped input cannot be made here, and sending the buffer's
-            # content in their place would corrupt the result
+            # partial sums the result has overwritten here, or (after a resume, which asked
+            # the in-streams only for what the out-streams needed then) bytes made from
+            # skipped input: sending the buffer's content in their place would corrupt the
+            # result
             raise UnrecoverableError(
                 f"rank {peer} needs call {active.call_id} from byte {offset}, but rank "
-                f"{self.rank} was restarted and resumed that call past it: a neighbour lost "
-                "while a restarted rank is still in the call it resumed is not recovered "
-                "(docs/recovery.md)")
+                f"{self.rank} cannot make those bytes any more (the result has overwritten "
+                "those partial sums, or this rank was restarted and resumed the call past "
+                "them); recovery would need them (two neighbours lost in the same call, "
+                "docs/recovery.md)")
         old = active.sent.get(peer, 0)
         self._recovery_stats["resent_bytes"] += max(0, old - offset)
         active.sent[peer] = offset
@@ -834,6 +928,7 @@ class RecoveryMixin:
             version = max(held, default=0)
         cmds: list[Command] = []
         self.version, self.seqno = version, 0
+        self.results.clear_before((version, 0))  # (what "state" says this rank retains)
         self._loading = {"version": version, "checkpoint": None, "local": None, "pending": 0}
         if version == 0:
             cmds.append(CheckpointLoaded(0, None))

@@ -212,7 +212,8 @@ class ActiveCall:
     """Bookkeeping of the call in progress."""
 
     __slots__ = ("call", "call_id", "deferred", "desc", "fetching", "final", "frames_seen",
-                 "mirror", "mirrored", "plan", "prefix", "sent", "skip_in", "started_empty")
+                 "mirror", "mirrored", "plan", "prefix", "resume_wait", "sent", "skip_in",
+                 "started_empty")
 
     def __init__(self, call: Call, call_id: tuple[int, int], desc: CallDescriptor,
                  plan: Plan) -> None:
@@ -227,6 +228,9 @@ class ActiveCall:
         self.fetching = 0  # fetches whose bytes this call still waits for
         self.final = False  # the whole result is fetched: every out-stream can be served
         self.skip_in: set[int] = set()  # in-streams this call does not wait for any more
+        # a resume that waits for the needs of neighbours restarted too: peer -> need, or
+        # None while it has not come (nothing is sent until every one is in)
+        self.resume_wait: dict[int, int | None] | None = None
         # needs for the out-streams of a broadcast whose size this rank does not know yet
         self.deferred: dict[int, tuple[int, bool]] = {}
         # recovery on, a broadcast's receiver: the retained copy of the stream, made as the

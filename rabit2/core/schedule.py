@@ -135,6 +135,13 @@ class Plan:
         del out_needs
         return Resume(dict.fromkeys(self.in_streams, 0))
 
+    def resume_needs(self) -> tuple[int, ...]:
+        """The out-peers whose ``need`` :meth:`resume` depends on (where the in-streams
+        restart follows from where they need our stream); the others' only bound what is
+        sent.  A neighbour restarted too is waited for if it is one of these; what we need of
+        their own streams must not depend on the resume (all of it, or none)."""
+        return ()
+
     def final_from(self, peer: int) -> int:
         """The out-stream offset from which the bytes sent to ``peer`` are final result
         bytes (so that a rank holding only the final result can still serve them)."""
@@ -218,7 +225,9 @@ class TreeAllreduce(Plan):
             return
         if avail <= self.reduced:
             return
-        lo = self.reduced
+        # below ``final`` the buffer already holds the result: a parent that sent it ahead
+        # of our up-stream (a restarted one that fetched the result) needs none of ours
+        lo = max(self.reduced, min(avail, self.final - self.final % self.dtype.itemsize))
         dst = self.buf[lo:avail]
         for c in self.children:
             reduce_bytes(self.op, self.dtype, dst, self.scratch[c][lo:avail])
@@ -265,13 +274,20 @@ class TreeAllreduce(Plan):
             self.received[c] = start
         return Resume(dict.fromkeys(self.children, start), [(best, 0, start)])
 
+    def resume_needs(self) -> tuple[int, ...]:
+        # a non-root's children resend from the parent's need; the root takes what its
+        # children hold (a restarted child holds nothing, and waits for the root's need)
+        return (self.parent,) if self.parent >= 0 else ()
+
     def final_from(self, peer: int) -> int:
         # the up-stream carries partial sums (at the root there is none); down is the result
         return len(self.buf) if peer == self.parent else 0
 
     def serves_from(self, peer: int, offset: int) -> bool:
-        # up: the children resent their contributions from ``up_from`` only; down: results
-        return peer != self.parent or offset >= self.up_from
+        # up: partial sums, overwritten by the result from the start as it comes down (and,
+        # after a resume, made only from ``up_from`` on: the children resent from there);
+        # down: results
+        return peer != self.parent or offset >= max(self.up_from, self.final)
 
 
 class PairExchange(Plan):
@@ -497,6 +513,9 @@ class RingAllreduce(_RingChain):
             fetch.append((self.prev, lo, lo + pos - self.own_in_start))
         return Resume({self.next: pos}, fetch)
 
+    def resume_needs(self) -> tuple[int, ...]:
+        return (self.prev,)
+
     def final_from(self, peer: int) -> int:
         return self._first_out + self.own_in_start  # the allgather part of the out-stream
 
@@ -505,8 +524,15 @@ class RingAllreduce(_RingChain):
         ``in_from`` after a resume.  The first out-piece is this rank's own input, intact
         until the allgather lands this rank's first result segment over it."""
         del peer
+        # the reduce-scatter part reads, in stream order, the same segments of ``buf`` that
+        # the allgather then overwrites with results in that order: out byte ``q`` of it is
+        # gone once allgather byte ``q`` has landed
+        landed = (self.processed if self.staged is not None
+                  else self.received[self.next]) - self.rs_bytes
+        if offset < self._first_out + self.own_in_start and offset < landed:
+            return False
         if self.in_from is None:
-            return True  # not resumed: a live rank (docs/recovery.md shows it holds the bytes)
+            return True  # not resumed: everything else is still there
         if offset >= self._first_out:
             return offset - self._first_out >= self.in_from
         # the allgather overwrites the first out-piece from its start as its result arrives

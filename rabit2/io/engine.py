@@ -43,6 +43,7 @@ from rabit2.core.topology import topology
 from rabit2.errors import (
     CollectiveTimeoutError,
     JobAbortedError,
+    PeerLostError,
     ProtocolError,
     RabitError,
     TrackerError,
@@ -350,7 +351,7 @@ class Engine:
             self._expect_accept = higher
             # every wait below also ends at once if the tracker aborts the job
             await self._unless_aborted(
-                asyncio.gather(*(self._dial(p, *assignment.peers[p]) for p in lower)),
+                asyncio.gather(*(self._dial_at_init(p) for p in lower)),
                 cfg.connect_timeout_sec + 1)
             self._raise_if_failed()
             self.agent.connect_peers()
@@ -431,6 +432,23 @@ class Engine:
         server.listen(64)
         server.setblocking(False)
         return server
+
+    async def _dial_at_init(self, peer: int) -> PeerLink:
+        """Dial a lower neighbour at init.  A restarted worker whose neighbour died too (two
+        adjacent ranks lost at once) finds nobody at the address the tracker knew: it dials
+        again, with backoff, at the address ``peer_recovered`` announces once that
+        neighbour's replacement registers (bounded by the caller's connect deadline)."""
+        assignment = self.assignment
+        assert assignment is not None
+        delay = 0.02
+        while True:
+            try:
+                return await self._dial(peer, *assignment.peers[peer])
+            except PeerLostError:
+                if not self.agent.restarted:
+                    raise
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
 
     async def _dial(self, peer: int, host: str, port: int) -> PeerLink:
         assignment = self.assignment
@@ -685,7 +703,9 @@ class Engine:
         # where it listens now: a later reset of that link is dialed there, not at the
         # address of the process that died
         assignment.peers[rank] = address
-        if rank < assignment.rank:
+        if rank < assignment.rank and self.agent.state.value not in (
+                "connecting-tracker", "connecting-peers", "accepting-peers"):
+            # (during init, the dial at init tries the new address itself)
             self._schedule_redial(rank, incarnation, address)
 
     def _schedule_redial(self, rank: int, incarnation: int, address: tuple[str, int]) -> None:
