@@ -528,7 +528,8 @@ class RecoveryMixin:
         if caught_up and link.state is not None:
             link.state = dataclasses.replace(link.state, recovering=False)
             wait = active.resume_wait if active is not None else None
-            if wait is not None and wait.get(peer, 0) is None and call < current:
+            if (active is not None and wait is not None and wait.get(peer, 0) is None
+                    and call < current):
                 # waited for as a neighbour restarted too, it has caught up meanwhile: a
                 # survivor now, it sends no need for our call, and holds none of it
                 wait[peer] = 0
@@ -564,7 +565,7 @@ class RecoveryMixin:
             # a replaying peer (or one past its replay while this rank replays) is ahead
             link.pending_needs[call] = offset  # applied when this rank begins that call
             wait = active.resume_wait if active is not None else None
-            if wait is not None and wait.get(peer, 0) is None:
+            if active is not None and wait is not None and wait.get(peer, 0) is None:
                 wait[peer] = -1  # it went past our call: it needs none of our stream
                 self._resume(active, [], None, cmds)
             if active is not None and link.awaiting_need:

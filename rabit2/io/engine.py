@@ -306,6 +306,9 @@ class Engine:
         self._ckpt_waiter: _Waiter | None = None
         self._ckpt_loaded: tuple[int, bytes | None, bytes | None] = (0, None, None)
         self._redials: set[asyncio.Task[None]] = set()
+        # where restarted neighbours listen now (peer_recovered), also for notices that come
+        # while this worker is still setting up (they are newer than its assignment)
+        self._recovered_at: dict[int, tuple[str, int]] = {}
         self._closing = False
         self._failed = asyncio.Event()  # set when the tracker aborts the job
 
@@ -336,6 +339,9 @@ class Engine:
             self.tracker.on_peer_recovered = self._on_peer_recovered
             assignment = await self.tracker.wait_assignment(cfg.timeout_sec)
             self.assignment = assignment
+            for rank, address in self._recovered_at.items():  # (notices that came first)
+                if rank in assignment.peers:
+                    assignment.peers[rank] = address
             self.agent.incarnation = assignment.incarnation
             # a restarted worker replays: it learns its neighbours' states first
             self.agent.restarted = cfg.recover and assignment.incarnation > 0
@@ -443,7 +449,8 @@ class Engine:
         delay = 0.02
         while True:
             try:
-                return await self._dial(peer, *assignment.peers[peer])
+                address = self._recovered_at.get(peer, assignment.peers[peer])
+                return await self._dial(peer, *address)
             except PeerLostError:
                 if not self.agent.restarted:
                     raise
@@ -697,8 +704,11 @@ class Engine:
 
     def _on_peer_recovered(self, rank: int, incarnation: int, address: tuple[str, int]) -> None:
         """A lost neighbour was restarted: the higher rank of a link dials, as at init."""
+        if not self.config.recover:
+            return
+        self._recovered_at[rank] = address  # (the dial at init may be trying the old one)
         assignment = self.assignment
-        if not self.config.recover or assignment is None or rank not in self.agent.links:
+        if assignment is None or rank not in self.agent.links:
             return
         # where it listens now: a later reset of that link is dialed there, not at the
         # address of the process that died
