@@ -375,6 +375,18 @@ def test_two_adjacent_ranks_killed_mid_call_rejoin_without_a_second_restart() ->
 
 
 @pytest.mark.integration
+def test_a_restarted_neighbour_that_resumes_from_a_later_checkpoint_releases_the_other() -> None:
+    """World 5: rank 4 dies after call (1, 1), rank 3 in (1, 2), the last call.  Rank 3's
+    replacement resumes from the final checkpoint and replays nothing; rank 4's replays
+    version 1 and held its stream to rank 3 back, waiting for a need that rank 3 would never
+    send (its first state said "at (0, 0)"), until the others left finalize (soak seed 33)."""
+    args = ("--calls=rso", "--iters=2", "--ring-count=200000", "--bcast-count=50000")
+    job = run_job(5, *args, "mock=4,1,1,0,37105", "mock=3,1,2,0,27576", timeout=90)
+    assert_recovered(job, 5, {3: 1, 4: 1}, args)
+    assert job.elapsed < 20, job.tail()
+
+
+@pytest.mark.integration
 def test_a_worker_that_exits_after_shutting_down_is_not_restarted() -> None:
     """Workers that end in a typed error report it, shut down with the tracker and exit 3;
     the launcher must not restart them (the tracker would refuse the replacement with

@@ -380,20 +380,19 @@ class RecoveryMixin:
             self.peer_states = {}  # a new dict: the API thread may be reading the old one
             self._need_from_all(active, cmds, caught_up=True)
             return
-        # a neighbour restarted too (adjacent losses) that has not passed this call is not
-        # a live neighbour: its state is a snapshot from before it got here.  It says where
-        # it needs our stream with a "need" when it gets to the call (held for it till then)
-        roles = {p: role_of(st, call) for p, st in self.peer_states.items()}
-        recovering = {p for p, st in self.peer_states.items()
-                      if st.recovering and roles[p] is not Role.FINISHED}
-        for p in recovering:
-            del roles[p]
+        roles, recovering, skipped = self._classify(call)
+        plan = active.plan
+        if skipped & set(plan.in_streams) and not any(r is Role.FINISHED for r in roles.values()):
+            raise UnrecoverableError(
+                f"rank {self.rank} replays call {call}, which needs input from rank(s) "
+                f"{sorted(skipped & set(plan.in_streams))}, restarted too and resumed from a "
+                "later checkpoint, and no live neighbour finished it")
+        active.skip_in.update(skipped)
         finished = [p for p, role in roles.items() if role is Role.FINISHED]
         live = [p for p, role in roles.items() if role is Role.LIVE]
         if not finished and not live:
             self._need_from_all(active, cmds)
             return
-        plan = active.plan
         if finished and isinstance(plan, TreeBroadcast) and roles.get(plan.in_link) is Role.FRESH:
             # a broadcast that reached the neighbours who finished it by another route:
             # this rank's in-link has not begun it, and will send the whole stream when it
@@ -440,6 +439,22 @@ class RecoveryMixin:
                 self._send_need(q, call, needs[q], cmds)
         self._need_from_all(active, cmds)
 
+    def _classify(self, call: CallId) -> tuple[dict[int, Role], set[int], set[int]]:
+        """Each neighbour's role in ``call`` of the replay, and which are restarted too.  A
+        neighbour restarted too is not a live neighbour: its state is a snapshot from before
+        its replay got here; it says where it needs our stream with a "need" when it gets to
+        the call (held for it till then).  Past the call, it is finished (it can serve the
+        result) if it replayed it, or it *skipped* the call (it resumed from a later
+        checkpoint): then it needs nothing of ours and sends nothing."""
+        roles = {p: role_of(st, call) for p, st in self.peer_states.items()}
+        recovering = {p for p, st in self.peer_states.items()
+                      if st.recovering and roles[p] is not Role.FINISHED}
+        skipped = {p for p, st in self.peer_states.items()
+                   if st.recovering and roles[p] is Role.FINISHED and st.oldest > call}
+        for p in recovering | skipped:
+            del roles[p]
+        return roles, recovering, skipped
+
     def _resume(self, active: ActiveCall, live: list[int], recovering: set[int] | None,
                 cmds: list[Command]) -> None:
         """Resume the call the live neighbours are blocked in, once every awaited need of
@@ -450,10 +465,8 @@ class RecoveryMixin:
         active.resume_wait = None
         call, plan = active.call_id, active.plan
         if recovering is None:
-            live = [p for p, st in self.peer_states.items()
-                    if not st.recovering and role_of(st, call) is Role.LIVE]
-            recovering = {p for p, st in self.peer_states.items()
-                          if st.recovering and role_of(st, call) is not Role.FINISHED}
+            roles, recovering, _ = self._classify(call)
+            live = [p for p, role in roles.items() if role is Role.LIVE]
         out_needs = {q: max(0, self.peer_states[q].need) for q in live}
         for q in recovering:
             # its need if it already said it, else the lower bound: all of the stream.  A
@@ -931,6 +944,12 @@ class RecoveryMixin:
         self.version, self.seqno = version, 0
         self.results.clear_before((version, 0))  # (what "state" says this rank retains)
         self._loading = {"version": version, "checkpoint": None, "local": None, "pending": 0}
+        if version:
+            # where this rank resumes: a neighbour restarted too may hold a call of an older
+            # version back for it, which it will never make (its state said "at (0, 0)")
+            for peer, link in self.links.items():
+                if link.up:
+                    self._send_control(peer, self._state_for(peer).to_msg(), cmds)
         if version == 0:
             cmds.append(CheckpointLoaded(0, None))
             return cmds

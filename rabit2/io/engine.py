@@ -730,7 +730,9 @@ class Engine:
         delay = 0.05
         while self.agent.links[rank].incarnation < incarnation or not self.agent.links[rank].up:
             try:
-                await self._dial(rank, *address)
+                # where a replacement listens once peer_recovered said so (the peer may have
+                # died again after this redial began, e.g. while this worker was in init)
+                await self._dial(rank, *self._recovered_at.get(rank, address))
                 return
             except RabitError as exc:
                 if self.loop.time() + delay > deadline or self.agent.error is not None:
