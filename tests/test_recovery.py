@@ -693,11 +693,8 @@ _SOAK_SPECS = [Spec("allreduce", n) for n in (1, 7, 100, 999, 1500, 5000, 12_000
 _RETENTION_LIMIT = r"no longer retains|retains its result any more"
 
 
-def _random_plan(seed: int) -> tuple[ResetJob, bool]:
-    """A random world, program and fault plan (1-2 kills or resets at random calls and byte
-    offsets); also whether two of its kills hit the same or neighbouring ranks."""
-    rng = np.random.default_rng([7919, seed])
-    world = int(rng.integers(2, 9))
+def _random_program(rng: np.random.Generator, world: int) -> list[list[Spec]]:
+    """1-3 iterations of 1-3 random calls (every kind, sizes from 1 element up)."""
     program: list[list[Spec]] = []
     for _ in range(int(rng.integers(1, 4))):
         calls = []
@@ -711,6 +708,15 @@ def _random_plan(seed: int) -> tuple[ResetJob, bool]:
                 calls.append(Spec(kind, int(rng.choice([1, 300, 3000, 20_000])),
                                   root=int(rng.integers(0, world))))
         program.append(calls)
+    return program
+
+
+def _random_plan(seed: int) -> tuple[ResetJob, bool]:
+    """A random world, program and fault plan (1-2 kills or resets at random calls and byte
+    offsets); also whether two of its kills hit the same or neighbouring ranks."""
+    rng = np.random.default_rng([7919, seed])
+    world = int(rng.integers(2, 9))
+    program = _random_program(rng, world)
     points = [(i, j) for i, calls in enumerate(program) for j in range(len(calls))]
     kills: list[Kill] = []
     resets: list[Reset] = []
@@ -828,19 +834,7 @@ def _random_adjacent_plan(seed: int) -> ResetJob:
     in 40 % of plans, in two random calls), at random byte offsets and restart delays."""
     rng = np.random.default_rng([104729, seed])
     world = int(rng.integers(3, 9))
-    program: list[list[Spec]] = []
-    for _ in range(int(rng.integers(1, 4))):
-        calls = []
-        for _ in range(int(rng.integers(1, 4))):
-            kind = str(rng.choice(["allreduce", "allreduce", "broadcast", "object", "allgather"]))
-            if kind == "allreduce":
-                calls.append(_SOAK_SPECS[int(rng.integers(0, len(_SOAK_SPECS)))])
-            elif kind == "allgather":
-                calls.append(Spec("allgather", int(rng.choice([1, 50, 2000]))))
-            else:
-                calls.append(Spec(kind, int(rng.choice([1, 300, 3000, 20_000])),
-                                  root=int(rng.integers(0, world))))
-        program.append(calls)
+    program = _random_program(rng, world)
     points = [(i, j) for i, calls in enumerate(program) for j in range(len(calls))]
     a = int(rng.integers(0, world))
     b = int(rng.choice(topology(a, world).neighbors))

@@ -432,11 +432,17 @@ class RecoveryMixin:
                 self._send_need(q, call, 0 if q in plan.in_streams else -1, cmds)
             self._resume(active, live, recovering, cmds)
             return
+        self._settle_live(active, live, needs, cmds)
+
+    def _settle_live(self, active: ActiveCall, live: list[int], needs: dict[int, int],
+                     cmds: list[Command]) -> None:
+        """Send our stream to each live neighbour from its need, tell it where we need its
+        own (``needs``), and tell every other neighbour where ours of this call starts."""
         for q in live:
             st = self.peer_states[q]
             self._apply_need(active, q, st.need, seen=st.seen)
-            if q in plan.in_streams:
-                self._send_need(q, call, needs[q], cmds)
+            if q in active.plan.in_streams:
+                self._send_need(q, active.call_id, needs[q], cmds)
         self._need_from_all(active, cmds)
 
     def _classify(self, call: CallId) -> tuple[dict[int, Role], set[int], set[int]]:
@@ -499,12 +505,7 @@ class RecoveryMixin:
         for q in recovering:
             if q in plan.in_streams:
                 self._send_need(q, call, resume.in_from.get(q, -1), cmds)
-        for q in live:
-            st = self.peer_states[q]
-            self._apply_need(active, q, st.need, seen=st.seen)
-            if q in plan.in_streams:
-                self._send_need(q, call, needs[q], cmds)
-        self._need_from_all(active, cmds)
+        self._settle_live(active, live, needs, cmds)
 
     def _need_from_all(self, active: ActiveCall, cmds: list[Command],
                        caught_up: bool = False) -> None:
