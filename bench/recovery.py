@@ -1,7 +1,7 @@
 """What fault tolerance costs and how long a recovery takes, through ``rabit2-submit``.
 
     python bench/recovery.py overhead [--n 2,4] [--sizes 1M,16M,64M] [--rounds 3] [--steady]
-    python bench/recovery.py timeline [--n 4] [--repeat 3]
+    python bench/recovery.py timeline [--n 4] [--repeat 3] [--victims 2,3]
 
 ``overhead`` runs ``bench_collectives.py`` with recovery off and on (``RABIT2_RECOVER=0/1``),
 alternating, ``--rounds`` times each, and prints the median of each setting and their ratio:
@@ -68,21 +68,24 @@ _DOWN = re.compile(r"^\[rank (\d+)\] .*link to rank (\d+) down at ([0-9.]+)", re
 
 
 def timeline(args: argparse.Namespace) -> None:
-    victim, n = 2, args.n[0]
+    victims, n = [int(v) for v in args.victims.split(",")], args.n[0]
     phases: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeat):
             cmd = [*submit_cmd(args.submit), "--cluster", "local", "-n", str(n),
                    "--env", "RABIT2_LOG_LEVEL=INFO", "--", sys.executable, str(WORKER),
-                   f"mock={victim},3,0,0,{parse_size(args.kill_after)}"]
+                   *(f"mock={v},3,0,0,{parse_size(args.kill_after)}" for v in victims)]
             out = run_job(cmd, Path(tmp) / f"timeline-{rep}.log", 600)
-            kill = float(_KILL.search(out).group(2))  # type: ignore[union-attr]
+            kill = min(float(t) for _, t in _KILL.findall(out))
             downs = [float(t) for r, p, t in _DOWN.findall(out)
-                     if int(p) == victim and int(r) != victim and float(t) >= kill]
+                     if int(p) in victims and int(r) not in victims and float(t) >= kill]
             ev = {(int(r), name, int(att)): float(t) for r, name, att, t in _EVENT.findall(out)}
-            new = {name: t for (r, name, att), t in ev.items() if r == victim and att == 1}
+            new: dict[str, float] = {}  # the slower victim's replacement, event by event
+            for (r, name, att), t in ev.items():
+                if r in victims and att == 1:
+                    new[name] = max(new.get(name, t), t)
             blocked = [t for (r, name, att), t in ev.items()
-                       if r != victim and name == "interrupted_done"]
+                       if r not in victims and name == "interrupted_done"]
             marks = [("detect", min(downs)), ("process start", new["start"]),
                      ("init done", new["init"]), ("checkpoint loaded", new["loaded"]),
                      ("replay done", new["replayed"]),
@@ -90,7 +93,8 @@ def timeline(args: argparse.Namespace) -> None:
                      ("interrupted call done (last survivor)", max(blocked))]
             for name, t in marks:
                 phases.setdefault(name, []).append(t - kill)
-    print(f"\nN={n}, rank {victim} killed after {args.kill_after} of a 16 MiB ring allreduce "
+    who = f"rank {victims[0]}" if len(victims) == 1 else f"ranks {args.victims} (the slower)"
+    print(f"\nN={n}, {who} killed after {args.kill_after} of a 16 MiB ring allreduce "
           f"in version 3 (median of {args.repeat}; seconds after the kill)\n")
     print("| event | after the kill |")
     print("|---|---|")
@@ -110,6 +114,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iters-scale", type=float, default=1.0)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--kill-after", default="4M")
+    parser.add_argument("--victims", default="2",
+                        help="timeline: the ranks killed (e.g. 2,3: two neighbours at once)")
     parser.add_argument("--submit", default=None)
     args = parser.parse_args(argv)
     args.n = [int(x) for x in (args.n or ("2,4" if args.what == "overhead" else "4")).split(",")]
