@@ -45,7 +45,7 @@ from rabit2.core.recovery import (
     descriptor_to_wire,
     role_of,
 )
-from rabit2.core.schedule import Plan, TreeBroadcast
+from rabit2.core.schedule import Plan, RingAllreduce, TreeBroadcast
 from rabit2.errors import MismatchError, ProtocolError, RabitError, UnrecoverableError
 
 State, Event = fsm.State, fsm.Event
@@ -563,7 +563,7 @@ class RecoveryMixin:
             if held and not link.awaiting_need:
                 return  # the stream was not held back: it is flowing from its start
             link.awaiting_need = False
-            self._apply_need(active, peer, offset)
+            self._apply_need(active, peer, offset, cmds=cmds)
             self._pump(active, cmds)
             self._maybe_complete(active, cmds)
         elif call < current:
@@ -635,7 +635,7 @@ class RecoveryMixin:
                                   "caught_up": caught_up, "held": held}, cmds)
 
     def _apply_need(self, active: ActiveCall, peer: int, offset: int,
-                    seen: bool = False) -> None:
+                    seen: bool = False, cmds: list[Command] | None = None) -> None:
         plan = active.plan
         stream = plan.out_streams.get(peer)
         if stream is None:
@@ -654,6 +654,19 @@ class RecoveryMixin:
                 f"rank {peer} needs partial sums of call {active.call_id} from byte {offset}, "
                 f"but rank {self.rank} restarted and holds only that call's result")
         if offset < stream.length and not active.plan.serves_from(peer, offset):
+            plan = active.plan
+            gap = plan.refill_range(offset) if isinstance(plan, RingAllreduce) else None
+            if (gap is not None and isinstance(plan, RingAllreduce) and cmds is not None
+                    and active.refill is None and self.links[plan.next].up
+                    and not active.fetching):
+                # a neighbour lost again asks from before where this rank's resume restarted
+                # its in-stream: fetch those bytes of the next rank's stream again (it still
+                # holds them unless its own result overwrote them: then it says so)
+                active.refill = (peer, offset, seen)
+                self.links[peer].awaiting_need = True
+                self._request(plan.next, "stream", active.call_id, gap[0], gap[1],
+                              memoryview(bytearray(gap[1] - gap[0])), cmds, active)
+                return
             # partial sums the result has overwritten here, or (after a resume, which asked
             # the in-streams only for what the out-streams needed then) bytes made from
             # skipped input: sending the buffer's content in their place would corrupt the
@@ -691,9 +704,9 @@ class RecoveryMixin:
         active = self.active
         for fetch in lost:
             self._fetches.pop(fetch.request, None)
-            mine = (fetch.what == "result" and active is not None
+            mine = (fetch.what in ("result", "stream") and active is not None
                     and active.call_id == fetch.call)
-            if fetch.what == "result" and not mine:
+            if fetch.what in ("result", "stream") and not mine:
                 continue  # (a call that is over: nothing waits for it)
             if mine:
                 assert active is not None
@@ -710,7 +723,8 @@ class RecoveryMixin:
         back (:meth:`_reissue_fetches`), a replacement makes it fail."""
         del self._fetches[fetch.request]
         active = self.active
-        if active is not None and active.call_id == fetch.call and fetch.what == "result":
+        if (active is not None and active.call_id == fetch.call
+                and fetch.what in ("result", "stream")):
             active.fetching -= 1
         tried = fetch.tried | {fetch.peer}
         for peer, st in self.peer_states.items():
@@ -729,7 +743,8 @@ class RecoveryMixin:
                 return
         if park:
             self._fetches[fetch.request] = fetch
-            if active is not None and active.call_id == fetch.call and fetch.what == "result":
+            if (active is not None and active.call_id == fetch.call
+                    and fetch.what in ("result", "stream")):
                 active.fetching += 1
             return
         raise UnrecoverableError(
@@ -758,6 +773,20 @@ class RecoveryMixin:
                           f"version {call[0]}")
             else:
                 data = memoryview(local)
+        elif what == "stream":
+            # bytes of our stream of the current call to the asker, fetched again by a
+            # restarted neighbour whose resume skipped them (see _apply_need)
+            active = self.active
+            plan = active.plan if active is not None else None
+            stream = plan.out_streams.get(peer) if plan is not None else None
+            if (active is None or plan is None or stream is None or active.call_id != call
+                    or not 0 <= lo < hi <= plan.out_ready(peer)
+                    or not plan.serves_from(peer, lo)):
+                reason = (f"rank {self.rank} can no longer send bytes [{lo}, {hi}) of its "
+                          f"stream of call {call}")
+            else:
+                desc, data = active.desc, memoryview(b"".join(stream.views(lo, hi)))
+                lo, hi = 0, -1
         elif what == "result":
             active = self.active
             if (active is not None and active.call_id == call
@@ -884,11 +913,31 @@ class RecoveryMixin:
         active = self.active
         if active is None or active.call_id != fetch.call:
             return
+        if fetch.what == "stream":
+            self._refilled(active, fetch, cmds)
+            return
         if active.call.kind is CollectiveKind.BROADCAST:
             self._land_broadcast(active, fetch.dest)
         elif fetch.request == 0:
             active.call.buf[:] = fetch.dest  # an unasked result, whole now
         active.fetching -= 1
+        self._pump(active, cmds)
+        self._maybe_complete(active, cmds)
+
+    def _refilled(self, active: ActiveCall, fetch: Fetch, cmds: list[Command]) -> None:
+        """The skipped in-stream bytes are back: reduce them in, then serve the need that
+        asked for what they make."""
+        plan = active.plan
+        assert isinstance(plan, RingAllreduce) and fetch.dest is not None
+        plan.refill(fetch.lo, fetch.dest)
+        active.fetching -= 1
+        assert active.refill is not None
+        peer, offset, seen = active.refill
+        active.refill = None
+        link = self.links[peer]
+        if link.up and link.awaiting_need:
+            link.awaiting_need = False
+            self._apply_need(active, peer, offset, seen=seen)
         self._pump(active, cmds)
         self._maybe_complete(active, cmds)
 

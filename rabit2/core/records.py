@@ -212,8 +212,8 @@ class ActiveCall:
     """Bookkeeping of the call in progress."""
 
     __slots__ = ("call", "call_id", "deferred", "desc", "fetching", "final", "frames_seen",
-                 "mirror", "mirrored", "plan", "prefix", "resume_wait", "sent", "skip_in",
-                 "started_empty")
+                 "mirror", "mirrored", "plan", "prefix", "refill", "resume_wait", "sent",
+                 "skip_in", "started_empty")
 
     def __init__(self, call: Call, call_id: tuple[int, int], desc: CallDescriptor,
                  plan: Plan) -> None:
@@ -231,6 +231,9 @@ class ActiveCall:
         # a resume that waits for the needs of neighbours restarted too: peer -> need, or
         # None while it has not come (nothing is sent until every one is in)
         self.resume_wait: dict[int, int | None] | None = None
+        # a need this resumed call can serve only once the in-stream bytes its resume
+        # skipped are fetched again: (peer, offset, seen), applied when they are in
+        self.refill: tuple[int, int, bool] | None = None
         # needs for the out-streams of a broadcast whose size this rank does not know yet
         self.deferred: dict[int, tuple[int, bool]] = {}
         # recovery on, a broadcast's receiver: the retained copy of the stream, made as the

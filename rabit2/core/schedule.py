@@ -516,6 +516,37 @@ class RingAllreduce(_RingChain):
     def resume_needs(self) -> tuple[int, ...]:
         return (self.prev,)
 
+    def refill_range(self, offset: int) -> tuple[int, int] | None:
+        """After a resume, the in-stream bytes ``[lo, hi)`` to fetch again from ``next`` so
+        that out-stream byte ``offset`` on can be made (a neighbour lost again asks from
+        there); None if that is not the missing piece (nothing skipped there, or the
+        allgather has overwritten the partial sums those bytes go into)."""
+        if self.in_from is None or offset < self._first_out:
+            return None
+        lo = self._align_in(offset - self._first_out)
+        if lo >= self.in_from:
+            return None
+        landed = (self.processed if self.staged is not None
+                  else self.received[self.next]) - self.rs_bytes
+        if offset < landed:
+            return None
+        return lo, self.in_from
+
+    def refill(self, lo: int, data: memoryview) -> None:
+        """Reduce the refetched in-stream bytes ``[lo, lo + len(data))`` (reduce-scatter
+        pieces that the resume skipped: their targets still hold this rank's input) into
+        place; from then on the out-stream can be served from the matching offset."""
+        assert self.in_from is not None and lo + len(data) == self.in_from
+        assert self.op is not None and self.dtype is not None
+        for (land, target, reduce), start in zip(self._ins, self._in_starts, strict=True):
+            a, b = max(lo, start), min(self.in_from, start + len(land))
+            if a >= b:
+                continue
+            assert reduce and target is not None  # (the skipped part is reduce-scatter)
+            reduce_bytes(self.op, self.dtype, target[a - start : b - start],
+                         data[a - lo : b - lo])
+        self.in_from = lo
+
     def final_from(self, peer: int) -> int:
         return self._first_out + self.own_in_start  # the allgather part of the out-stream
 
