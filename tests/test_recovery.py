@@ -640,6 +640,20 @@ def test_a_ring_refill_reduces_the_skipped_bytes_and_serves_from_there() -> None
     changed = np.flatnonzero(buf != before)
     assert sorted((buf - before)[changed].tolist()) == [1000, 2000]
 
+    # resumed past the start of its own segment's reduction: the resume fetched those
+    # result bytes from the previous rank, so a refill stops short of them
+    buf = np.arange(12, dtype=np.int64) + 100
+    plan = RingAllreduce(buf.view(np.uint8).data, np.dtype(np.int64), Op.SUM, 0, 4,
+                         lambda peer, n: memoryview(bytearray(n)))
+    resume = plan.resume({plan.prev: first + plan.own_in_start + 8})
+    assert resume.fetch and plan.in_from == plan.own_in_start + 8
+    lo, hi = plan.refill_range(first + 8) or (-1, -1)
+    assert (lo, hi) == (8, plan.own_in_start)
+    own = slice(plan.own_segment[0] // 8, plan.own_segment[1] // 8)
+    mine = buf[own].copy()
+    plan.refill(lo, np.ones((hi - lo) // 8, dtype=np.int64).view(np.uint8).data)
+    assert (buf[own] == mine).all() and plan.in_from == 8
+
 
 def test_one_need_per_call_when_a_link_resets_while_a_restarted_rank_is_between_calls() -> None:
     """World 2: rank 0 dies after its first call, is restarted and replays it; its link

@@ -524,22 +524,27 @@ class RingAllreduce(_RingChain):
         if self.in_from is None or offset < self._first_out:
             return None
         lo = self._align_in(offset - self._first_out)
-        if lo >= self.in_from:
+        # in-bytes from ``own_in_start`` on reduce into our own segment, which the resume
+        # filled with result bytes fetched from ``prev`` where it skipped them: never again
+        hi = min(self.in_from, self.own_in_start)
+        if lo >= hi:
             return None
         landed = (self.processed if self.staged is not None
                   else self.received[self.next]) - self.rs_bytes
         if offset < landed:
             return None
-        return lo, self.in_from
+        return lo, hi
 
     def refill(self, lo: int, data: memoryview) -> None:
         """Reduce the refetched in-stream bytes ``[lo, lo + len(data))`` (reduce-scatter
         pieces that the resume skipped: their targets still hold this rank's input) into
-        place; from then on the out-stream can be served from the matching offset."""
-        assert self.in_from is not None and lo + len(data) == self.in_from
-        assert self.op is not None and self.dtype is not None
+        place; from then on the out-stream can be served from the matching offset (what
+        lies between is this rank's own segment, fetched as result bytes by the resume)."""
+        assert self.in_from is not None and self.op is not None and self.dtype is not None
+        hi = lo + len(data)
+        assert hi == min(self.in_from, self.own_in_start)
         for (land, target, reduce), start in zip(self._ins, self._in_starts, strict=True):
-            a, b = max(lo, start), min(self.in_from, start + len(land))
+            a, b = max(lo, start), min(hi, start + len(land))
             if a >= b:
                 continue
             assert reduce and target is not None  # (the skipped part is reduce-scatter)
