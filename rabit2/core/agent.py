@@ -605,9 +605,13 @@ class Agent(RecoveryMixin):
                 link.pending = None
                 if state.at == call_id and link.up:
                     # a peer whose link was reset waits in this call; if we were behind when
-                    # the link came up it waits to hear that we hold none of its stream
+                    # the link came up it waits to hear that we hold none of its stream.
+                    # Not if we were just before this call then: our state said so, and a
+                    # peer that is not replaying took it as "all of it" (a second need made
+                    # it send its stream twice, over bytes that had arrived)
                     self._apply_need(active, peer, state.need, seen=state.seen)
-                    if link.up_call != call_id and peer in plan.in_streams:
+                    if (link.up_call != call_id and peer in plan.in_streams
+                            and (state.recovering or link.up_at < call_id)):
                         self._send_need(peer, call_id, 0, cmds)
         except RabitError as exc:
             self._fail(exc, cmds)
