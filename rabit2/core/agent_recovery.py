@@ -430,7 +430,7 @@ class RecoveryMixin:
                 # resends the result from 0; the ring's previous rank sends us nothing).
                 # Said now: it may be behind, in a call we skipped, waiting to hear from us
                 self._send_need(q, call, 0 if q in plan.in_streams else -1, cmds)
-            self._resume(active, live, recovering, cmds)
+            self._resume(active, cmds)
             return
         self._settle_live(active, live, needs, cmds)
 
@@ -461,18 +461,16 @@ class RecoveryMixin:
             del roles[p]
         return roles, recovering, skipped
 
-    def _resume(self, active: ActiveCall, live: list[int], recovering: set[int] | None,
-                cmds: list[Command]) -> None:
+    def _resume(self, active: ActiveCall, cmds: list[Command]) -> None:
         """Resume the call the live neighbours are blocked in, once every awaited need of
-        a neighbour restarted too is in (``recovering`` None: it came now)."""
+        a neighbour restarted too is in."""
         wait = active.resume_wait
         if wait is not None and any(v is None for v in wait.values()):
             return
         active.resume_wait = None
         call, plan = active.call_id, active.plan
-        if recovering is None:
-            roles, recovering, _ = self._classify(call)
-            live = [p for p, role in roles.items() if role is Role.LIVE]
+        roles, recovering, _ = self._classify(call)
+        live = [p for p, role in roles.items() if role is Role.LIVE]
         out_needs = {q: max(0, self.peer_states[q].need) for q in live}
         for q in recovering:
             # its need if it already said it, else the lower bound: all of the stream.  A
@@ -506,6 +504,14 @@ class RecoveryMixin:
             if q in plan.in_streams:
                 self._send_need(q, call, resume.in_from.get(q, -1), cmds)
         self._settle_live(active, live, needs, cmds)
+
+    def _answer_wait(self, active: ActiveCall | None, peer: int, need: int,
+                     cmds: list[Command]) -> None:
+        """``peer``'s need (or what stands for it) for the call our resume waits on it for."""
+        wait = active.resume_wait if active is not None else None
+        if active is not None and wait is not None and wait.get(peer, 0) is None:
+            wait[peer] = need
+            self._resume(active, cmds)
 
     def _need_from_all(self, active: ActiveCall, cmds: list[Command],
                        caught_up: bool = False) -> None:
@@ -541,13 +547,10 @@ class RecoveryMixin:
         current = active.call_id if active is not None else (self.version, self.seqno)
         if caught_up and link.state is not None:
             link.state = dataclasses.replace(link.state, recovering=False)
-            wait = active.resume_wait if active is not None else None
-            if (active is not None and wait is not None and wait.get(peer, 0) is None
-                    and call < current):
+            if call < current:
                 # waited for as a neighbour restarted too, it has caught up meanwhile: a
                 # survivor now, it sends no need for our call, and holds none of it
-                wait[peer] = 0
-                self._resume(active, [], None, cmds)
+                self._answer_wait(active, peer, 0, cmds)
             if (active is not None and call < current and link.awaiting_need
                     and _sends_to(active.plan, peer)):
                 # held back for it in a later call: it will need all of that stream
@@ -556,10 +559,7 @@ class RecoveryMixin:
                 self._pump(active, cmds)
                 self._maybe_complete(active, cmds)
         if active is not None and call == current:
-            wait = active.resume_wait
-            if wait is not None and wait.get(peer, 0) is None:
-                wait[peer] = offset  # a neighbour restarted too: our resume waited for it
-                self._resume(active, [], None, cmds)
+            self._answer_wait(active, peer, offset, cmds)  # (a neighbour restarted too)
             if held and not link.awaiting_need:
                 return  # the stream was not held back: it is flowing from its start
             link.awaiting_need = False
@@ -578,10 +578,7 @@ class RecoveryMixin:
         elif len(link.pending_needs) < MAX_PENDING_NEEDS:
             # a replaying peer (or one past its replay while this rank replays) is ahead
             link.pending_needs[call] = offset  # applied when this rank begins that call
-            wait = active.resume_wait if active is not None else None
-            if active is not None and wait is not None and wait.get(peer, 0) is None:
-                wait[peer] = -1  # it went past our call: it needs none of our stream
-                self._resume(active, [], None, cmds)
+            self._answer_wait(active, peer, -1, cmds)  # past our call: it needs none of it
             if active is not None and link.awaiting_need:
                 # held back for it, but it is past this call (it resumed from a later
                 # checkpoint than this rank): it needs none of that stream
@@ -654,11 +651,9 @@ class RecoveryMixin:
                 f"rank {peer} needs partial sums of call {active.call_id} from byte {offset}, "
                 f"but rank {self.rank} restarted and holds only that call's result")
         if offset < stream.length and not active.plan.serves_from(peer, offset):
-            plan = active.plan
-            gap = plan.refill_range(offset) if isinstance(plan, RingAllreduce) else None
-            if (gap is not None and isinstance(plan, RingAllreduce) and cmds is not None
-                    and active.refill is None and self.links[plan.next].up
-                    and not active.fetching):
+            if (isinstance(plan, RingAllreduce) and cmds is not None and active.refill is None
+                    and not active.fetching and self.links[plan.next].up
+                    and (gap := plan.refill_range(offset)) is not None):
                 # a neighbour lost again asks from before where this rank's resume restarted
                 # its in-stream: fetch those bytes of the next rank's stream again (it still
                 # holds them unless its own result overwrote them: then it says so)
@@ -704,9 +699,8 @@ class RecoveryMixin:
         active = self.active
         for fetch in lost:
             self._fetches.pop(fetch.request, None)
-            mine = (fetch.what in ("result", "stream") and active is not None
-                    and active.call_id == fetch.call)
-            if fetch.what in ("result", "stream") and not mine:
+            mine = fetch.of_call and active is not None and active.call_id == fetch.call
+            if fetch.of_call and not mine:
                 continue  # (a call that is over: nothing waits for it)
             if mine:
                 assert active is not None
@@ -723,8 +717,7 @@ class RecoveryMixin:
         back (:meth:`_reissue_fetches`), a replacement makes it fail."""
         del self._fetches[fetch.request]
         active = self.active
-        if (active is not None and active.call_id == fetch.call
-                and fetch.what in ("result", "stream")):
+        if active is not None and active.call_id == fetch.call and fetch.of_call:
             active.fetching -= 1
         tried = fetch.tried | {fetch.peer}
         for peer, st in self.peer_states.items():
@@ -743,8 +736,7 @@ class RecoveryMixin:
                 return
         if park:
             self._fetches[fetch.request] = fetch
-            if (active is not None and active.call_id == fetch.call
-                    and fetch.what in ("result", "stream")):
+            if active is not None and active.call_id == fetch.call and fetch.of_call:
                 active.fetching += 1
             return
         raise UnrecoverableError(

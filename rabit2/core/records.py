@@ -207,6 +207,12 @@ class Fetch:
         self.dest = dest  # None: a blob of the announced size is allocated (checkpoints)
         self.hops = hops  # a pushed local model: how many more ring hops it travels
 
+    @property
+    def of_call(self) -> bool:
+        """Bytes of a call (its result, or a range of a neighbour's stream of it): the call
+        in progress counts it in ``fetching`` while it is out."""
+        return self.what in ("result", "stream")
+
 
 class ActiveCall:
     """Bookkeeping of the call in progress."""

@@ -516,6 +516,12 @@ class RingAllreduce(_RingChain):
     def resume_needs(self) -> tuple[int, ...]:
         return (self.prev,)
 
+    def _landed(self) -> int:
+        """Allgather bytes that have overwritten, in ``buf``, the reduce-scatter part of the
+        out-stream: its out byte ``q`` is gone once this passes ``q`` (negative: none)."""
+        staged_or_received = self.processed if self.staged is not None else self.received[self.next]
+        return staged_or_received - self.rs_bytes
+
     def refill_range(self, offset: int) -> tuple[int, int] | None:
         """After a resume, the in-stream bytes ``[lo, hi)`` to fetch again from ``next`` so
         that out-stream byte ``offset`` on can be made (a neighbour lost again asks from
@@ -529,9 +535,7 @@ class RingAllreduce(_RingChain):
         hi = min(self.in_from, self.own_in_start)
         if lo >= hi:
             return None
-        landed = (self.processed if self.staged is not None
-                  else self.received[self.next]) - self.rs_bytes
-        if offset < landed:
+        if offset < self._landed():
             return None
         return lo, hi
 
@@ -563,9 +567,7 @@ class RingAllreduce(_RingChain):
         # the reduce-scatter part reads, in stream order, the same segments of ``buf`` that
         # the allgather then overwrites with results in that order: out byte ``q`` of it is
         # gone once allgather byte ``q`` has landed
-        landed = (self.processed if self.staged is not None
-                  else self.received[self.next]) - self.rs_bytes
-        if offset < self._first_out + self.own_in_start and offset < landed:
+        if offset < self._first_out + self.own_in_start and offset < self._landed():
             return False
         if self.in_from is None:
             return True  # not resumed: everything else is still there
