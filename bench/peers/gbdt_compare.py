@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -106,10 +107,10 @@ def run_classic(n: int, gbdt_args: list[str]) -> str:
     return proc.stdout + proc.stderr
 
 
-def run_rabit2(n: int, gbdt_args: list[str]) -> str:
+def run_rabit2(n: int, gbdt_args: list[str], submit_args: list[str]) -> str:
     proc = subprocess.run(
-        ["rabit2-submit", "--cluster", "local", "-n", str(n), "--", sys.executable, "-m",
-         "rabit2.examples.gbdt", *gbdt_args],
+        ["rabit2-submit", "--cluster", "local", "-n", str(n), *submit_args, "--",
+         sys.executable, "-m", "rabit2.examples.gbdt", *gbdt_args],
         capture_output=True, text=True, timeout=1200, check=False, cwd=REPO,
     )
     return proc.stdout + proc.stderr
@@ -145,6 +146,8 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=1, help="runs of each implementation per N")
     ap.add_argument("--trace", type=Path, metavar="DIR",
                     help="keep per-call traces in DIR and print a per-size breakdown")
+    ap.add_argument("--submit-args", default="", metavar="ARGS",
+                    help='extra rabit2-submit options, e.g. "--bind none --env RABIT2_RECOVER=0"')
     ap.add_argument("rest", nargs=argparse.REMAINDER)
     ns = ap.parse_args()
     if ns.worker:
@@ -167,7 +170,7 @@ def main() -> int:
                     stem = f"n{n}-run{run}-{impl}"
                     args[impl] += ["--trace", str(ns.trace / f"{stem}-{{rank}}.jsonl")]
                     traces[impl] = [ns.trace / f"{stem}-{r}.jsonl" for r in range(n)]
-            r2, d2 = summary(run_rabit2(n, args["rabit2"]))
+            r2, d2 = summary(run_rabit2(n, args["rabit2"], shlex.split(ns.submit_args)))
             c17, d17 = summary(run_classic(n, args["classic"]))
             agree = len(d2) == 1 and d2 == d17
             print(f"| {n} | {r2:.3f} s | {c17:.3f} s | {c17 / r2:.2f}x | {agree} |",

@@ -38,6 +38,7 @@ import numpy as np
 #: ``--impl`` label -> adapter module (several labels may share one module).
 IMPLS: dict[str, str] = {
     "rabit2": "peer_rabit2",
+    "rabit2-ckpt": "peer_rabit2",
     "rabit2-noft": "peer_rabit2",
     "gloo": "peer_gloo",
     "mpi-shm": "peer_mpi",
@@ -136,10 +137,13 @@ class Loop:
             step(n, w)
         starts: list[float] = []
         ends: list[float] = []
+        between = getattr(self.comm, "between_iterations", None)
         for i in range(iters):
             t0, t1 = step(n, warmup + i)
             starts.append(t0)
             ends.append(t1)
+            if between is not None:
+                between()  # untimed (rabit2-ckpt: a checkpoint, as a training loop takes)
         return starts, ends
 
 

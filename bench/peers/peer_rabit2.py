@@ -1,5 +1,8 @@
 """rabit2 itself, launched with ``rabit2-submit --cluster local``: ``rabit2`` with its default
-options (fault tolerance on: results are kept for replays), ``rabit2-noft`` with it off
+options (fault tolerance on: results are kept for replays), ``rabit2-ckpt`` the same with a
+checkpoint after every iteration (untimed), as a training loop takes one per round, so the
+replay store holds two checkpoints' results and recycles their buffers instead of growing to
+``rabit2_replay_mb`` with fresh memory, and ``rabit2-noft`` with fault tolerance off
 (``RABIT2_RECOVER=0``, like the peers, none of which recovers a lost worker)."""
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from typing import Any, cast
 import numpy as np
 from common import MAIN_PYTHON, Job, harness_cmd, probe
 
-LABELS = ["rabit2", "rabit2-noft"]
+LABELS = ["rabit2", "rabit2-ckpt", "rabit2-noft"]
 
 
 def unavailable(label: str) -> str | None:
@@ -39,7 +42,7 @@ def job(label: str, n: int, harness_args: list[str]) -> Job:
 class Rabit2Comm:
     """rabit2's public API: raw-bytes allreduce/broadcast of numpy arrays."""
 
-    def __init__(self) -> None:
+    def __init__(self, label: str) -> None:
         import rabit2  # noqa: PLC0415 -- worker side only
 
         self._r: Any = rabit2
@@ -47,6 +50,12 @@ class Rabit2Comm:
         self.rank = int(rabit2.get_rank())
         self.world = int(rabit2.get_world_size())
         self.version = f"rabit2 {rabit2.__version__}"
+        if label == "rabit2-ckpt":
+            self.between_iterations = self._checkpoint
+
+    def _checkpoint(self) -> None:
+        """An empty model: the cost measured is the replay store's, not pickling."""
+        self._r.checkpoint(None)
 
     def allreduce_sum(self, a: np.ndarray) -> np.ndarray:
         """In-place SUM allreduce (returns the result array)."""
@@ -67,4 +76,4 @@ class Rabit2Comm:
 
 def make_comm(label: str) -> Rabit2Comm:
     """Worker side."""
-    return Rabit2Comm()
+    return Rabit2Comm(label)

@@ -41,7 +41,9 @@ from units import fmt_size, fmt_time, parse_size
 REPO = HERE.parent.parent
 ADAPTERS = ["peer_rabit2", "peer_xgb", "peer_gloo", "peer_mpi"]
 #: Table order: rabit2 first, then the TCP peers, shared-memory MPI last.
-ORDER = ["rabit2", "rabit2-noft", "xgboost1.7", "xgboost3", "gloo", "mpi-tcp", "mpi-shm"]
+ORDER = [
+    "rabit2", "rabit2-ckpt", "rabit2-noft", "xgboost1.7", "xgboost3", "gloo", "mpi-tcp", "mpi-shm",
+]
 DEFAULT_SIZES = "4K,64K,1M,16M,64M"
 
 
