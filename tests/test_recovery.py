@@ -23,7 +23,13 @@ from rabit2.core.fsm import State
 from rabit2.core.ops import Op
 from rabit2.core.schedule import RingAllreduce
 from rabit2.core.topology import topology
-from rabit2.errors import MismatchError, PeerLostError, RabitError, UnrecoverableError
+from rabit2.errors import (
+    CollectiveTimeoutError,
+    MismatchError,
+    PeerLostError,
+    RabitError,
+    UnrecoverableError,
+)
 
 BCAST = CollectiveKind.BROADCAST
 GATHER = CollectiveKind.ALLGATHER
@@ -921,6 +927,85 @@ def test_random_adjacent_fault_plans() -> None:
 def test_random_adjacent_fault_plans_soak(seed: int) -> None:
     """The same, one plan at a time (``pytest --slow -k adjacent_fault_plans_soak``)."""
     _run_adjacent_plan(seed)
+
+
+# Three or four ranks lost, each a neighbour of one lost before it (a host running several
+# consecutive ranks goes down).  Known to end stuck, until the progress deadline: a restarted
+# rank whose neighbours were all restarted too has no live neighbour to learn its checkpoint
+# version from (docs/recovery.md, "Limitations").  (chain length, seed) pairs found so far.
+_CHAIN_STUCK = {(3, 55), (3, 250), (3, 348), (3, 352), (4, 84), (4, 378)}
+_CHAIN_LIMITS = _ADJACENT_LIMITS + r"|holds only that call's result"
+
+
+def _random_chain_plan(seed: int, k: int) -> ResetJob:
+    """A random world (k+1 to 9) and program; ``k`` ranks killed, each a neighbour of one
+    killed before it, in the same call (or, each with 40 % chance, in another random call),
+    at random byte offsets and restart delays."""
+    rng = np.random.default_rng([7919, seed])
+    world = int(rng.integers(k + 1, 10))
+    program = _random_program(rng, world)
+    points = [(i, j) for i, calls in enumerate(program) for j in range(len(calls))]
+    chain = [int(rng.integers(0, world))]
+    while len(chain) < k:
+        near = {n for r in chain for n in topology(r, world).neighbors} - set(chain)
+        chain.append(int(rng.choice(sorted(near))))
+    at = points[int(rng.integers(0, len(points)))]
+    kills = []
+    for rank in chain:
+        when = at if rng.random() < 0.6 else points[int(rng.integers(0, len(points)))]
+        kills.append(Kill(rank, when, int(rng.integers(0, 40_000)),
+                          restart_after=int(rng.integers(1, 6000))))
+    return ResetJob(world, program, seed=seed, kills=kills, resets=[],
+                    max_piece=int(rng.integers(64, 6000)),
+                    **{**KW, "tree_chunk": int(rng.choice([64, 256, 4096]))})
+
+
+def _run_chain_plan(seed: int, k: int) -> bool:
+    """True if the plan recovered bit for bit, False if it ended in a documented typed
+    error (anything else, a wrong result included, fails the test)."""
+    job = _random_chain_plan(seed, k)
+    try:
+        job.run()
+    except UnrecoverableError as exc:
+        assert re.search(_CHAIN_LIMITS, str(exc)), (seed, str(exc))
+        return False
+    job.check()
+    return True
+
+
+@pytest.mark.parametrize("k", [3, 4])
+def test_random_chain_fault_plans(k: int) -> None:
+    """Three or four neighbouring ranks lost, 40 random plans each: no wrong result, only
+    documented errors, and nearly all recover (3: 383 of 400 plans, 4: 380 of 400)."""
+    seeds = [s for s in range(40) if (k, s) not in _CHAIN_STUCK]
+    recovered = sum(_run_chain_plan(seed, k) for seed in seeds)
+    assert recovered >= len(seeds) - 3, recovered
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [3, 4])
+@pytest.mark.parametrize("seed", range(40, 400))
+def test_random_chain_fault_plans_soak(k: int, seed: int) -> None:
+    """The same, one plan at a time (``pytest --slow -k chain_fault_plans_soak``)."""
+    if (k, seed) in _CHAIN_STUCK:
+        pytest.skip("known to wait for its progress deadline (docs/recovery.md)")
+    _run_chain_plan(seed, k)
+
+
+def test_a_stuck_chain_plan_ends_typed_at_its_deadline() -> None:
+    """Seed 55 (three ranks lost): the middle one resumes from version 0 for want of a live
+    neighbour, and it and its neighbour wait for each other in different calls.  Not a
+    hang: at the progress deadline every rank fails with a typed error."""
+    job = _random_chain_plan(55, 3)
+    with pytest.raises(AssertionError, match="did not finish"):
+        job.run(max_steps=100_000)
+    job.net.now += 1e6
+    for rank, agent in job.net.agents.items():
+        job.net.execute(rank, agent.on_tick(job.net.now))
+    while job.net.step():
+        pass
+    assert set(job.net.failed) == set(range(job.world))
+    assert all(isinstance(e, CollectiveTimeoutError) for e in job.net.failed.values())
 
 
 # Adjacent-loss plans that each caught a bug (fixed): seed -> what went wrong.
