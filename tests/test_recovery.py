@@ -902,17 +902,21 @@ def _random_adjacent_plan(seed: int) -> ResetJob:
                     **{**KW, "tree_chunk": int(rng.choice([64, 256, 4096]))})
 
 
-def _run_adjacent_plan(seed: int) -> bool:
-    """Run one plan: True if it recovered bit for bit, False if it ended in one of the
-    documented typed errors (anything else fails the test)."""
-    job = _random_adjacent_plan(seed)
+def _recovers(job: Job, limits: str, seed: int) -> bool:
+    """Run a fault plan: True if it recovered bit for bit, False if it ended in one of the
+    documented typed errors matching ``limits`` (anything else, a wrong result included,
+    fails the test)."""
     try:
         job.run()
     except UnrecoverableError as exc:
-        assert re.search(_ADJACENT_LIMITS, str(exc)), (seed, str(exc))
+        assert re.search(limits, str(exc)), (seed, str(exc))
         return False
     job.check()
     return True
+
+
+def _run_adjacent_plan(seed: int) -> bool:
+    return _recovers(_random_adjacent_plan(seed), _ADJACENT_LIMITS, seed)
 
 
 def test_random_adjacent_fault_plans() -> None:
@@ -961,16 +965,7 @@ def _random_chain_plan(seed: int, k: int) -> ResetJob:
 
 
 def _run_chain_plan(seed: int, k: int) -> bool:
-    """True if the plan recovered bit for bit, False if it ended in a documented typed
-    error (anything else, a wrong result included, fails the test)."""
-    job = _random_chain_plan(seed, k)
-    try:
-        job.run()
-    except UnrecoverableError as exc:
-        assert re.search(_CHAIN_LIMITS, str(exc)), (seed, str(exc))
-        return False
-    job.check()
-    return True
+    return _recovers(_random_chain_plan(seed, k), _CHAIN_LIMITS, seed)
 
 
 @pytest.mark.parametrize("k", [3, 4])
