@@ -363,6 +363,26 @@ def test_two_adjacent_ranks_killed_at_once_recover(world: int, victims: tuple[in
 
 
 @pytest.mark.integration
+def test_three_neighbours_killed_together_end_typed_or_recover() -> None:
+    """World 8, ranks 1, 2 and 3 (a chain: 2's only neighbours are 1 and 3) die before the
+    same call.  Rank 2's replacement usually finds both neighbours restarted too and no
+    one to learn the job's checkpoint version from: the job must then end quickly with
+    UnrecoverableError on every rank, saying why (docs/recovery.md, "Limitations"); if a
+    neighbour had caught up first, it must recover bit for bit instead."""
+    victims = (1, 2, 3)
+    assert set(topology(2, 8).neighbors) == {1, 3}
+    job = run_job(8, *W8_ARGS, *(f"mock={v},1,{S},0" for v in victims))
+    if job.returncode == 0:
+        assert_recovered(job, 8, dict.fromkeys(victims, 1), W8_ARGS)
+        return
+    failed = job.failures()
+    assert {f["type"] for f in failed} == {"UnrecoverableError"}, job.tail()
+    assert all("three or more neighbouring ranks" in f["msg"] for f in failed), job.tail()
+    assert {int(f["rank"]) for f in failed} == set(range(8)), job.tail()
+    assert job.elapsed < 30, job.elapsed
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize(("world", "calls", "mocks"), [
     (3, "trsb", ("mock=0,1,2,0,9017", "mock=2,1,2,0,105304")),
     (5, "rso", ("mock=4,1,1,0,37105", "mock=3,1,2,0,27576")),

@@ -175,6 +175,9 @@ class Agent(RecoveryMixin):
         self.local_replica = local_replica
         self.local_models: dict[tuple[int, int], bytes] = {}
         self._loading: dict[str, Any] = {}  # a restarted rank's checkpoint, as it arrives
+        # a restarted rank that chose its checkpoint version with every neighbour restarted
+        # too (no live one to learn it from): those neighbours, for the error it may lead to
+        self._no_live_at_load: tuple[int, ...] = ()
         self.down_since: dict[int, float] = {}  # lost links the job waits to come back
         # a restarted rank: what each neighbour said when its link came up
         self.peer_states: dict[int, PeerState] = {}

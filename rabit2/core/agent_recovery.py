@@ -86,6 +86,7 @@ class RecoveryMixin:
         peer_states: dict[int, PeerState]
         restarted: bool
         _loading: dict[str, Any]
+        _no_live_at_load: tuple[int, ...]
         _fetches: dict[int, Fetch]
         _next_request: int
         _pending_states: bool
@@ -383,10 +384,16 @@ class RecoveryMixin:
         roles, recovering, skipped = self._classify(call)
         plan = active.plan
         if skipped & set(plan.in_streams) and not any(r is Role.FINISHED for r in roles.values()):
+            why = ""
+            if self._no_live_at_load:
+                why = (f" (rank {self.rank} took checkpoint version 0: every neighbour, rank(s) "
+                       f"{list(self._no_live_at_load)}, was restarted too, and none could say "
+                       "which version the job is at; three or more neighbouring ranks lost "
+                       "together, docs/recovery.md)")
             raise UnrecoverableError(
                 f"rank {self.rank} replays call {call}, which needs input from rank(s) "
                 f"{sorted(skipped & set(plan.in_streams))}, restarted too and resumed from a "
-                "later checkpoint, and no live neighbour finished it")
+                f"later checkpoint, and no live neighbour finished it{why}")
         active.skip_in.update(skipped)
         finished = [p for p, role in roles.items() if role is Role.FINISHED]
         live = [p for p, role in roles.items() if role is Role.LIVE]
@@ -976,6 +983,9 @@ class RecoveryMixin:
         if self.error is not None:
             raise self.error  # e.g. the job was aborted while this worker started
         version = checkpoint_version(self.peer_states) if self.restarted else self.version
+        if self.restarted and self.peer_states and all(
+                st.recovering for st in self.peer_states.values()):
+            self._no_live_at_load = tuple(sorted(self.peer_states))
         if with_local and version:
             # a rank that died between a call and its next checkpoint never handed on the
             # local model of the version its neighbours are in: resume one version earlier
