@@ -364,11 +364,11 @@ def test_two_adjacent_ranks_killed_at_once_recover(world: int, victims: tuple[in
 
 @pytest.mark.integration
 def test_three_neighbours_killed_together_end_typed_or_recover() -> None:
-    """World 8, ranks 1, 2 and 3 (a chain: 2's only neighbours are 1 and 3) die before the
-    same call.  Rank 2's replacement usually finds both neighbours restarted too and no
-    one to learn the job's checkpoint version from: the job must then end quickly with
-    UnrecoverableError on every rank, saying why (docs/recovery.md, "Limitations"); if a
-    neighbour had caught up first, it must recover bit for bit instead."""
+    """World 8, ranks 1, 2 and 3 die before the same call (2's only neighbours are 1 and
+    3).  Rank 2's replacement usually finds both neighbours restarted too and no one to
+    learn the job's checkpoint version from: the job must then end quickly, every rank with
+    UnrecoverableError (or the abort it causes) saying why (docs/recovery.md,
+    "Limitations"); if a neighbour had caught up first, it must recover bit for bit."""
     victims = (1, 2, 3)
     assert set(topology(2, 8).neighbors) == {1, 3}
     job = run_job(8, *W8_ARGS, *(f"mock={v},1,{S},0" for v in victims))
@@ -376,10 +376,11 @@ def test_three_neighbours_killed_together_end_typed_or_recover() -> None:
         assert_recovered(job, 8, dict.fromkeys(victims, 1), W8_ARGS)
         return
     failed = job.failures()
-    assert {f["type"] for f in failed} == {"UnrecoverableError"}, job.tail()
+    # (a rank the tracker's abort reached before its neighbour's error has it as the reason)
+    assert {f["type"] for f in failed} <= {"UnrecoverableError", "JobAbortedError"}, job.tail()
     assert all("three or more neighbouring ranks" in f["msg"] for f in failed), job.tail()
-    assert {int(f["rank"]) for f in failed} == set(range(8)), job.tail()
-    assert job.elapsed < 30, job.elapsed
+    assert {int(f["rank"].removeprefix("task")) for f in failed} == set(range(8)), job.tail()
+    assert job.elapsed < 20, job.elapsed
 
 
 @pytest.mark.integration

@@ -409,7 +409,10 @@ class Engine:
         task.cancel()
         with contextlib.suppress(BaseException):
             await task
-        self._raise_if_failed()
+        if self._failed.is_set() and self.agent.error is not None:
+            # aborted; an agent that had failed already (a neighbour's error reached it
+            # during init) keeps that error, the cause, rather than a misleading timeout
+            raise self.agent.error
         raise TimeoutError
 
     def _stop_listening(self) -> None:
@@ -839,6 +842,13 @@ class Engine:
             self.close()
 
     async def _finalize(self, hold: bool, wait: float) -> None:
+        error = self.agent.error
+        if (error is not None and not isinstance(error, JobAbortedError)
+                and self.tracker is not None):
+            # a typed failure is final (the launcher does not restart a worker that shut
+            # down with the tracker): abort the job, so that a replacement still in init,
+            # which no peer's error reaches, stops at once instead of at its deadlines
+            self.tracker.signal_error(f"{type(error).__name__}: {error}")
         if self.agent.state.value != "task-complete":
             self._execute(self.agent.shutdown())
         try:
