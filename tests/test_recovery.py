@@ -897,6 +897,12 @@ def _random_adjacent_plan(seed: int) -> ResetJob:
     at2 = at if rng.random() < 0.6 else points[int(rng.integers(0, len(points)))]
     kills = [Kill(a, at, int(rng.integers(0, 40_000)), restart_after=int(rng.integers(1, 6000))),
              Kill(b, at2, int(rng.integers(0, 40_000)), restart_after=int(rng.integers(1, 6000)))]
+    return _kill_job(rng, world, program, seed, kills)
+
+
+def _kill_job(rng: np.random.Generator, world: int, program: list[list[Spec]], seed: int,
+              kills: list[Kill]) -> ResetJob:
+    """A fault plan's job: the kills, random delivery piece sizes and tree chunk."""
     return ResetJob(world, program, seed=seed, kills=kills, resets=[],
                     max_piece=int(rng.integers(64, 6000)),
                     **{**KW, "tree_chunk": int(rng.choice([64, 256, 4096]))})
@@ -959,9 +965,7 @@ def _random_chain_plan(seed: int, k: int) -> ResetJob:
         when = at if rng.random() < 0.6 else points[int(rng.integers(0, len(points)))]
         kills.append(Kill(rank, when, int(rng.integers(0, 40_000)),
                           restart_after=int(rng.integers(1, 6000))))
-    return ResetJob(world, program, seed=seed, kills=kills, resets=[],
-                    max_piece=int(rng.integers(64, 6000)),
-                    **{**KW, "tree_chunk": int(rng.choice([64, 256, 4096]))})
+    return _kill_job(rng, world, program, seed, kills)
 
 
 def _run_chain_plan(seed: int, k: int) -> bool:
