@@ -3,6 +3,8 @@
     python bench/peers/run.py                  # N = 2 and 4, 4 KiB .. 64 MiB, both ops
     python bench/peers/run.py --quick          # ~10x fewer iterations
     python bench/peers/run.py --n 2 --sizes 4K,64M --impls rabit2,gloo --out /tmp/p
+    python bench/peers/run.py --n 2 --sizes 1M --impls rabit2-noft,xgboost1.7 --rounds 9 \
+        --base rabit2-noft                     # paired rounds on a noisy machine
 
 Implementations (each with its own launcher; see the ``peer_*.py`` adapters):
 ``rabit2`` (``rabit2-submit``), ``xgboost1.7`` (the classic rabit engine, its own tracker, in
@@ -14,6 +16,11 @@ reported as ``unavailable: <reason>`` (or ``failed: <reason>`` if its job broke)
 The workload and the timing are in ``harness.py``; the physical limits in ``limits.py``.
 Results go to ``--out`` (default ``bench/results/peers-<stamp>/``): ``results.jsonl`` (one
 line per impl, N, op and size), ``tables.md`` (also printed) and one log per job.
+
+``--rounds K`` runs every job K times, the implementations alternating within each round (in
+reverse order every other round), so that each round compares them under the same machine
+state.  A cell is then the median over the rounds of each round's median, and a ratio is the
+median of the per-round ratios, with the number of rounds the base implementation won.
 """
 
 from __future__ import annotations
@@ -119,10 +126,11 @@ def summarise(ranks: list[dict[str, Any]], impl: str) -> list[dict[str, Any]]:
 
 
 def run_impl(
-    adapter: ModuleType, label: str, n: int, ns: argparse.Namespace, out: Path
+    adapter: ModuleType, label: str, n: int, ns: argparse.Namespace, out: Path, rnd: int = 0
 ) -> list[dict[str, Any]] | str:
     """One job: ``n`` ranks of ``label`` over every (op, size); rows, or why it failed."""
-    stamps = out / "stamps" / f"{label}-n{n}"
+    job_name = f"{label}-n{n}" + (f"-r{rnd}" if ns.rounds > 1 else "")
+    stamps = out / "stamps" / job_name
     hargs = [
         "--out",
         str(stamps),
@@ -135,9 +143,11 @@ def run_impl(
     ]
     job = adapter.job(label, n, hargs)
     t0 = time.perf_counter()
-    rc, why = run_cmd(job.argv, job.env, out / "logs" / f"{label}-n{n}.log", ns.timeout)
+    rc, why = run_cmd(job.argv, job.env, out / "logs" / f"{job_name}.log", ns.timeout)
+    tag = f" round {rnd}" if ns.rounds > 1 else ""
     print(
-        f"  {label:11s} N={n}: {'ok' if rc == 0 else why} ({time.perf_counter() - t0:.1f} s)",
+        f"  {label:11s} N={n}{tag}: {'ok' if rc == 0 else why} "
+        f"({time.perf_counter() - t0:.1f} s)",
         flush=True,
     )
     if rc != 0:
@@ -146,7 +156,10 @@ def run_impl(
     missing = [f.name for f in files if not f.exists()]
     if missing:
         return f"failed: no stamps from {', '.join(missing)}"
-    return summarise([json.loads(f.read_text()) for f in files], label)
+    rows = summarise([json.loads(f.read_text()) for f in files], label)
+    for row in rows:
+        row["round"] = rnd
+    return rows
 
 
 # ---------------------------------------------------------------------------- tables
@@ -154,6 +167,43 @@ def run_impl(
 
 def _cell(r: dict[str, Any]) -> str:
     return f"{fmt_time(r['median_s'])} / {fmt_time(r['p90_s'])} / {r['busbw_GBps']:.3f}"
+
+
+def combine_rounds(rows: list[dict[str, Any]]) -> dict[tuple[str, int, str, int], dict[str, Any]]:
+    """Per (impl, N, op, size): one row whose median and p90 are the medians over the rounds
+    (the rows of one round when there is one), with the per-round medians in ``rounds_s``
+    (indexed by round, None where that round has no row)."""
+    groups: dict[tuple[str, int, str, int], list[dict[str, Any]]] = {}
+    for r in rows:
+        if r.get("status") == "ok":
+            groups.setdefault((r["impl"], r["world"], r["op"], r["size_bytes"]), []).append(r)
+    last = max((int(r.get("round", 0)) for r in rows if r.get("status") == "ok"), default=0)
+    out = {}
+    for key, rs in groups.items():
+        row = dict(rs[0])
+        row["median_s"] = float(np.median([r["median_s"] for r in rs]))
+        row["p90_s"] = float(np.median([r["p90_s"] for r in rs]))
+        alg = row["size_bytes"] / row["median_s"] / 1e9
+        row["busbw_GBps"] = alg * 2 * (row["world"] - 1) / row["world"] if (
+            row["op"] == "allreduce") else alg
+        per_round: list[float | None] = [None] * (last + 1)
+        for r in rs:
+            per_round[int(r.get("round", 0))] = r["median_s"]
+        row["rounds_s"] = per_round
+        out[key] = row
+    return out
+
+
+def paired_ratio(peer: dict[str, Any], base: dict[str, Any]) -> str:
+    """``peer / base`` median time: per round when both ran in several rounds (the median of
+    the rounds' ratios, and in how many rounds the base was faster), else of the medians."""
+    pairs = [(p, b) for p, b in zip(peer["rounds_s"], base["rounds_s"], strict=True)
+             if p is not None and b is not None]
+    if len(pairs) <= 1:
+        return f"{peer['median_s'] / base['median_s']:.2f}x"
+    ratios = [p / b for p, b in pairs]
+    wins = sum(1 for x in ratios if x > 1)
+    return f"{float(np.median(ratios)):.2f}x ({wins}/{len(ratios)})"
 
 
 def tables(
@@ -164,13 +214,10 @@ def tables(
     sizes = ns.sizes
     head = "| impl | " + " | ".join(fmt_size(s) for s in sizes) + " |"
     rule = "|---|" + "---|" * len(sizes)
-    ok = {
-        (r["impl"], r["world"], r["op"], r["size_bytes"]): r
-        for r in rows
-        if r.get("status") == "ok"
-    }
+    ok = combine_rounds(rows)
     limits = {(r["impl"], r["size_bytes"]): r for r in rows if r["impl"].startswith("limit:")}
     labels = [lb for lb in ORDER if lb in ns.impls]
+    base_label = ns.base if ns.base in labels else labels[0]
     for op in ns.ops:
         for n in ns.n:
             what = "float32 SUM" if op == "allreduce" else "float32, root 0"
@@ -190,12 +237,14 @@ def tables(
                     cells = [_cell(limits[(key, s)]) if (key, s) in limits else "-" for s in sizes]
                     out.append(f"| {name} | " + " | ".join(cells) + " |")
             out.append("")
-            base = {s: ok.get(("rabit2", n, op, s)) for s in sizes}
-            peers = [lb for lb in labels[1:] if status.get((lb, n), "ok") == "ok"]
+            base = {s: ok.get((base_label, n, op, s)) for s in sizes}
+            peers = [lb for lb in labels
+                     if lb != base_label and status.get((lb, n), "ok") == "ok"]
             if all(base.values()) and peers:
+                paired = " per round (rounds it won)" if ns.rounds > 1 else ""
                 out += [
-                    f"Ratio to rabit2 (peer median / rabit2 median; > 1: rabit2 faster), "
-                    f"{op}, N={n}:",
+                    f"Ratio to {base_label} (peer median / {base_label} median{paired}; "
+                    f"> 1: {base_label} faster), {op}, N={n}:",
                     "",
                     head,
                     rule,
@@ -205,7 +254,7 @@ def tables(
                     for s in sizes:
                         r = ok.get((lb, n, op, s))
                         b = base[s]
-                        cells.append(f"{r['median_s'] / b['median_s']:.2f}x" if r and b else "-")
+                        cells.append(paired_ratio(r, b) if r and b else "-")
                     out.append(f"| {lb} | " + " | ".join(cells) + " |")
                 out.append("")
     rtt = limits.get(("limit:rtt-8B", 8))
@@ -238,6 +287,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--timeout", type=float, help="seconds per job (default 180, full 420)")
     ap.add_argument("--skip-setup", action="store_true", help="do not call setup.sh first")
     ap.add_argument("--no-limits", action="store_true", help="skip the physical-limit probes")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every job this many times, alternating the implementations")
+    ap.add_argument("--base", default="rabit2",
+                    help="the implementation the ratios are taken to (default rabit2, else the "
+                         "first one run)")
     ns = ap.parse_args(argv)
     ns.n = [int(x) for x in ns.n.split(",") if x]
     ns.sizes = [parse_size(s) for s in ns.sizes.split(",") if s]
@@ -246,6 +300,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     bad = [i for i in ns.impls if i not in ORDER]
     if bad or any(o not in ("allreduce", "broadcast") for o in ns.ops):
         ap.error(f"unknown impl {bad} or op; impls: {ORDER}, ops: allreduce,broadcast")
+    if ns.rounds < 1:
+        ap.error("--rounds must be >= 1")
     if ns.quick:
         ns.iters_scale *= 0.1
     if ns.timeout is None:
@@ -303,28 +359,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             adapters[lb] = mod
     reasons: dict[str, str | None] = {}
     status: dict[tuple[str, int], str] = {}
-    for n in ns.n:
-        print(f"N={n}:", flush=True)
-        for lb in [x for x in ORDER if x in ns.impls]:
-            if lb not in reasons:
-                reasons[lb] = adapters[lb].unavailable(lb)
-            reason = reasons[lb]
-            if reason is not None:
-                status[(lb, n)] = f"unavailable: {reason}"
-            else:
-                res = run_impl(adapters[lb], lb, n, ns, out)
-                if isinstance(res, str):
-                    status[(lb, n)] = res
-                else:
+    labels = [x for x in ORDER if x in ns.impls]
+    for rnd in range(ns.rounds):
+        for n in ns.n:
+            print(f"N={n}:" + (f" round {rnd}" if ns.rounds > 1 else ""), flush=True)
+            for lb in labels if rnd % 2 == 0 else labels[::-1]:
+                if lb not in reasons:
+                    reasons[lb] = adapters[lb].unavailable(lb)
+                reason = reasons[lb]
+                if reason is not None:
+                    if (lb, n) not in status:
+                        status[(lb, n)] = f"unavailable: {reason}"
+                        print(f"  {lb:11s} N={n}: {status[(lb, n)]}", flush=True)
+                        rows.append({"impl": lb, "world": n, "status": status[(lb, n)]})
+                    continue
+                res = run_impl(adapters[lb], lb, n, ns, out, rnd)
+                if not isinstance(res, str):
                     rows += res
                     continue
-            print(f"  {lb:11s} N={n}: {status[(lb, n)]}", flush=True)
-            rows.append({"impl": lb, "world": n, "status": status[(lb, n)]})
+                status.setdefault((lb, n), res)  # the first failure is the one reported
+                rows.append({"impl": lb, "world": n, "status": res, "round": rnd})
 
     wall = time.perf_counter() - t_start
     text = tables(rows, status, ns)
     text += (
-        f"\nTotal wall time {wall:.0f} s; iterations x{ns.iters_scale:g}; time = first rank "
+        f"\nTotal wall time {wall:.0f} s; iterations x{ns.iters_scale:g}"
+        + (f"; {ns.rounds} alternating rounds" if ns.rounds > 1 else "")
+        + "; time = first rank "
         f"in to last rank out (shared CLOCK_MONOTONIC), after the implementation's own "
         f"1-element allreduce as a barrier; every result checked against its closed form.\n"
     )
