@@ -16,7 +16,6 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-DEFAULT_RING_MINCOUNT = 32768
 DEFAULT_TREE_MINSIZE = 1 << 20
 
 
@@ -50,7 +49,9 @@ class Config:
     connect_timeout_sec: float = 30.0
     connect_retry: int = 5
     heartbeat_sec: float = 1.0
-    reduce_ring_mincount: int = DEFAULT_RING_MINCOUNT
+    # None: ring above AUTO_RING_MIN_BYTES (rabit2.core.agent); set: above that many elements,
+    # as in rabit
+    reduce_ring_mincount: int | None = None
     tree_reduce_minsize: int = DEFAULT_TREE_MINSIZE
     loop: str = "uvloop"
     # the caller polls (yielding the CPU) this long before it sleeps on a call's completion:
@@ -234,7 +235,7 @@ def load_config(
                 apply(key, item)
         else:
             apply(key, value)
-    if values.get("reduce_ring_mincount", 1) < 0:
+    if values.get("reduce_ring_mincount", 0) < 0:
         raise ValueError("rabit_reduce_ring_mincount must be >= 0")
     if values.get("tree_reduce_minsize", 1) <= 0:
         raise ValueError("rabit_tree_reduce_minsize must be > 0")

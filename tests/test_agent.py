@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from simnet import SimNet
 
 from rabit2.core.agent import (
+    AUTO_RING_MIN_BYTES,
     Agent,
     Call,
     CallComplete,
@@ -611,6 +612,19 @@ def test_pair_is_chosen_only_at_world_two() -> None:
     assert ready_agent(0, 2).choose_allreduce(80, 8) is PAIR
     assert ready_agent(0, 3).choose_allreduce(80, 8) is TREE
     assert ready_agent(0, 2, ring_mincount=5).choose_allreduce(80, 8) is RING
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 9])
+def test_default_threshold_is_in_bytes_and_a_set_mincount_counts_elements(world: int) -> None:
+    small = PAIR if world == 2 else TREE
+    agent = ready_agent(0, world)
+    assert agent.choose_allreduce(AUTO_RING_MIN_BYTES, 8) is small
+    assert agent.choose_allreduce(AUTO_RING_MIN_BYTES + 8, 8) is RING
+    assert agent.choose_allreduce(AUTO_RING_MIN_BYTES + 1, 1) is RING
+    # rabit's rule where the option is given: more than that many elements, whatever size
+    rabit_rule = ready_agent(0, world, ring_mincount=32768)
+    assert rabit_rule.choose_allreduce(32768 * 8, 8) is small
+    assert rabit_rule.choose_allreduce(32769 * 4, 4) is RING
 
 
 def test_invalid_call_leaves_the_agent_ready() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from rabit2.config import (
-    DEFAULT_RING_MINCOUNT,
     DEFAULT_TREE_MINSIZE,
     Config,
     MockSpec,
@@ -17,7 +16,7 @@ def test_defaults_with_empty_environment() -> None:
     cfg = load_config(environ={})
     assert cfg == Config()
     assert cfg.tracker_uri is None and not cfg.distributed
-    assert cfg.reduce_ring_mincount == DEFAULT_RING_MINCOUNT
+    assert cfg.reduce_ring_mincount is None  # the byte threshold decides
     assert cfg.tree_reduce_minsize == DEFAULT_TREE_MINSIZE
     assert cfg.mock == () and cfg.secret == b""
 

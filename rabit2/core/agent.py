@@ -128,13 +128,19 @@ class AgentStats:
     frames_received: int
 
 
+AUTO_RING_MIN_BYTES = 512 * 1024
+"""The default tree/ring threshold: the ring's 2(n - 1) dependent steps cost more than the
+tree's extra bytes at the root (or, at world size 2, than the pair exchange's copy) up to
+about here; measured in ``bench/README.md`` ("Tree or ring")."""
+
+
 class Agent(RecoveryMixin):
     """One rank's agent.  Not thread-safe: the I/O layer calls it from its loop thread only."""
 
     def __init__(
         self,
         *,
-        ring_mincount: int = 32768,
+        ring_mincount: int | None = None,
         tree_chunk: int = 1 << 20,
         timeout: float = 1800.0,
         recover: bool = False,
@@ -554,12 +560,15 @@ class Agent(RecoveryMixin):
         return CallDescriptor(call.kind, dtype, op, root, total)
 
     def choose_allreduce(self, nbytes: int, itemsize: int) -> CollectiveKind:
-        """Tree for small calls, ring above ``rabit_reduce_ring_mincount`` elements (rabit).
+        """Tree for small calls, ring above ``AUTO_RING_MIN_BYTES``, or above
+        ``rabit_reduce_ring_mincount`` elements where that is set (rabit's rule).
 
         At world size 2 the tree degenerates into a relay through rank 0; a direct exchange
         does the same work in one hop instead of two.
         """
-        if self.world > 1 and nbytes // itemsize > self.ring_mincount:
+        mincount = self.ring_mincount
+        if self.world > 1 and (nbytes > AUTO_RING_MIN_BYTES if mincount is None
+                               else nbytes // itemsize > mincount):
             return CollectiveKind.ALLREDUCE_RING
         if self.world == 2:
             return CollectiveKind.ALLREDUCE_PAIR

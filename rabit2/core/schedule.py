@@ -297,7 +297,7 @@ class PairExchange(Plan):
     latency.  The input is first copied to the link's send buffer, so the reduction can
     overwrite ``buf`` while the copy is still being sent.  Both ranks compute
     ``op(input of rank 0, input of rank 1)`` in that order, so the bits agree even for
-    NaN payloads.  Used up to ``rabit_reduce_ring_mincount`` elements (the copy stays small).
+    NaN payloads.  Used up to the ring threshold (the copy stays small).
     """
 
     def __init__(self, buf: memoryview, dtype: np.dtype, op: Op, rank: int, peer: int,
