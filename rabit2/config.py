@@ -64,6 +64,9 @@ class Config:
     recover_timeout_sec: float = 300.0
     replay_mb: int = 256
     local_replica: int = 2
+    # TCP congestion control of the peer links: None picks reno where the kernel allows it
+    # (docs/design.md, "Congestion control"); "system" keeps the kernel's default
+    tcp_congestion: str | None = None
 
     @property
     def distributed(self) -> bool:
@@ -100,6 +103,7 @@ _ALIASES: dict[str, str] = {
     "rabit2_recover_timeout_sec": "recover_timeout_sec",
     "rabit2_replay_mb": "replay_mb",
     "rabit_local_replica": "local_replica",
+    "rabit2_tcp_congestion": "tcp_congestion",
 }
 # accepted for compatibility, no effect in rabit2 (documented in docs/user-guide.md)
 _IGNORED = {
@@ -136,6 +140,7 @@ _ENV_KEYS = (
     "RABIT2_RECOVER",
     "RABIT2_RECOVER_TIMEOUT_SEC",
     "RABIT2_REPLAY_MB",
+    "RABIT2_TCP_CONGESTION",
 )
 _PREFIXES = ("rabit_", "dmlc_", "rabit2_")
 
@@ -187,6 +192,12 @@ def _convert(field: str, value: Any) -> Any:
         text = str(value).lower()
         if text not in ("uvloop", "asyncio"):
             raise ValueError(f"loop: expected 'uvloop' or 'asyncio', got {value!r}")
+        return text
+    if field == "tcp_congestion":
+        text = str(value).strip().lower()
+        if not text or not text.replace("_", "").isalnum():
+            raise ValueError(f"tcp_congestion: expected an algorithm name such as 'reno' or "
+                             f"'cubic', or 'system', got {value!r}")
         return text
     if field == "tracker_uri":
         text = str(value)

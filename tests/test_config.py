@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 
 from rabit2.config import (
@@ -10,6 +12,8 @@ from rabit2.config import (
     MockSpec,
     load_config,
 )
+from rabit2.io.engine import Engine
+from rabit2.io.handshake import resolve_congestion
 
 
 def test_defaults_with_empty_environment() -> None:
@@ -73,6 +77,8 @@ def test_later_args_win() -> None:
         ("arg", "rabit_reduce_ring_mincount", "0", "reduce_ring_mincount", 0),
         ("arg", "rabit_tree_reduce_minsize", "64", "tree_reduce_minsize", 64),
         ("arg", "rabit2_loop", "UVLOOP", "loop", "uvloop"),
+        ("env", "RABIT2_TCP_CONGESTION", "Cubic", "tcp_congestion", "cubic"),
+        ("arg", "rabit2_tcp_congestion", "system", "tcp_congestion", "system"),
         ("arg", "RABIT_TIMEOUT_SEC", "5", "timeout_sec", 5.0),  # keys are case-insensitive
         ("arg", "DMLC_TRACKER_URI", "upper", "tracker_uri", "upper"),
         ("arg", "world_size", "11", "world_size", 11),  # the canonical field name itself
@@ -196,6 +202,8 @@ def test_secret_bytes_kwarg_is_taken_verbatim() -> None:
         ("rabit2_connect_timeout_sec", "0"),
         ("rabit2_heartbeat_sec", "-0.5"),
         ("rabit2_loop", "trio"),
+        ("rabit2_tcp_congestion", ""),
+        ("rabit2_tcp_congestion", "reno; rm"),
     ],
 )
 def test_bad_values_raise(key: str, value: str) -> None:
@@ -266,3 +274,24 @@ def test_spin_us_is_checked() -> None:
         load_config(["rabit2_spin_us=-1"], environ={})
     with pytest.raises(ValueError, match="spin_us"):
         load_config(["rabit2_spin_us=fast"], environ={})
+
+
+def test_congestion_control_default_system_and_bad_names() -> None:
+    assert Config().tcp_congestion is None
+    assert resolve_congestion("system") is None  # the kernel's default, untouched
+    if not hasattr(socket, "TCP_CONGESTION"):
+        assert resolve_congestion(None) is None
+        with pytest.raises(ValueError, match="no TCP_CONGESTION"):
+            resolve_congestion("reno")
+        return
+    # the default asks for reno and settles for the kernel's where it may not set it
+    assert resolve_congestion(None) in ("reno", None)
+    assert resolve_congestion("reno") == "reno"  # always built in, always permitted
+    with pytest.raises(ValueError, match=r"rabit2_tcp_congestion='nosuchalgo'.*allowed"):
+        resolve_congestion("nosuchalgo")
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION"), reason="Linux socket option")
+def test_a_bad_congestion_control_fails_init_before_anything_connects() -> None:
+    with pytest.raises(ValueError, match="nosuchalgo"):
+        Engine(load_config(["rabit2_tcp_congestion=nosuchalgo"], environ={}))

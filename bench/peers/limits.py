@@ -13,6 +13,9 @@ Three probes (two processes on loopback, unpinned, like the Python peers):
   preceded by an 8-byte exchange as a barrier and timed from the first process entering to
   the last leaving, exactly like a collective. This is the floor for an N=2 allreduce in
   Python: each rank must ship its S bytes and receive the peer's.
+* ``tcp-exchange-reno``: the same with TCP congestion control ``reno`` on both connections,
+  as rabit2 sets on its links by default (``rabit2_tcp_congestion``); on a machine whose
+  default is BBR (this VM) this is the faster of the two, so it is the limit to compare with.
 * ``numpy-add``: ``np.add(a, b, out=a)`` on S bytes of float32 in one process; the cost of
   the reduction itself.
 * ``rtt-8B``: an 8-byte ping-pong; the cost of one wake-up of each process.
@@ -71,9 +74,12 @@ def exchange(
     sender.join()
 
 
-def tune(sock: socket.socket, buffers: bool) -> None:
-    """TCP_NODELAY; fixed 1 MiB socket buffers if ``buffers``."""
+def tune(sock: socket.socket, buffers: bool, congestion: str = "") -> None:
+    """TCP_NODELAY; fixed 1 MiB socket buffers if ``buffers``; ``congestion`` control if
+    given (else the kernel's default)."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if congestion:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
     if buffers:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
@@ -105,12 +111,12 @@ def exchange_loop(
     return out
 
 
-def child(port: int, sizes: list[int], scale: float) -> int:
+def child(port: int, sizes: list[int], scale: float, congestion: str) -> int:
     """The second process: exchange, echo the ping-pong, then send its stamps."""
     sock = socket.create_connection(("127.0.0.1", port))
-    tune(sock, True)
+    tune(sock, True, congestion)
     large = socket.create_connection(("127.0.0.1", port))
-    tune(large, False)
+    tune(large, False, congestion)
     stamps = exchange_loop(sock, large, sizes, scale)
     large.close()
     b8 = memoryview(bytearray(8))
@@ -162,7 +168,9 @@ def numpy_add(sizes: list[int], scale: float) -> list[dict[str, Any]]:
     return rows
 
 
-def parent(sizes: list[int], scale: float, rtt_iters: int) -> list[dict[str, Any]]:
+def parent(
+    sizes: list[int], scale: float, rtt_iters: int, congestion: str = ""
+) -> list[dict[str, Any]]:
     """Start the child, run the exchange and ping-pong, return the result rows."""
     lst = socket.create_server(("127.0.0.1", 0))
     port = lst.getsockname()[1]
@@ -176,12 +184,14 @@ def parent(sizes: list[int], scale: float, rtt_iters: int) -> list[dict[str, Any
             ",".join(map(str, sizes)),
             "--iters-scale",
             str(scale),
+            "--congestion",
+            congestion,
         ]
     )
     sock, _ = lst.accept()
-    tune(sock, True)
+    tune(sock, True, congestion)
     large, _ = lst.accept()
-    tune(large, False)
+    tune(large, False, congestion)
     lst.close()
     mine = exchange_loop(sock, large, sizes, scale)
     large.close()
@@ -202,7 +212,7 @@ def parent(sizes: list[int], scale: float, rtt_iters: int) -> list[dict[str, Any
         span = np.maximum(np.array(e0), np.array(e1)) - np.minimum(np.array(s0), np.array(s1))
         rows.append(
             {
-                "impl": "limit:tcp-exchange",
+                "impl": "limit:tcp-exchange" + (f"-{congestion}" if congestion else ""),
                 "op": "exchange",
                 "world": 2,
                 "size_bytes": size,
@@ -229,11 +239,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rtt-iters", type=int, default=2000)
     ap.add_argument("--out", type=Path, help="JSON-lines file (default: stdout)")
     ap.add_argument("--child", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--congestion", default="", help=argparse.SUPPRESS)
     ns = ap.parse_args(argv)
     sizes = [int(s) for s in ns.sizes.split(",") if s]
     if ns.child is not None:
-        return child(ns.child, sizes, ns.iters_scale)
+        return child(ns.child, sizes, ns.iters_scale, ns.congestion)
     rows = parent(sizes, ns.iters_scale, ns.rtt_iters)
+    if hasattr(socket, "TCP_CONGESTION"):
+        reno = parent(sizes, ns.iters_scale, 1, "reno")
+        rows += [r for r in reno if r["impl"] == "limit:tcp-exchange-reno"]
     text = "".join(json.dumps(r) + "\n" for r in rows)
     if ns.out:
         ns.out.write_text(text)

@@ -232,6 +232,7 @@ def tables(
             if n == 2 and limits:
                 for key, name in (
                     ("limit:tcp-exchange", "limit: Python TCP exchange"),
+                    ("limit:tcp-exchange-reno", "limit: Python TCP exchange, reno"),
                     ("limit:numpy-add", "limit: numpy add"),
                 ):
                     cells = [_cell(limits[(key, s)]) if (key, s) in limits else "-" for s in sizes]

@@ -48,7 +48,13 @@ from rabit2.errors import (
     RabitError,
     TrackerError,
 )
-from rabit2.io.handshake import connect_authenticated, server_handshake, tune_socket
+from rabit2.io.handshake import (
+    connect_authenticated,
+    resolve_congestion,
+    server_handshake,
+    set_congestion,
+    tune_socket,
+)
 from rabit2.io.tracker_client import Assignment, TrackerClient
 
 logger = logging.getLogger("rabit2.engine")
@@ -274,6 +280,8 @@ class Engine:
 
     def __init__(self, config: Config) -> None:
         self.config = config
+        # the peer links' congestion control (a bad explicit setting fails here, at init)
+        self._congestion = resolve_congestion(config.tcp_congestion)
         _bind_to_cpu(os.environ.get("RABIT2_BIND_CPU"))
         self.agent = Agent(
             ring_mincount=config.reduce_ring_mincount,
@@ -437,6 +445,7 @@ class Engine:
             host = probe.getsockname()[0]
         server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        set_congestion(server, self._congestion)  # accepted links inherit it
         server.bind((host, 0))
         server.listen(64)
         server.setblocking(False)
@@ -488,6 +497,7 @@ class Engine:
             logger.warning("link to rank %d refused: %s", peer, exc)
             sock.close()
             raise
+        set_congestion(sock, self._congestion)
         link = PeerLink(self, peer)
         old = self.links.get(peer)
         self.links[peer] = link

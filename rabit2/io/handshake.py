@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from rabit2.core.control import (
@@ -69,6 +70,53 @@ def tune_socket(sock: socket.socket) -> None:
         if option is not None:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, option, value)
+
+
+DEFAULT_CONGESTION = "reno"
+
+
+def _allowed_congestion() -> str:
+    try:
+        return Path("/proc/sys/net/ipv4/tcp_allowed_congestion_control").read_text().strip()
+    except OSError:
+        return "unknown"
+
+
+def resolve_congestion(name: str | None) -> str | None:
+    """The TCP congestion control to set on peer links, or None to keep the kernel's.
+
+    ``None`` (the default) asks for :data:`DEFAULT_CONGESTION` where this process may set
+    it, and quietly keeps the kernel's otherwise; ``"system"`` keeps the kernel's; any other
+    name must be settable here, else ``ValueError`` says what is allowed.  Probed on a
+    throwaway socket, so a bad setting fails at ``init`` before anything connects."""
+    if name == "system":
+        return None
+    option = getattr(socket, "TCP_CONGESTION", None)
+    if option is None:
+        if name is None:
+            return None
+        raise ValueError(f"rabit2_tcp_congestion={name!r}: this platform has no "
+                         "TCP_CONGESTION socket option; use 'system'")
+    wanted = DEFAULT_CONGESTION if name is None else name
+    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        probe.setsockopt(socket.IPPROTO_TCP, option, wanted.encode())
+    except OSError as exc:
+        if name is None:
+            return None
+        raise ValueError(
+            f"rabit2_tcp_congestion={name!r} cannot be set here ({exc.strerror}); allowed "
+            f"without privileges: {_allowed_congestion()}; or 'system'") from None
+    finally:
+        probe.close()
+    return wanted
+
+
+def set_congestion(sock: socket.socket, name: str | None) -> None:
+    """Set the congestion control chosen by :func:`resolve_congestion` (None: leave it)."""
+    if name is not None:
+        with contextlib.suppress(OSError):  # probed already; a socket gone since is no matter
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
 
 
 def _is_our_timeout(exc: OSError) -> bool:
@@ -307,4 +355,6 @@ __all__ = [
     "sock_read_frame",
     "sock_write_frame",
     "tune_socket",
+    "resolve_congestion",
+    "set_congestion",
 ]

@@ -19,14 +19,31 @@ assert rabit2.is_distributed() == (world > 1 or "DMLC_TRACKER_URI" in __import__
 version, model = rabit2.load_checkpoint()
 assert (version, model) == (0, None)
 
+# the peer links use the congestion control the worker was configured with (default: reno
+# where this process may set it; docs/design.md, "Congestion control"); checked before any
+# call, while no neighbour can have finished and closed its link
+engine = rabit2.api._state.engine
+if world > 1 and hasattr(__import__("socket"), "TCP_CONGESTION"):
+    import socket
+
+    from rabit2.io.handshake import resolve_congestion
+    expected = resolve_congestion(engine.config.tcp_congestion)
+    for peer, link in engine.links.items():
+        sock = link.transport.get_extra_info("socket")
+        used = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
+        used = used.rstrip(b"\0").decode()
+        assert expected is None or used == expected, (peer, used, expected)
+        print(f"rank {rank} link {peer} congestion {used}", flush=True)
+
 
 def contribution(count: int, dtype: np.dtype, r: int) -> np.ndarray:
     return ((np.arange(count) * 7 + r * 3) % 11 + 1).astype(dtype)
 
 
 # every dtype, SUM/MAX/MIN, sizes around the world size and across the tree/ring threshold
+# (512 KiB: 140 000 elements of 4 and 8 bytes take the ring, 600 000 of every size)
 for dtype in SUPPORTED_DTYPES:
-    for count in sorted({0, 1, world - 1, world, world + 1, 100, 40_000}):
+    for count in sorted({0, 1, world - 1, world, world + 1, 100, 40_000, 140_000, 600_000}):
         inputs = [contribution(count, dtype, r) for r in range(world)]
         for op, ref in ((rabit2.SUM, np.add), (rabit2.MAX, np.maximum), (rabit2.MIN, np.minimum)):
             if dtype.itemsize == 1 and op == rabit2.SUM:
