@@ -26,3 +26,33 @@ def test_every_adapter_label_is_a_harness_impl() -> None:
         assert isinstance(labels, list) and labels
         for label in labels:
             assert impls.get(label) == adapter.stem, (label, adapter.name)
+
+
+def test_rounds_are_combined_and_ratios_paired_per_round() -> None:
+    import sys  # noqa: PLC0415
+
+    sys.path.insert(0, str(PEERS))
+    try:
+        import run  # noqa: PLC0415
+    finally:
+        sys.path.remove(str(PEERS))
+
+    def row(impl: str, rnd: int, median: float) -> dict[str, object]:
+        return {"impl": impl, "status": "ok", "op": "allreduce", "world": 2,
+                "size_bytes": 1 << 20, "median_s": median, "p90_s": 2 * median, "round": rnd}
+
+    # the base is faster in rounds 0 and 2, slower in round 1 (a machine-state swing)
+    rows = [row("rabit2", 0, 1.0), row("gloo", 0, 2.0),
+            row("rabit2", 1, 4.0), row("gloo", 1, 3.0),
+            row("rabit2", 2, 1.0), row("gloo", 2, 1.5)]
+    combined = run.combine_rounds(rows)
+    base, peer = combined[("rabit2", 2, "allreduce", 1 << 20)], combined[
+        ("gloo", 2, "allreduce", 1 << 20)]
+    assert base["median_s"] == 1.0 and peer["median_s"] == 2.0  # medians over the rounds
+    assert base["p90_s"] == 2.0 and base["rounds_s"] == [1.0, 4.0, 1.0]
+    # per-round ratios 2.0, 0.75, 1.5: median 1.5, the base won two of three
+    assert run.paired_ratio(peer, base) == "1.50x (2/3)"
+    # a single round: the plain ratio of the medians
+    one = run.combine_rounds([row("rabit2", 0, 2.0), row("gloo", 0, 3.0)])
+    assert run.paired_ratio(one[("gloo", 2, "allreduce", 1 << 20)],
+                            one[("rabit2", 2, "allreduce", 1 << 20)]) == "1.50x"

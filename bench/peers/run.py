@@ -387,8 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"\nTotal wall time {wall:.0f} s; iterations x{ns.iters_scale:g}"
         + (f"; {ns.rounds} alternating rounds" if ns.rounds > 1 else "")
         + "; time = first rank "
-        f"in to last rank out (shared CLOCK_MONOTONIC), after the implementation's own "
-        f"1-element allreduce as a barrier; every result checked against its closed form.\n"
+        "in to last rank out (shared CLOCK_MONOTONIC), after the implementation's own "
+        "1-element allreduce as a barrier; every result checked against its closed form.\n"
     )
     with (out / "results.jsonl").open("w") as f:
         for r in rows:

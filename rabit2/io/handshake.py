@@ -350,11 +350,11 @@ async def connect_authenticated(
 __all__ = [
     "client_handshake",
     "connect_authenticated",
+    "resolve_congestion",
     "server_handshake",
+    "set_congestion",
     "sock_read_exact",
     "sock_read_frame",
     "sock_write_frame",
     "tune_socket",
-    "resolve_congestion",
-    "set_congestion",
 ]
