@@ -363,14 +363,17 @@ def test_two_adjacent_ranks_killed_at_once_recover(world: int, victims: tuple[in
 
 
 @pytest.mark.integration
-def test_three_neighbours_killed_together_end_typed_or_recover() -> None:
-    """World 8, ranks 1, 2 and 3 die before the same call (2's only neighbours are 1 and
-    3).  Rank 2's replacement usually finds both neighbours restarted too and no one to
-    learn the job's checkpoint version from: the job must then end quickly, every rank with
-    UnrecoverableError (or the abort it causes) saying why (docs/recovery.md,
-    "Limitations"); if a neighbour had caught up first, it must recover bit for bit."""
-    victims = (1, 2, 3)
-    assert set(topology(2, 8).neighbors) == {1, 3}
+@pytest.mark.parametrize("victims", [(1, 2, 3), (2, 3, 4, 5)], ids=["1-3", "2-5"])
+def test_three_neighbours_killed_together_end_typed_or_recover(
+        victims: tuple[int, ...]) -> None:
+    """World 8, ranks 1-3 (or 2-5) die before the same call (2's only neighbours are 1 and
+    3; 3's are 2 and 4).  The middle rank's replacement usually finds every neighbour
+    restarted too and no one to learn the job's checkpoint version from, while another
+    restarted neighbour resumes from the real one: the job must then end quickly, every
+    rank with UnrecoverableError (or the abort it causes) saying why (docs/recovery.md,
+    "Limitations"), never wait for the progress deadline; if a neighbour had caught up
+    first, it must recover bit for bit."""
+    assert set(topology(2, 8).neighbors) == {1, 3} and set(topology(3, 8).neighbors) == {2, 4}
     job = run_job(8, *W8_ARGS, *(f"mock={v},1,{S},0" for v in victims))
     if job.returncode == 0:
         assert_recovered(job, 8, dict.fromkeys(victims, 1), W8_ARGS)

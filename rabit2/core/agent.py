@@ -184,6 +184,8 @@ class Agent(RecoveryMixin):
         # a restarted rank that chose its checkpoint version with every neighbour restarted
         # too (no live one to learn it from): those neighbours, for the error it may lead to
         self._no_live_at_load: tuple[int, ...] = ()
+        # their incarnations then: a later state of the same process can show it was wrong
+        self._no_live_incs: dict[int, int] = {}
         self.down_since: dict[int, float] = {}  # lost links the job waits to come back
         # a restarted rank: what each neighbour said when its link came up
         self.peer_states: dict[int, PeerState] = {}

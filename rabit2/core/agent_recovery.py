@@ -87,6 +87,7 @@ class RecoveryMixin:
         restarted: bool
         _loading: dict[str, Any]
         _no_live_at_load: tuple[int, ...]
+        _no_live_incs: dict[int, int]
         _fetches: dict[int, Fetch]
         _next_request: int
         _pending_states: bool
@@ -257,6 +258,14 @@ class RecoveryMixin:
         link.state = state
         link.awaiting_state = False
         self._watch_replays = self._watch_replays or state.recovering
+        if (self._no_live_incs.get(peer) == state.incarnation and state.recovering
+                and state.at[0] > self.version):
+            # a neighbour that was restarting when this rank took its checkpoint version for
+            # want of a live neighbour has since resumed from a later one: the calls this
+            # rank replays will never be made by it (without this, both wait in different
+            # calls until the progress deadline).  The same process only: a neighbour
+            # restarted again later may rightly be a checkpoint ahead of this rank
+            raise UnrecoverableError(self._version_zero_wrong(peer, state.at[0]))
         if self._replaying():
             self.peer_states[peer] = state
             # (a reset while this rank replays)
@@ -267,6 +276,12 @@ class RecoveryMixin:
         if self.active is not None and self.error is None:
             self._pump(self.active, cmds)
             self._maybe_complete(self.active, cmds)
+
+    def _version_zero_wrong(self, peer: int, version: int) -> str:
+        return (f"rank {self.rank} took checkpoint version 0: every neighbour, rank(s) "
+                f"{list(self._no_live_at_load)}, was restarted too, and none could say which "
+                f"version the job is at; rank {peer} resumed from version {version} (three "
+                "or more neighbouring ranks lost together, docs/recovery.md)")
 
     def _settle_state(self, peer: int, link: Link, state: PeerState,
                       cmds: list[Command]) -> None:
@@ -986,6 +1001,13 @@ class RecoveryMixin:
         if self.restarted and self.peer_states and all(
                 st.recovering for st in self.peer_states.values()):
             self._no_live_at_load = tuple(sorted(self.peer_states))
+            self._no_live_incs = {p: st.incarnation for p, st in self.peer_states.items()}
+            ahead = {p: st.at[0] for p, st in self.peer_states.items() if st.at[0] > 0}
+            if ahead:
+                # one of them has already resumed from a later checkpoint: version 0 would
+                # replay calls it will never make (docs/recovery.md, "Limitations")
+                peer = min(ahead)
+                raise UnrecoverableError(self._version_zero_wrong(peer, ahead[peer]))
         if with_local and version:
             # a rank that died between a call and its next checkpoint never handed on the
             # local model of the version its neighbours are in: resume one version earlier
@@ -1019,6 +1041,14 @@ class RecoveryMixin:
                 raise UnrecoverableError(f"no live neighbour of rank {self.rank} holds its "
                                          f"local model of version {version}")
             self._request(holders[0], "local", (version, self.rank), 0, -1, None, cmds)
+        return cmds
+
+    def fail_load(self, error: UnrecoverableError) -> list[Command]:
+        """:meth:`load_checkpoint` raised ``error``: this rank fails with it (the neighbours
+        hear it, so they stop waiting for this rank's replay)."""
+        cmds: list[Command] = []
+        if self.error is None:
+            self._fail(error, cmds)
         return cmds
 
     def _send_control(self, peer: int, msg: dict[str, Any], cmds: list[Command]) -> None:

@@ -47,6 +47,7 @@ from rabit2.errors import (
     ProtocolError,
     RabitError,
     TrackerError,
+    UnrecoverableError,
 )
 from rabit2.io.handshake import (
     connect_authenticated,
@@ -820,6 +821,9 @@ class Engine:
             cmds = self.agent.load_checkpoint(with_local)
         except Exception as exc:
             self._ckpt_waiter = None
+            if isinstance(exc, UnrecoverableError):
+                # the job cannot go on: the neighbours hear it now, the tracker at finalize
+                self._execute(self.agent.fail_load(exc))
             waiter.finish(exc)
             return
         self._execute(cmds)
