@@ -803,6 +803,9 @@ class Agent(RecoveryMixin):
             raise RabitError("checkpoint inside a collective")
         self.version += 1
         self.seqno = 0
+        # past a checkpoint of its own, a version-0 choice at load was right (it would have
+        # failed in a call of version 0 otherwise): a later state says nothing about it
+        self._no_live_incs = {}
         if self.recover:
             if blob is not None:
                 self.checkpoints[self.version] = blob
