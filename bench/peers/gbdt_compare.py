@@ -23,6 +23,7 @@ import json
 import os
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -159,6 +160,7 @@ def main() -> int:
           "digests agree |")
     print("| --- | --- | --- | --- | --- |")
     breakdowns = []
+    ratios: dict[int, list[float]] = {}
     for n in (int(x) for x in ns.n.split(",")):
         for run in range(ns.runs):
             traces: dict[str, list[Path]] = {}
@@ -170,14 +172,26 @@ def main() -> int:
                     stem = f"n{n}-run{run}-{impl}"
                     args[impl] += ["--trace", str(ns.trace / f"{stem}-{{rank}}.jsonl")]
                     traces[impl] = [ns.trace / f"{stem}-{r}.jsonl" for r in range(n)]
-            r2, d2 = summary(run_rabit2(n, args["rabit2"], shlex.split(ns.submit_args)))
-            c17, d17 = summary(run_classic(n, args["classic"]))
+            # which goes first alternates, so neither always runs on the machine the other
+            # just warmed (or disturbed)
+            jobs = {"rabit2": lambda a=args["rabit2"], k=n: run_rabit2(
+                        k, a, shlex.split(ns.submit_args)),
+                    "classic": lambda a=args["classic"], k=n: run_classic(k, a)}
+            order = ("rabit2", "classic") if run % 2 == 0 else ("classic", "rabit2")
+            got = {impl: summary(jobs[impl]()) for impl in order}
+            (r2, d2), (c17, d17) = got["rabit2"], got["classic"]
             agree = len(d2) == 1 and d2 == d17
+            ratios.setdefault(n, []).append(c17 / r2)
             print(f"| {n} | {r2:.3f} s | {c17:.3f} s | {c17 / r2:.2f}x | {agree} |",
                   flush=True)
             if traces:
                 breakdowns.append((n, run, per_size(traces["rabit2"]),
                                    per_size(traces["classic"])))
+    print()
+    for n, rs in ratios.items():
+        wins = sum(1 for x in rs if x > 1)
+        print(f"N={n}: classic / rabit2 per run: median {statistics.median(rs):.2f}x, "
+              f"{min(rs):.2f}-{max(rs):.2f}x, rabit2 faster in {wins} of {len(rs)} runs")
     for n, run, mine, theirs in breakdowns:
         print(f"\nN={n}, run {run}: seconds in the calls of each size (slowest rank)\n")
         print("| bytes | calls | rabit2 | classic rabit | classic / rabit2 |")
