@@ -91,6 +91,12 @@ def run_cmd(argv: list[str], env: dict[str, str], log: Path, timeout: float) -> 
     return rc, f"exit {rc}: {tail[:160]}"
 
 
+def busbw(size: int, seconds: float, world: int, op: str) -> float:
+    """Bus bandwidth in GB/s: 2(N-1)/N * S/t for allreduce, S/t for broadcast."""
+    alg = size / seconds / 1e9
+    return alg * 2 * (world - 1) / world if op == "allreduce" else alg
+
+
 def summarise(ranks: list[dict[str, Any]], impl: str) -> list[dict[str, Any]]:
     """Per (op, size): first-rank-in to last-rank-out times over the ranks' stamps."""
     world = len(ranks)
@@ -117,7 +123,7 @@ def summarise(ranks: list[dict[str, Any]], impl: str) -> list[dict[str, Any]]:
                 "min_s": float(span.min()),
                 "mean_s": float(span.mean()),
                 "algbw_GBps": alg,
-                "busbw_GBps": alg * 2 * (world - 1) / world if op == "allreduce" else alg,
+                "busbw_GBps": busbw(size, med, world, op),
                 "call_median_s": float(np.median((ends - starts).max(axis=0))),
                 "start_skew_median_s": float(np.median(starts.max(axis=0) - starts.min(axis=0))),
             }
@@ -183,9 +189,7 @@ def combine_rounds(rows: list[dict[str, Any]]) -> dict[tuple[str, int, str, int]
         row = dict(rs[0])
         row["median_s"] = float(np.median([r["median_s"] for r in rs]))
         row["p90_s"] = float(np.median([r["p90_s"] for r in rs]))
-        alg = row["size_bytes"] / row["median_s"] / 1e9
-        row["busbw_GBps"] = alg * 2 * (row["world"] - 1) / row["world"] if (
-            row["op"] == "allreduce") else alg
+        row["busbw_GBps"] = busbw(row["size_bytes"], row["median_s"], row["world"], row["op"])
         per_round: list[float | None] = [None] * (last + 1)
         for r in rs:
             per_round[int(r.get("round", 0))] = r["median_s"]

@@ -277,11 +277,16 @@ class RecoveryMixin:
             self._pump(self.active, cmds)
             self._maybe_complete(self.active, cmds)
 
-    def _version_zero_wrong(self, peer: int, version: int) -> str:
+    def _version_zero_cause(self, found: str = "") -> str:
+        """Why a rank that took checkpoint version 0 for want of a live neighbour fails;
+        ``found``: what showed that version to be wrong."""
+        tail = "three or more neighbouring ranks lost together, docs/recovery.md"
         return (f"rank {self.rank} took checkpoint version 0: every neighbour, rank(s) "
                 f"{list(self._no_live_at_load)}, was restarted too, and none could say which "
-                f"version the job is at; rank {peer} resumed from version {version} (three "
-                "or more neighbouring ranks lost together, docs/recovery.md)")
+                f"version the job is at; " + (f"{found} ({tail})" if found else tail))
+
+    def _version_zero_wrong(self, peer: int, version: int) -> str:
+        return self._version_zero_cause(f"rank {peer} resumed from version {version}")
 
     def _settle_state(self, peer: int, link: Link, state: PeerState,
                       cmds: list[Command]) -> None:
@@ -399,12 +404,7 @@ class RecoveryMixin:
         roles, recovering, skipped = self._classify(call)
         plan = active.plan
         if skipped & set(plan.in_streams) and not any(r is Role.FINISHED for r in roles.values()):
-            why = ""
-            if self._no_live_at_load:
-                why = (f" (rank {self.rank} took checkpoint version 0: every neighbour, rank(s) "
-                       f"{list(self._no_live_at_load)}, was restarted too, and none could say "
-                       "which version the job is at; three or more neighbouring ranks lost "
-                       "together, docs/recovery.md)")
+            why = f" ({self._version_zero_cause()})" if self._no_live_at_load else ""
             raise UnrecoverableError(
                 f"rank {self.rank} replays call {call}, which needs input from rank(s) "
                 f"{sorted(skipped & set(plan.in_streams))}, restarted too and resumed from a "
@@ -1047,8 +1047,7 @@ class RecoveryMixin:
         """:meth:`load_checkpoint` raised ``error``: this rank fails with it (the neighbours
         hear it, so they stop waiting for this rank's replay)."""
         cmds: list[Command] = []
-        if self.error is None:
-            self._fail(error, cmds)
+        self._fail(error, cmds)  # (no-op for a rank that failed already)
         return cmds
 
     def _send_control(self, peer: int, msg: dict[str, Any], cmds: list[Command]) -> None:

@@ -446,7 +446,6 @@ class Engine:
             host = probe.getsockname()[0]
         server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        set_congestion(server, self._congestion)  # accepted links inherit it
         server.bind((host, 0))
         server.listen(64)
         server.setblocking(False)
@@ -498,7 +497,7 @@ class Engine:
             logger.warning("link to rank %d refused: %s", peer, exc)
             sock.close()
             raise
-        set_congestion(sock, self._congestion)
+        set_congestion(sock, self._congestion)  # every peer link, dialed or accepted
         link = PeerLink(self, peer)
         old = self.links.get(peer)
         self.links[peer] = link

@@ -6,6 +6,8 @@ Run under ``rabit2-submit``; prints ``OK rank=<r> world=<n>`` on success and exi
 
 from __future__ import annotations
 
+import os
+import socket
 import sys
 
 import numpy as np
@@ -15,7 +17,7 @@ from rabit2.core.ops import SUPPORTED_DTYPES
 
 rabit2.init(sys.argv[1:])
 rank, world = rabit2.get_rank(), rabit2.get_world_size()
-assert rabit2.is_distributed() == (world > 1 or "DMLC_TRACKER_URI" in __import__("os").environ)
+assert rabit2.is_distributed() == (world > 1 or "DMLC_TRACKER_URI" in os.environ)
 version, model = rabit2.load_checkpoint()
 assert (version, model) == (0, None)
 
@@ -23,10 +25,9 @@ assert (version, model) == (0, None)
 # where this process may set it; docs/design.md, "Congestion control"); checked before any
 # call, while no neighbour can have finished and closed its link
 engine = rabit2.api._state.engine
-if world > 1 and hasattr(__import__("socket"), "TCP_CONGESTION"):
-    import socket
-
+if world > 1 and hasattr(socket, "TCP_CONGESTION"):
     from rabit2.io.handshake import resolve_congestion
+
     expected = resolve_congestion(engine.config.tcp_congestion)
     for peer, link in engine.links.items():
         sock = link.transport.get_extra_info("socket")
