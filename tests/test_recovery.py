@@ -660,6 +660,27 @@ def test_a_ring_refill_reduces_the_skipped_bytes_and_serves_from_there() -> None
     assert (buf[own] == mine).all() and plan.in_from == 8
 
 
+@pytest.mark.parametrize("step", [4096, 256 * 1024])
+def test_a_world_2_ring_retains_its_result_copied_while_it_reduced(
+        monkeypatch: pytest.MonkeyPatch, step: int) -> None:
+    """With recovery on at world size 2 the ring copies its own segment into the retained
+    buffer step by step as it reduces it (schedule.MIRROR_STEP): the retained result is
+    the whole result, bit for bit, however the bytes arrive."""
+    monkeypatch.setattr("rabit2.core.schedule.MIRROR_STEP", step)
+    rng = np.random.default_rng(step)
+    data = [rng.standard_normal(300_001).astype(np.float32) for _ in range(2)]
+    bufs = [d.copy() for d in data]
+    net = SimNet(2, seed=step, max_piece=70_001, recover=True, ring_mincount=0)
+    net.run({r: Call(CollectiveKind.ALLREDUCE_RING, memoryview(bufs[r]).cast("B"),
+                     np.dtype(np.float32), Op.SUM) for r in range(2)})
+    assert not net.failed and len(net.done) == 2
+    assert bufs[0].tobytes() == bufs[1].tobytes() == (data[0] + data[1]).tobytes()
+    for r in range(2):
+        kept = net.agents[r].results.get(net.done[r])
+        assert kept is not None
+        assert bytes(kept[1]) == bufs[r].tobytes()
+
+
 def test_one_need_per_call_when_a_link_resets_while_a_restarted_rank_is_between_calls() -> None:
     """World 2: rank 0 dies after its first call, is restarted and replays it; its link
     then resets while it is between that call and the one rank 1 is blocked in.  It begins

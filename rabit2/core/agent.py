@@ -700,7 +700,8 @@ class Agent(RecoveryMixin):
 
     def _retain(self, active: ActiveCall) -> None:
         """Keep the result for replays: a world-2 ring already holds the other segment in
-        its staging buffer, so only its own segment is copied there; a broadcast receiver
+        its staging buffer and copied its own segment there as it reduced it (what a resume
+        filled otherwise is copied now); a broadcast receiver
         copied its stream while it arrived."""
         plan = active.plan
         if active.mirror is not None:
@@ -713,7 +714,10 @@ class Agent(RecoveryMixin):
             return
         staged = plan.staged
         lo, hi = plan.own_segment
-        staged[lo:hi] = active.call.buf[lo:hi]
+        if plan.in_from is None:
+            lo = min(hi, lo + plan.mirrored)  # copied while it was reduced
+        if lo < hi:
+            staged[lo:hi] = active.call.buf[lo:hi]
         self.results.keep(active.call_id, active.desc, np.frombuffer(staged, dtype=np.uint8))
 
     def _scratch(self, peer: int, nbytes: int) -> memoryview:

@@ -30,6 +30,7 @@ ScratchFn = Callable[[int, int], memoryview]
 """``scratch(peer, nbytes)``: a writable byte buffer owned by the link to ``peer``."""
 
 MIN_RING_REDUCE = 64 * 1024  # below this a numpy call costs more than it saves in pipelining
+MIRROR_STEP = 256 * 1024  # reduce-then-copy step that stays in a core's L2 cache
 
 
 class Stream:
@@ -389,6 +390,23 @@ class _RingChain(Plan):
         )
         self.processed = 0
         self._piece = 0  # index of the in-piece that holds ``processed``
+        # an in-piece whose reduced bytes are also copied to ``_mirror`` as they are made
+        self._mirror_piece = -1
+        self._mirror: memoryview | None = None
+        self.mirrored = 0  # bytes of that piece copied so far
+
+    def _reduce_mirrored(self, target: memoryview, land: memoryview, lo: int, hi: int) -> None:
+        """Reduce ``land[lo:hi]`` into ``target`` and copy each step of the result to the
+        mirror while it is still in the cache (one pass over memory instead of two)."""
+        assert self.op is not None and self.dtype is not None and self._mirror is not None
+        step = MIRROR_STEP - MIRROR_STEP % self.dtype.itemsize
+        mirror = self._mirror
+        for a in range(lo, hi, step):
+            b = min(a + step, hi)
+            reduce_bytes(self.op, self.dtype, target[a:b], land[a:b])
+            mirror[a:b] = target[a:b]
+        if lo == self.mirrored:
+            self.mirrored = hi
 
     def on_received(self, peer: int, pos: int) -> None:
         self.received[peer] = pos
@@ -414,7 +432,10 @@ class _RingChain(Plan):
                 if upto > self.processed:
                     lo, hi = self.processed - start, upto - start
                     assert self.op is not None and self.dtype is not None and target is not None
-                    reduce_bytes(self.op, self.dtype, target[lo:hi], land[lo:hi])
+                    if self._piece == self._mirror_piece:
+                        self._reduce_mirrored(target, land, lo, hi)
+                    else:
+                        reduce_bytes(self.op, self.dtype, target[lo:hi], land[lo:hi])
                     self.processed = upto
             if upto < end:
                 return
@@ -494,6 +515,10 @@ class RingAllreduce(_RingChain):
         self.own_segment = own  # reduced last (the final in-piece of reduce-scatter)
         self.staged = stage_gather
         self.own_in_start = rs_bytes - (own[1] - own[0])
+        if stage_gather is not None and own[1] > own[0]:
+            # the retained result's own segment is copied as it is reduced (agent._retain)
+            self._mirror_piece = self._in_starts.index(self.own_in_start)  # (non-empty)
+            self._mirror = stage_gather[own[0] : own[1]]
         self.in_from: int | None = None  # a resumed plan: where its in-stream restarted
 
     def resume(self, out_needs: dict[int, int]) -> Resume:
