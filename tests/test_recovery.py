@@ -661,21 +661,24 @@ def test_a_ring_refill_reduces_the_skipped_bytes_and_serves_from_there() -> None
 
 
 @pytest.mark.parametrize("step", [4096, 256 * 1024])
-def test_a_world_2_ring_retains_its_result_copied_while_it_reduced(
-        monkeypatch: pytest.MonkeyPatch, step: int) -> None:
-    """With recovery on at world size 2 the ring copies its own segment into the retained
-    buffer step by step as it reduces it (schedule.MIRROR_STEP): the retained result is
-    the whole result, bit for bit, however the bytes arrive."""
+@pytest.mark.parametrize("world", [2, 3, 4, 5])
+def test_a_ring_retains_its_result_copied_while_it_made_it(
+        monkeypatch: pytest.MonkeyPatch, world: int, step: int) -> None:
+    """With recovery on the ring copies each result byte into the retained buffer as it
+    makes it (its own segment step by step as it reduces it, ``schedule.MIRROR_STEP``; the
+    allgather's segments as they arrive, or at world size 2 by landing them there): the
+    retained result is the whole result, bit for bit, however the bytes arrive."""
     monkeypatch.setattr("rabit2.core.schedule.MIRROR_STEP", step)
-    rng = np.random.default_rng(step)
-    data = [rng.standard_normal(300_001).astype(np.float32) for _ in range(2)]
+    rng = np.random.default_rng(step + world)
+    data = [rng.integers(-1000, 1000, 300_001).astype(np.float32) for _ in range(world)]
     bufs = [d.copy() for d in data]
-    net = SimNet(2, seed=step, max_piece=70_001, recover=True, ring_mincount=0)
+    net = SimNet(world, seed=step + world, max_piece=70_001, recover=True, ring_mincount=0)
     net.run({r: Call(CollectiveKind.ALLREDUCE_RING, memoryview(bufs[r]).cast("B"),
-                     np.dtype(np.float32), Op.SUM) for r in range(2)})
-    assert not net.failed and len(net.done) == 2
-    assert bufs[0].tobytes() == bufs[1].tobytes() == (data[0] + data[1]).tobytes()
-    for r in range(2):
+                     np.dtype(np.float32), Op.SUM) for r in range(world)})
+    assert not net.failed and len(net.done) == world
+    expect = np.sum(data, axis=0, dtype=np.float32).tobytes()  # (exact: small integers)
+    assert all(b.tobytes() == expect for b in bufs)
+    for r in range(world):
         kept = net.agents[r].results.get(net.done[r])
         assert kept is not None
         assert bytes(kept[1]) == bufs[r].tobytes()

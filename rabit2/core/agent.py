@@ -680,11 +680,10 @@ class Agent(RecoveryMixin):
                 return PairExchange(call.buf, call.dtype, call.op, self.rank, 1 - self.rank,
                                     self._scratch, self._send_scratch)
             if kind is CollectiveKind.ALLREDUCE_RING:
-                # at world size 2 the allgather lands in the buffer that is then retained
-                stage = (self.results.take(len(call.buf)).data
-                         if self.recover and self.world == 2 else None)
+                # the plan fills the buffer that is then retained as it makes the result
+                keep = self.results.take(len(call.buf)).data if self.recover else None
                 return RingAllreduce(call.buf, call.dtype, call.op, self.rank, self.world,
-                                     self._scratch, stage)
+                                     self._scratch, keep)
             topo = topology(self.rank, self.world)
             # with recovery on, the root's children stage its result (docs/recovery.md)
             return TreeAllreduce(call.buf, call.dtype, call.op, topo.parent, topo.children,
@@ -699,26 +698,23 @@ class Agent(RecoveryMixin):
         return RingAllgather(call.buf, call.blocks, self.rank, self.world)
 
     def _retain(self, active: ActiveCall) -> None:
-        """Keep the result for replays: a world-2 ring already holds the other segment in
-        its staging buffer and copied its own segment there as it reduced it (what a resume
-        filled otherwise is copied now); a broadcast receiver
-        copied its stream while it arrived."""
+        """Keep the result for replays: a ring filled its buffer as it made the result
+        (only what a resume fetched into its own segment is copied now); a broadcast
+        receiver copied its stream while it arrived; the rest is copied now."""
         plan = active.plan
         if active.mirror is not None:
             assert isinstance(plan, TreeBroadcast)
             self._mirror(active, plan.in_streams[plan.in_link].length)
             self.results.keep(active.call_id, active.desc, active.mirror)
             return
-        if not isinstance(plan, RingAllreduce) or plan.staged is None or active.final:
+        if not isinstance(plan, RingAllreduce) or plan.keep is None or active.final:
             self.results.add(active.call_id, active.desc, self._result_pieces(active))
             return
-        staged = plan.staged
-        lo, hi = plan.own_segment
-        if plan.in_from is None:
-            lo = min(hi, lo + plan.mirrored)  # copied while it was reduced
-        if lo < hi:
-            staged[lo:hi] = active.call.buf[lo:hi]
-        self.results.keep(active.call_id, active.desc, np.frombuffer(staged, dtype=np.uint8))
+        keep = plan.keep
+        if plan.own_fetched:
+            lo, hi = plan.own_segment
+            keep[lo:hi] = active.call.buf[lo:hi]
+        self.results.keep(active.call_id, active.desc, np.frombuffer(keep, dtype=np.uint8))
 
     def _scratch(self, peer: int, nbytes: int) -> memoryview:
         link = self.links[peer]

@@ -390,23 +390,20 @@ class _RingChain(Plan):
         )
         self.processed = 0
         self._piece = 0  # index of the in-piece that holds ``processed``
-        # an in-piece whose reduced bytes are also copied to ``_mirror`` as they are made
-        self._mirror_piece = -1
-        self._mirror: memoryview | None = None
-        self.mirrored = 0  # bytes of that piece copied so far
+        # in-pieces whose result bytes are also copied, as they are made, to a view of the
+        # buffer kept for replays (RingAllreduce with ``keep``): index -> that view
+        self._mirrors: dict[int, memoryview] = {}
 
-    def _reduce_mirrored(self, target: memoryview, land: memoryview, lo: int, hi: int) -> None:
-        """Reduce ``land[lo:hi]`` into ``target`` and copy each step of the result to the
-        mirror while it is still in the cache (one pass over memory instead of two)."""
-        assert self.op is not None and self.dtype is not None and self._mirror is not None
+    def _reduce_mirrored(self, target: memoryview, land: memoryview, mirror: memoryview,
+                         lo: int, hi: int) -> None:
+        """Reduce ``land[lo:hi]`` into ``target`` and copy each step of the result to
+        ``mirror`` while it is still in the cache (one pass over memory instead of two)."""
+        assert self.op is not None and self.dtype is not None
         step = MIRROR_STEP - MIRROR_STEP % self.dtype.itemsize
-        mirror = self._mirror
         for a in range(lo, hi, step):
             b = min(a + step, hi)
             reduce_bytes(self.op, self.dtype, target[a:b], land[a:b])
             mirror[a:b] = target[a:b]
-        if lo == self.mirrored:
-            self.mirrored = hi
 
     def on_received(self, peer: int, pos: int) -> None:
         self.received[peer] = pos
@@ -416,14 +413,18 @@ class _RingChain(Plan):
             start = self._in_starts[self._piece]
             end = start + len(land)
             upto = min(pos, end)
+            mirror = self._mirrors.get(self._piece)
             if not reduce:
                 # forward whole elements only: a result element must never be half written
                 # over a partial sum that a restarted neighbour may need (docs/recovery.md)
                 if upto != end:
                     upto -= (upto - start) % itemsize
-                if target is not None and upto > self.processed:
+                if upto > self.processed:
                     lo, hi = self.processed - start, upto - start
-                    target[lo:hi] = land[lo:hi]
+                    if target is not None:
+                        target[lo:hi] = land[lo:hi]
+                    if mirror is not None:
+                        mirror[lo:hi] = land[lo:hi]  # just received: still in the cache
                 self.processed = max(self.processed, upto)
             else:
                 upto -= (upto - start) % itemsize
@@ -432,8 +433,8 @@ class _RingChain(Plan):
                 if upto > self.processed:
                     lo, hi = self.processed - start, upto - start
                     assert self.op is not None and self.dtype is not None and target is not None
-                    if self._piece == self._mirror_piece:
-                        self._reduce_mirrored(target, land, lo, hi)
+                    if mirror is not None:
+                        self._reduce_mirrored(target, land, mirror, lo, hi)
                     else:
                         reduce_bytes(self.op, self.dtype, target[lo:hi], land[lo:hi])
                     self.processed = upto
@@ -478,13 +479,16 @@ class RingAllreduce(_RingChain):
         rank: int,
         world: int,
         scratch: ScratchFn,
-        stage_gather: memoryview | None = None,
+        keep: memoryview | None = None,
     ) -> None:
-        """``stage_gather`` (as long as ``buf``): land the allgather's result segments at
-        their place in this buffer and copy them into ``buf`` in whole elements.  Needed for
-        recovery at world size 2 only, where the rank that receives our result segment is
-        also the one whose input we reduce it from (``docs/recovery.md``); the agent keeps
-        the buffer as the retained result, so the staging is that copy too."""
+        """``keep`` (recovery on; as long as ``buf``): the buffer the agent keeps as this
+        call's result for replays.  The plan copies each result byte there as it makes it
+        (its own segment step by step as it reduces it, the allgather's segments as they
+        arrive), while the bytes are still in the cache, so that retaining the result costs
+        no second pass over memory (except what a resume fetches: ``own_fetched``).  At
+        world size 2 the allgather lands in ``keep`` and is copied into ``buf`` in whole
+        elements: there the rank that receives our result segment is also the one whose
+        input we reduce it from (``docs/recovery.md``)."""
         segs = ring_segments(len(buf), dtype.itemsize, world)
         prev, nxt = (rank - 1) % world, (rank + 1) % world
 
@@ -501,25 +505,39 @@ class RingAllreduce(_RingChain):
             size = segs[k][1] - segs[k][0]
             in_pieces.append((landing[off : off + size], seg(k), True))
             off += size
-        if stage_gather is None:
+        staged = keep if world == 2 else None
+        if staged is None:
             in_pieces += [(seg(rank + 1 + t), None, False) for t in range(world - 1)]
         else:
             for t in range(world - 1):
                 lo, hi = segs[(rank + 1 + t) % world]
-                in_pieces.append((stage_gather[lo:hi], buf[lo:hi], False))
+                in_pieces.append((staged[lo:hi], buf[lo:hi], False))
         out_pieces = [seg(rank + 1 + t) for t in range(world - 1)]
         out_pieces += [seg(rank + t) for t in range(world - 1)]
         super().__init__(buf, prev, nxt, in_pieces, out_pieces, dtype, op)
         self.rs_bytes = rs_bytes  # the reduce-scatter part of the in-stream comes first
         own = segs[rank]
         self.own_segment = own  # reduced last (the final in-piece of reduce-scatter)
-        self.staged = stage_gather
+        self.keep = keep
+        self.staged = staged
         self.own_in_start = rs_bytes - (own[1] - own[0])
-        if stage_gather is not None and own[1] > own[0]:
-            # the retained result's own segment is copied as it is reduced (agent._retain)
-            self._mirror_piece = self._in_starts.index(self.own_in_start)  # (non-empty)
-            self._mirror = stage_gather[own[0] : own[1]]
+        if keep is not None:
+            # the in-pieces that make result bytes, by where they start in the in-stream:
+            # our own segment's reduction, then (world > 2; at world size 2 they land in
+            # ``keep`` already) each allgather segment
+            made = [(self.own_in_start, rank)]
+            if staged is None:
+                pos = rs_bytes
+                for t in range(world - 1):
+                    k = (rank + 1 + t) % world
+                    made.append((pos, k))
+                    pos += segs[k][1] - segs[k][0]
+            for first, k in made:
+                lo, hi = segs[k]
+                if hi > lo:  # (empty pieces are not in the stream)
+                    self._mirrors[self._in_starts.index(first)] = keep[lo:hi]
         self.in_from: int | None = None  # a resumed plan: where its in-stream restarted
+        self.own_fetched = False  # a resume fetched (part of) our own segment's result
 
     def resume(self, out_needs: dict[int, int]) -> Resume:
         """``prev`` holds ``z`` bytes of our stream.  Out byte ``q >= first_out`` forwards in
@@ -536,6 +554,7 @@ class RingAllreduce(_RingChain):
         if pos > self.own_in_start:
             lo = self.own_segment[0]
             fetch.append((self.prev, lo, lo + pos - self.own_in_start))
+            self.own_fetched = True  # (those bytes bypass ``keep``)
         return Resume({self.next: pos}, fetch)
 
     def resume_needs(self) -> tuple[int, ...]:
