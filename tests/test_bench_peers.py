@@ -56,3 +56,29 @@ def test_rounds_are_combined_and_ratios_paired_per_round() -> None:
     one = run.combine_rounds([row("rabit2", 0, 2.0), row("gloo", 0, 3.0)])
     assert run.paired_ratio(one[("gloo", 2, "allreduce", 1 << 20)],
                             one[("rabit2", 2, "allreduce", 1 << 20)]) == "1.50x"
+
+
+def test_gbdt_traces_split_the_wait_for_compute_from_the_collective(tmp_path: Path) -> None:
+    import json  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    sys.path.insert(0, str(PEERS))
+    try:
+        import gbdt_compare  # noqa: PLC0415
+    finally:
+        sys.path.remove(str(PEERS))
+
+    # two calls of 100 B; rank 1's input is ready 5 s late in the first (rank 0 waits)
+    ranks = [
+        [{"bytes": 100, "s": 6.0, "ready": 0.0, "done": 6.0},
+         {"bytes": 100, "s": 1.0, "ready": 10.0, "done": 11.0}],
+        [{"bytes": 100, "s": 1.0, "ready": 5.0, "done": 6.5},
+         {"bytes": 100, "s": 3.0, "ready": 10.0, "done": 13.0}],
+    ]
+    paths = []
+    for r, calls in enumerate(ranks):
+        paths.append(tmp_path / f"t-{r}.jsonl")
+        paths[-1].write_text("".join(json.dumps(c) + "\n" for c in calls))
+    calls, slowest, per_call = gbdt_compare.per_size(paths)[100]
+    assert calls == 2 and slowest == 7.0  # rank 0: 6 + 1 s, most of it waiting
+    assert per_call == 2.25  # median of 1.5 s (6.5 - 5) and 3 s (13 - 10)

@@ -439,5 +439,8 @@ def test_trace_has_one_line_per_allreduce(tmp_path: Path,
     assert [x["call"] for x in lines] == list(range(calls)) and calls > 3 * 3
     assert all(x["bytes"] > 0 and x["s"] >= 0 and x["prepare_s"] >= 0 for x in lines)
     assert any(x["prepare_s"] > 0 for x in lines)  # the lazily built histograms
+    # ready: when the input was (after prepare_fun), done: when the call returned
+    assert all(x["ready"] <= x["done"] for x in lines)
+    assert all(a["done"] <= b["ready"] for a, b in itertools.pairwise(lines))
     assert math.isclose(sum(x["s"] for x in lines), float(fields["allreduce_s"]),
                         rel_tol=1e-4, abs_tol=1e-5)

@@ -10,7 +10,10 @@ allreduce calls, histogram building excluded) and the model digest, which must a
 
 ``--trace DIR`` keeps every worker's per-call trace (the example's ``--trace``) in DIR and
 prints, per message size, the seconds each implementation spent in those calls (slowest
-rank), which is where a difference between the two comes from.
+rank), and the median time per call from the moment the last rank's input was ready to the
+moment every rank had the result: the first includes waiting for the slower rank's compute,
+the second is the collective alone (``perf_counter`` is one clock for every process of a
+host).
 
 Worker mode (internal): ``PYTHON gbdt_compare.py --worker -- <gbdt args>``.
 """
@@ -117,17 +120,25 @@ def run_rabit2(n: int, gbdt_args: list[str], submit_args: list[str]) -> str:
     return proc.stdout + proc.stderr
 
 
-def per_size(paths: list[Path]) -> dict[int, tuple[int, float]]:
-    """From the ranks' traces: message size -> (calls, the slowest rank's seconds)."""
-    ranks: list[dict[int, list[float]]] = []
-    for path in paths:
-        sizes: dict[int, list[float]] = {}
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            sizes.setdefault(int(rec["bytes"]), []).append(float(rec["s"]))
-        ranks.append(sizes)
-    return {size: (len(ranks[0][size]), max(sum(r.get(size, [])) for r in ranks))
-            for size in sorted(ranks[0])}
+def per_size(paths: list[Path]) -> dict[int, tuple[int, float, float]]:
+    """From the ranks' traces: message size -> (calls, the slowest rank's seconds, the
+    median per call of the time from the moment the last rank's input was ready to the
+    moment every rank had its result).  The first two include the wait for the slower
+    rank's compute (which neither implementation controls); the last is the collective
+    itself, measured on the one clock the processes share."""
+    traces = [[json.loads(line) for line in path.read_text().splitlines()] for path in paths]
+    totals: list[dict[int, float]] = [{} for _ in traces]
+    after: dict[int, list[float]] = {}
+    for calls in zip(*traces, strict=True):
+        size = int(calls[0]["bytes"])
+        for r, rec in enumerate(calls):
+            totals[r][size] = totals[r].get(size, 0.0) + float(rec["s"])
+        last_ready = max(float(rec["ready"]) for rec in calls)
+        after.setdefault(size, []).append(max(float(rec["done"]) for rec in calls)
+                                          - last_ready)
+    return {size: (len(after[size]), max(t.get(size, 0.0) for t in totals),
+                   statistics.median(after[size]))
+            for size in sorted(after)}
 
 
 def summary(out: str) -> tuple[float, set[str]]:
@@ -193,13 +204,18 @@ def main() -> int:
         print(f"N={n}: classic / rabit2 per run: median {statistics.median(rs):.2f}x, "
               f"{min(rs):.2f}-{max(rs):.2f}x, rabit2 faster in {wins} of {len(rs)} runs")
     for n, run, mine, theirs in breakdowns:
-        print(f"\nN={n}, run {run}: seconds in the calls of each size (slowest rank)\n")
-        print("| bytes | calls | rabit2 | classic rabit | classic / rabit2 |")
-        print("| --- | --- | --- | --- | --- |")
-        for size, (calls, secs) in mine.items():
-            other = theirs.get(size, (0, float("nan")))[1]
+        print(f"\nN={n}, run {run}: seconds in the calls of each size (slowest rank), and "
+              "per call (median) from the last rank's input being ready to every rank "
+              "having the result\n")
+        print("| bytes | calls | rabit2 | classic rabit | classic / rabit2 | rabit2 per call "
+              "after ready | classic per call after ready |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
+        nan = (0, float("nan"), float("nan"))
+        for size, (calls, secs, per_call) in mine.items():
+            _, other, other_call = theirs.get(size, nan)
             print(f"| {size} | {calls} | {secs * 1e3:.1f} ms | {other * 1e3:.1f} ms | "
-                  f"{other / secs if secs else float('nan'):.2f}x |")
+                  f"{other / secs if secs else float('nan'):.2f}x | {per_call * 1e6:.0f} us | "
+                  f"{other_call * 1e6:.0f} us |")
     return 0
 
 

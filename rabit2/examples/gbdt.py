@@ -481,23 +481,27 @@ class TimedAllreduce:
         prepare_fun: Callable[[NDArray[Any]], None] | None = None,
     ) -> NDArray[Any]:
         prep_s = 0.0
+        ready = 0.0  # when this rank's input was ready (perf_counter: one clock per host)
         wrapped: Callable[[NDArray[Any]], None] | None = None
         if prepare_fun is not None:
             fun = prepare_fun
 
             def wrapped(buf: NDArray[Any]) -> None:
-                nonlocal prep_s
+                nonlocal prep_s, ready
                 t = time.perf_counter()
                 fun(buf)
-                prep_s += time.perf_counter() - t
+                ready = time.perf_counter()
+                prep_s += ready - t
 
         t0 = time.perf_counter()
         out = self.inner(data, op, wrapped)
-        seconds = time.perf_counter() - t0 - prep_s
+        t1 = time.perf_counter()
+        seconds = t1 - t0 - prep_s
         self.seconds += seconds
         if self.trace is not None:
             self.trace.write(json.dumps({"call": self.calls, "bytes": data.nbytes,
-                                         "s": seconds, "prepare_s": prep_s}) + "\n")
+                                         "s": seconds, "prepare_s": prep_s,
+                                         "ready": ready or t0, "done": t1}) + "\n")
         self.calls += 1
         self.bytes += data.nbytes
         return out
@@ -766,7 +770,8 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     ap.add_argument(
         "--trace",
         metavar="PATH",
-        help="write one JSON line per allreduce (call, bytes, s, prepare_s) to PATH; "
+        help="write one JSON line per allreduce (call, bytes, s, prepare_s, and the "
+        "perf_counter times ready and done) to PATH; "
         "'{rank}' in PATH is replaced by the rank",
     )
     ap.add_argument(
