@@ -76,8 +76,15 @@ def default_iters(size: int) -> int:
 class Loop:
     """One rank's buffers (sized for the largest message) and the measured loop."""
 
-    def __init__(self, comm: Comm, max_bytes: int) -> None:
+    def __init__(self, comm: Comm, max_bytes: int, compute_mb: float = 0.0) -> None:
         self.comm = comm
+        # --compute-mb: memory traffic between the barrier and each timed call, as the
+        # compute of a training round (histogram building) leaves the caches
+        words = int(compute_mb * (1 << 20)) // 8
+        self.work = (
+            (np.ones(words, dtype=np.float32), np.empty(words, dtype=np.float32))
+            if words else None
+        )
         n = max_bytes // 4
         self.pattern = (np.arange(n, dtype=np.int64) % 251 + 1).astype(np.float32)
         self.buf = np.empty(n, dtype=np.float32)
@@ -91,6 +98,7 @@ class Loop:
         np.multiply(base, np.float32(rank + 1), out=a)
         a += c
         self.comm.barrier(self.one)
+        self._compute()
         t0 = time.perf_counter()
         res = self.comm.allreduce_sum(a)
         t1 = time.perf_counter()
@@ -107,11 +115,17 @@ class Loop:
         else:
             a.fill(-1.0)
         self.comm.barrier(self.one)
+        self._compute()
         t0 = time.perf_counter()
         res = self.comm.broadcast(a, 0)
         t1 = time.perf_counter()
         self._check(res, e, "broadcast", n, it)
         return t0, t1
+
+    def _compute(self) -> None:
+        """Read half and write half of ``--compute-mb`` MiB (nothing without it)."""
+        if self.work is not None:
+            np.multiply(self.work[0], np.float32(1.0001), out=self.work[1])
 
     def _check(self, res: Any, expect: np.ndarray, op: str, n: int, it: int) -> None:
         ok = (
@@ -155,6 +169,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--sizes", required=True, help="comma-separated byte counts")
     ap.add_argument("--ops", default="allreduce,broadcast")
     ap.add_argument("--iters-scale", type=float, default=1.0)
+    ap.add_argument("--compute-mb", type=float, default=0.0,
+                    help="MiB of memory traffic before each timed call (default none)")
     ns = ap.parse_args(argv)
     ns.sizes = [int(s) for s in ns.sizes.split(",") if s]
     ns.ops = [o for o in ns.ops.split(",") if o]
@@ -166,7 +182,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parse_args(argv)
     adapter = importlib.import_module(IMPLS[ns.impl])
     comm: Comm = adapter.make_comm(ns.impl)
-    loop = Loop(comm, max(ns.sizes))
+    loop = Loop(comm, max(ns.sizes), ns.compute_mb)
     results: list[dict[str, Any]] = []
     for op in ns.ops:
         for size in ns.sizes:

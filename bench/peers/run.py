@@ -146,6 +146,8 @@ def run_impl(
         ",".join(ns.ops),
         "--iters-scale",
         str(ns.iters_scale),
+        "--compute-mb",
+        str(ns.compute_mb),
     ]
     job = adapter.job(label, n, hargs)
     t0 = time.perf_counter()
@@ -288,6 +290,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--ops", default="allreduce,broadcast")
     ap.add_argument("--impls", default=",".join(ORDER), help=f"subset of {','.join(ORDER)}")
     ap.add_argument("--iters-scale", type=float, default=1.0, help="multiplies the iterations")
+    ap.add_argument("--compute-mb", type=float, default=0.0, metavar="MB",
+                    help="every rank moves MB MiB of memory (a numpy multiply) between the "
+                         "barrier and each timed call, as a training round's compute leaves "
+                         "the caches (default 0: calls back to back)")
     ap.add_argument("--out", type=Path, help="default bench/results/peers-<stamp>/")
     ap.add_argument("--timeout", type=float, help="seconds per job (default 180, full 420)")
     ap.add_argument("--skip-setup", action="store_true", help="do not call setup.sh first")
@@ -390,6 +396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     text += (
         f"\nTotal wall time {wall:.0f} s; iterations x{ns.iters_scale:g}"
         + (f"; {ns.rounds} alternating rounds" if ns.rounds > 1 else "")
+        + (f"; {ns.compute_mb:g} MiB of memory traffic before each call"
+           if ns.compute_mb else "")
         + "; time = first rank "
         "in to last rank out (shared CLOCK_MONOTONIC), after the implementation's own "
         "1-element allreduce as a barrier; every result checked against its closed form.\n"
