@@ -166,8 +166,17 @@ def dtype_code(dtype: np.dtype) -> int:
     Raises:
         TypeError: ``dtype`` is not one of :data:`SUPPORTED_DTYPES` (or an alias of one).
     """
-    canonical = _canonical_dtype(dtype)
-    return _LAYOUT_TO_CODE[(canonical.kind, canonical.itemsize)]
+    cacheable = isinstance(dtype, np.dtype)
+    code = _CODE_OF.get(dtype) if cacheable else None  # (the validation is the slow part)
+    if code is None:
+        canonical = _canonical_dtype(dtype)
+        code = _LAYOUT_TO_CODE[(canonical.kind, canonical.itemsize)]
+        if cacheable:
+            _CODE_OF[dtype] = code
+    return code
+
+
+_CODE_OF: dict[np.dtype, int] = {}  # dtypes seen by dtype_code (only supported ones)
 
 
 def dtype_from_code(code: int) -> np.dtype:
