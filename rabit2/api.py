@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import pickle
 import signal
@@ -281,7 +282,7 @@ def broadcast(data: Any, root: int) -> Any:
                 raise ValueError(f"broadcast head has {ndim} dimensions")
             dtype = dtype_from_code(code)
             dims = tuple(shape[:ndim])
-            if int(np.prod(dims, dtype=np.uint64)) * dtype.itemsize != nbytes:
+            if math.prod(dims) * dtype.itemsize != nbytes:  # (exact: Python ints)
                 raise ValueError(f"broadcast head: shape {dims} of {dtype} is not {nbytes} B")
             if (isinstance(data, np.ndarray) and data.dtype == dtype and data.shape == dims
                     and data.flags.c_contiguous and data.flags.writeable):
