@@ -21,6 +21,7 @@ from rabit2.core.agent import Agent, Call
 from rabit2.core.framing import CollectiveKind
 from rabit2.core.fsm import State
 from rabit2.core.ops import Op
+from rabit2.core.recovery import ResultStore
 from rabit2.core.schedule import RingAllreduce
 from rabit2.core.topology import topology
 from rabit2.errors import (
@@ -682,6 +683,31 @@ def test_a_ring_retains_its_result_copied_while_it_made_it(
         kept = net.agents[r].results.get(net.done[r])
         assert kept is not None
         assert bytes(kept[1]) == bufs[r].tobytes()
+
+
+def test_a_ring_result_too_large_to_keep_is_not_copied(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above ``rabit2_replay_mb`` a result is never kept: a ring at world size > 2 then
+    takes no buffer for it and copies nothing while it makes the result."""
+    taken: list[int] = []
+    take = ResultStore.take
+
+    def counting_take(self: ResultStore, size: int) -> np.ndarray:
+        taken.append(size)
+        return take(self, size)
+
+    monkeypatch.setattr(ResultStore, "take", counting_take)
+    world = 3
+    data = [np.full(30_000, r + 1, dtype=np.float32) for r in range(world)]
+    bufs = [d.copy() for d in data]
+    net = SimNet(world, seed=3, recover=True, ring_mincount=0, retain_bytes=64 * 1024)
+    net.run({r: Call(CollectiveKind.ALLREDUCE_RING, memoryview(bufs[r]).cast("B"),
+                     np.dtype(np.float32), Op.SUM) for r in range(world)})
+    assert not net.failed and len(net.done) == world
+    assert all((b == 6).all() for b in bufs)
+    for r in range(world):
+        agent = net.agents[r]
+        assert agent.results.get(net.done[r]) is None and agent.results.nbytes == 0
+    assert taken == []
 
 
 def test_one_need_per_call_when_a_link_resets_while_a_restarted_rank_is_between_calls() -> None:

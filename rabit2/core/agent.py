@@ -681,7 +681,12 @@ class Agent(RecoveryMixin):
                                     self._scratch, self._send_scratch)
             if kind is CollectiveKind.ALLREDUCE_RING:
                 # the plan fills the buffer that is then retained as it makes the result
-                keep = self.results.take(len(call.buf)).data if self.recover else None
+                # (not a result too large to be kept, except at world size 2, where that
+                # buffer also stages the allgather for the resume's sake)
+                keep = (self.results.take(len(call.buf)).data
+                        if self.recover and (self.world == 2
+                                             or len(call.buf) <= self.results.limit)
+                        else None)
                 return RingAllreduce(call.buf, call.dtype, call.op, self.rank, self.world,
                                      self._scratch, keep)
             topo = topology(self.rank, self.world)
