@@ -685,7 +685,7 @@ class Agent(RecoveryMixin):
                 # buffer also stages the allgather for the resume's sake)
                 keep = (self.results.take(len(call.buf)).data
                         if self.recover and (self.world == 2
-                                             or len(call.buf) <= self.results.limit)
+                                             or self.results.fits(len(call.buf)))
                         else None)
                 return RingAllreduce(call.buf, call.dtype, call.op, self.rank, self.world,
                                      self._scratch, keep)

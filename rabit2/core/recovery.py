@@ -143,10 +143,14 @@ class ResultStore:
         self.nbytes = 0
         self._dropped_upto: CallId = (0, 0)  # calls before this were dropped (or never made)
 
+    def fits(self, size: int) -> bool:
+        """Whether a result of ``size`` bytes can be kept at all (``rabit2_replay_mb``)."""
+        return size <= self.limit
+
     def add(self, call: CallId, desc: CallDescriptor, pieces: Sequence[memoryview]) -> None:
         """Keep a copy of the result, given as the pieces it is made of."""
         size = sum(len(p) for p in pieces)
-        if size > self.limit:
+        if not self.fits(size):
             self._make_room(call, size)  # never kept: forget what came before it, copy nothing
             return
         if size <= SMALL_RESULT:
@@ -180,7 +184,7 @@ class ResultStore:
 
     def _make_room(self, call: CallId, size: int) -> bool:
         """Drop the oldest results until ``size`` more bytes fit; False if it never will."""
-        if size > self.limit:
+        if not self.fits(size):
             self.clear_before((call[0], call[1] + 1))
             return False
         while self._results and self.nbytes + size > self.limit:
