@@ -171,13 +171,16 @@ def _mock_hit(kind: str) -> tuple[int, int]:
 
 def _run(call: Call) -> None:
     state = _require()
-    if state.engine is None:
+    engine = state.engine
+    if engine is None:
         return
     # one collective at a time per process: calls from several threads queue here (their
     # order must still be the same on every rank, or the ranks get a MismatchError)
     with state.lock:
-        after_bytes, reset_peer = _mock_hit(call.kind.name.lower())
-        state.engine.run_call(call, after_bytes, reset_peer)
+        if state.config is not None and state.config.mock:
+            engine.run_call(call, *_mock_hit(call.kind.name.lower()))
+        else:
+            engine.run_call(call)
         state.seqno += 1
 
 
@@ -186,6 +189,10 @@ def _run(call: Call) -> None:
 
 def _flat_bytes(arr: np.ndarray) -> memoryview:
     return arr.reshape(-1).view(np.uint8).data
+
+
+_VALID: dict[tuple[type, Any, np.dtype], tuple[Op, np.dtype]] = {}
+"""(op's class, op, dtype) pairs that passed ``check_op_dtype``, with its answer."""
 
 
 def allreduce(data: Any, op: Any, prepare_fun: Callable[[Any], None] | None = None) -> Any:
@@ -201,22 +208,32 @@ def allreduce(data: Any, op: Any, prepare_fun: Callable[[Any], None] | None = No
     ``ValueError`` (unknown op) before anything is sent; ``MismatchError`` on every rank
     when ranks disagree on size, dtype or op; other ``RabitError`` s when the job fails.
     """
-    if _is_cupy(data):
-        return _allreduce_cupy(data, op, prepare_fun)
+    # (every call right after a training round's compute runs with cold caches, where each
+    # Python call on this path costs microseconds: bench/README.md, "GBDT example")
     if not isinstance(data, np.ndarray):
+        if _is_cupy(data):
+            return _allreduce_cupy(data, op, prepare_fun)
         raise TypeError(f"allreduce takes a numpy array, got {type(data).__name__}")
-    opv, dtype = check_op_dtype(op, data.dtype)
+    key = (op.__class__, op, data.dtype)  # (the class: True == 1 but only 1 is an op)
+    try:
+        opv, dtype = _VALID[key]
+    except KeyError:
+        opv, dtype = check_op_dtype(op, data.dtype)
+        if len(_VALID) < 256:
+            _VALID[key] = opv, dtype
+    except TypeError:  # an unhashable op: check_op_dtype says what is wrong with it
+        opv, dtype = check_op_dtype(op, data.dtype)
     state = _require()
-    if prepare_fun is not None and not (state.engine is not None
-                                        and state.engine.replays_next()):
+    engine = state.engine
+    if prepare_fun is not None and not (engine is not None and engine.replays_next()):
         prepare_fun(data)  # (a restarted worker replaying a finished call gets its result)
-    if state.engine is None or (data.size == 0 and state.world == 1):
+    if engine is None or (data.size == 0 and state.world == 1):
         return data
-    inplace = data.flags.c_contiguous and data.flags.writeable
+    flags = data.flags
+    inplace = flags.c_contiguous and flags.writeable
     work = data if inplace else np.ascontiguousarray(data).copy()
     buf = _flat_bytes(work)
-    kind = state.engine.agent.choose_allreduce(len(buf), dtype.itemsize)
-    _run(Call(kind, buf, dtype, opv))
+    _run(Call(engine.agent.choose_allreduce(len(buf), dtype.itemsize), buf, dtype, opv))
     if not inplace and data.flags.writeable:
         data[...] = work
         return data

@@ -42,6 +42,7 @@ from rabit2.core.framing import (
     parse_header,
     unpack_tail,
 )
+from rabit2.core.fsm import TRANSITIONS
 from rabit2.core.ops import dtype_code
 from rabit2.core.records import (
     CALL_EVENTS,
@@ -152,6 +153,8 @@ class Agent(RecoveryMixin):
         ``recover_timeout`` seconds) for the peer's replacement instead of failing, and
         every finished call's result is kept for replay (``docs/recovery.md``)."""
         self.state = State.IDLE
+        self._readable_from: fsm.State | None = None  # a state that READABLE leaves as it is
+        self._descriptors: dict[tuple[Any, ...], CallDescriptor] = {}
         self.rank = 0
         self.world = 1
         self.ring_mincount = ring_mincount
@@ -202,7 +205,10 @@ class Agent(RecoveryMixin):
     # ------------------------------------------------------------------ lifecycle events
 
     def _go(self, event: fsm.Event) -> None:
-        self.state = fsm.transition(self.state, event)
+        try:
+            self.state = TRANSITIONS[(self.state, event)]
+        except KeyError:
+            fsm.transition(self.state, event)  # raises InvalidTransition, with the pair
 
     def start(self) -> None:
         self._go(Event.START)
@@ -260,7 +266,10 @@ class Agent(RecoveryMixin):
 
     def on_bytes(self, peer: int, nbytes: int, now: float) -> list[Command]:
         """``nbytes`` landed in the buffer returned by the last :meth:`recv_buffer`."""
-        self._go(Event.READABLE)
+        state = self.state
+        if state is not self._readable_from:  # (the table's answer for the last state seen)
+            self._go(Event.READABLE)
+            self._readable_from = self.state if self.state is state else None
         if self.state is State.FAILED or (self.state is State.TASK_COMPLETE
                                           and not self.recover):
             return []  # (a finalized rank with recovery on still serves its neighbours)
@@ -550,6 +559,13 @@ class Agent(RecoveryMixin):
     # ------------------------------------------------------------------ calls
 
     def descriptor(self, call: Call) -> CallDescriptor:
+        key = None
+        if call.receive is None and not call.pieces:
+            # a training loop repeats a few shapes: reuse their descriptors
+            key = (call.kind, call.dtype, call.op, call.root, len(call.buf))
+            desc = self._descriptors.get(key)
+            if desc is not None:
+                return desc
         dtype = dtype_code(call.dtype) if call.dtype is not None else NONE_U8
         op = int(call.op) if call.op is not None else NONE_U8
         root = call.root if call.kind is CollectiveKind.BROADCAST else NONE_U16
@@ -559,7 +575,12 @@ class Agent(RecoveryMixin):
             total = sum(len(p) for p in call.pieces)
         else:
             total = len(call.buf)
-        return CallDescriptor(call.kind, dtype, op, root, total)
+        desc = CallDescriptor(call.kind, dtype, op, root, total)
+        if key is not None:
+            if len(self._descriptors) >= 64:
+                self._descriptors.clear()
+            self._descriptors[key] = desc
+        return desc
 
     def choose_allreduce(self, nbytes: int, itemsize: int) -> CollectiveKind:
         """Tree for small calls, ring above ``AUTO_RING_MIN_BYTES``, or above
@@ -581,11 +602,10 @@ class Agent(RecoveryMixin):
         if self.state is State.FAILED:
             assert self.error is not None
             raise self.error
-        event = CALL_EVENTS[call.kind]
-        fsm.transition(self.state, event)  # refuse before building anything
+        nxt = fsm.transition(self.state, CALL_EVENTS[call.kind])  # refuse before building
         plan = self._plan(call)  # may raise ValueError; the agent is unchanged then
         desc = self.descriptor(call)
-        self._go(event)
+        self.state = nxt
         call_id = (self.version, self.seqno)
         self.seqno += 1
         active = ActiveCall(call, call_id, desc, plan)
@@ -747,6 +767,8 @@ class Agent(RecoveryMixin):
             if link.awaiting_need or link.awaiting_state or not link.up:
                 continue
             sent = active.sent.get(peer, 0)
+            if sent == stream.length and sent:
+                continue  # (the common case once a call's input went out)
             if stream.length == 0:
                 if peer not in active.started_empty:
                     active.started_empty.add(peer)
@@ -773,7 +795,7 @@ class Agent(RecoveryMixin):
         if not active.skip_in:
             if not plan.receiving_done():
                 return
-            if any(n == 0 for n in active.frames_seen.values()):
+            if 0 in active.frames_seen.values():
                 return
         elif any(self._needs_input(active, p) for p in plan.in_streams):
             return

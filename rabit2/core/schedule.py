@@ -40,12 +40,17 @@ class Stream:
 
     def __init__(self, pieces: Sequence[memoryview], length: int | None = None) -> None:
         """``length`` may exceed the pieces when the tail's destination is not known yet."""
-        self.pieces = [p for p in pieces if len(p)]
-        self.starts: list[int] = []
-        total = 0
-        for piece in self.pieces:
-            self.starts.append(total)
-            total += len(piece)
+        if len(pieces) == 1:  # (most streams: one buffer, built on every call)
+            total = len(pieces[0])
+            self.pieces = [pieces[0]] if total else []
+            self.starts = [0] if total else []
+        else:
+            self.pieces = [p for p in pieces if len(p)]
+            self.starts = []
+            total = 0
+            for piece in self.pieces:
+                self.starts.append(total)
+                total += len(piece)
         self.length = total if length is None else length
         self._last = 0
 
@@ -118,7 +123,11 @@ class Plan:
         raise NotImplementedError
 
     def receiving_done(self) -> bool:
-        return all(self.received[p] == s.length for p, s in self.in_streams.items())
+        received = self.received
+        for peer, stream in self.in_streams.items():  # noqa: SIM110 - no generator per call
+            if received[peer] != stream.length:
+                return False
+        return True
 
     def check_invariants(self) -> None:
         for peer, stream in self.in_streams.items():

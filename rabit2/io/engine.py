@@ -77,9 +77,9 @@ def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
 class LoopThread:
     """An event loop running forever in a daemon thread."""
 
-    def __init__(self, kind: str, batch: bool = False) -> None:
+    def __init__(self, kind: str) -> None:
         self.loop = new_event_loop(kind)
-        self._batch = batch
+        self._batch = False
         self.is_uvloop = type(self.loop).__module__.startswith("uvloop")
         self._native_id = 0
         self._started = threading.Event()
@@ -94,8 +94,6 @@ class LoopThread:
     def _run(self) -> None:
         self._native_id = threading.get_native_id()
         self._started.set()
-        if self._batch:
-            _set_batch(0, True)
         asyncio.set_event_loop(self.loop)
         self.loop.run_forever()
 
@@ -160,12 +158,19 @@ class _Poller:
         self.skip = 0
         self.backoff = 16
 
+    def start(self) -> None:
+        """A call is about to be handed to the loop thread: make it defer to the caller."""
+        if self.spin > 0.0 and not self.skip:
+            self.loop_thread.set_batch(True)
+
+    def done(self) -> None:
+        """The call returned: back to the normal policy until the next one."""
+        self.loop_thread.set_batch(False)
+
     def wait(self, waiter: _Waiter, timeout: float) -> bool:
         if self.spin > 0.0:
             if self.skip:
                 self.skip -= 1
-                if not self.skip:
-                    self.loop_thread.set_batch(True)
             elif self._poll(waiter):
                 logger.debug("CPU contended while polling: sleeping for the next %d calls",
                              self.backoff)
@@ -294,7 +299,7 @@ class Engine:
             local_replica=config.local_replica,
         )
         # the loop thread defers to a polling caller (both off with rabit2_spin_us=0)
-        self.loop_thread = LoopThread(config.loop, batch=config.spin_us > 0)
+        self.loop_thread = LoopThread(config.loop)
         self.loop = self.loop_thread.loop
         self._poller = _Poller(config.spin_us / 1e6, self.loop_thread)
         self.links: dict[int, PeerLink] = {}
@@ -573,6 +578,7 @@ class Engine:
         with ``reset_peer >= 0``, resets its link to that rank instead).
         """
         waiter = _Waiter()
+        self._poller.start()
         self.loop.call_soon_threadsafe(self._begin, call, waiter, kill_after_bytes,
                                        reset_peer)
         # the agent's progress deadline fails a stuck call; this outer bound only guards
@@ -580,6 +586,7 @@ class Engine:
         bound = self.config.timeout_sec * 2 + 60
         if not self._poller.wait(waiter, bound):
             raise CollectiveTimeoutError(f"the loop thread did not answer within {bound:g} s")
+        self._poller.done()
         if waiter.error is not None:
             raise waiter.error
 
@@ -685,8 +692,9 @@ class Engine:
         """Resolve the finished call once no link holds unsent bytes of the caller's array."""
         if not self._completed or self._pending is None:
             return
-        if any(link.write_blocked for link in self.links.values()):
-            return
+        for link in self.links.values():
+            if link.write_blocked:
+                return
         waiter, self._pending = self._pending, None
         self._completed = False
         waiter.finish(None)
