@@ -188,7 +188,8 @@ def _run(call: Call) -> None:
 
 
 def _flat_bytes(arr: np.ndarray) -> memoryview:
-    return arr.reshape(-1).view(np.uint8).data
+    """The bytes of a C-contiguous array, writable where it is."""
+    return arr.data.cast("B")
 
 
 _VALID: dict[tuple[type, Any, np.dtype], tuple[Op, np.dtype]] = {}

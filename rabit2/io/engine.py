@@ -98,10 +98,20 @@ class LoopThread:
         self.loop.run_forever()
 
     def set_batch(self, on: bool) -> None:
-        """Switch the loop thread between SCHED_BATCH and the normal policy (any thread)."""
-        if self._batch != on and self._native_id:
-            self._batch = on
-            _set_batch(self._native_id, on)
+        """Switch the loop thread between SCHED_BATCH and the normal policy (any thread;
+        Linux).  A batch thread woken by another thread of its process waits for that
+        thread to block or yield instead of preempting it while it holds the GIL (which
+        costs two more context switches per hand-off).  Only beside a polling caller
+        (:class:`_Poller`), which yields the CPU on every turn: a batch loop thread beside
+        a busy thread that never yields would wait a whole time slice."""
+        if self._batch is on or not self._native_id or _POLICIES is None:
+            return
+        self._batch = on
+        batch, normal, param = _POLICIES
+        try:
+            os.sched_setscheduler(self._native_id, batch if on else normal, param)
+        except OSError as exc:  # a container may forbid it; only latency suffers
+            logger.debug("cannot set the loop thread's scheduling policy: %s", exc)
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         """Run ``coro`` on the loop and wait for it; ``CollectiveTimeoutError`` past ``timeout``."""
@@ -121,20 +131,11 @@ class LoopThread:
             self.loop.close()
 
 
-def _set_batch(tid: int, on: bool) -> None:
-    """Make thread ``tid`` (0: the calling one) SCHED_BATCH, or normal again (Linux): a
-    batch thread woken by another thread of its process waits for that thread to block or
-    yield instead of preempting it while it holds the GIL (which costs two more context
-    switches per hand-off).  Only beside a polling caller (:class:`_Poller`), which yields
-    the CPU on every turn: a batch loop thread beside a busy thread that never yields would
-    wait a whole time slice."""
-    batch, other = getattr(os, "SCHED_BATCH", None), getattr(os, "SCHED_OTHER", None)
-    if batch is None or other is None or not hasattr(os, "sched_setscheduler"):
-        return
-    try:
-        os.sched_setscheduler(tid, batch if on else other, os.sched_param(0))
-    except OSError as exc:  # a container may forbid it; only latency suffers
-        logger.debug("cannot set the loop thread's scheduling policy: %s", exc)
+_POLICIES: tuple[int, int, Any] | None = (
+    (os.SCHED_BATCH, os.SCHED_OTHER, os.sched_param(0))
+    if hasattr(os, "SCHED_BATCH") and hasattr(os, "sched_setscheduler") else None
+)
+"""(batch, normal, parameter) where the OS has scheduling policies (Linux)."""
 
 
 _yield_cpu: Callable[[], Any] = getattr(os, "sched_yield", lambda: time.sleep(0))
@@ -183,6 +184,7 @@ class _Poller:
 
     def _poll(self, waiter: _Waiter) -> bool:
         """Poll until the call finishes or ``spin`` passes; True if the CPU was contended."""
+        _yield_cpu()  # (first: the loop thread takes the call at once)
         clock = time.perf_counter
         start = now = clock()
         end = start + self.spin
