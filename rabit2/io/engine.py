@@ -159,19 +159,12 @@ class _Poller:
         self.skip = 0
         self.backoff = 16
 
-    def start(self) -> None:
-        """A call is about to be handed to the loop thread: make it defer to the caller."""
-        if self.spin > 0.0 and not self.skip:
-            self.loop_thread.set_batch(True)
-
-    def done(self) -> None:
-        """The call returned: back to the normal policy until the next one."""
-        self.loop_thread.set_batch(False)
-
     def wait(self, waiter: _Waiter, timeout: float) -> bool:
         if self.spin > 0.0:
             if self.skip:
                 self.skip -= 1
+                if not self.skip:
+                    self.loop_thread.set_batch(True)
             elif self._poll(waiter):
                 logger.debug("CPU contended while polling: sleeping for the next %d calls",
                              self.backoff)
@@ -302,6 +295,7 @@ class Engine:
         )
         # the loop thread defers to a polling caller (both off with rabit2_spin_us=0)
         self.loop_thread = LoopThread(config.loop)
+        self.loop_thread.set_batch(config.spin_us > 0)
         self.loop = self.loop_thread.loop
         self._poller = _Poller(config.spin_us / 1e6, self.loop_thread)
         self.links: dict[int, PeerLink] = {}
@@ -580,7 +574,6 @@ class Engine:
         with ``reset_peer >= 0``, resets its link to that rank instead).
         """
         waiter = _Waiter()
-        self._poller.start()
         self.loop.call_soon_threadsafe(self._begin, call, waiter, kill_after_bytes,
                                        reset_peer)
         # the agent's progress deadline fails a stuck call; this outer bound only guards
@@ -588,7 +581,6 @@ class Engine:
         bound = self.config.timeout_sec * 2 + 60
         if not self._poller.wait(waiter, bound):
             raise CollectiveTimeoutError(f"the loop thread did not answer within {bound:g} s")
-        self._poller.done()
         if waiter.error is not None:
             raise waiter.error
 
