@@ -82,3 +82,54 @@ def test_gbdt_traces_split_the_wait_for_compute_from_the_collective(tmp_path: Pa
     calls, slowest, per_call = gbdt_compare.per_size(paths)[100]
     assert calls == 2 and slowest == 7.0  # rank 0: 6 + 1 s, most of it waiting
     assert per_call == 2.25  # median of 1.5 s (6.5 - 5) and 3 s (13 - 10)
+
+
+def test_the_histogram_compute_runs_between_the_barrier_and_each_timed_call() -> None:
+    """``--compute histogram``: the GBDT-like work before each call, the same on every
+    implementation (a one-rank loop with a comm that records what happens in what order)."""
+    import sys  # noqa: PLC0415
+
+    import numpy as np  # noqa: PLC0415
+    import pytest  # noqa: PLC0415
+
+    sys.path.insert(0, str(PEERS))
+    try:
+        import harness  # noqa: PLC0415
+    finally:
+        sys.path.remove(str(PEERS))
+
+    events: list[str] = []
+
+    class Alone:
+        rank, world, version = 0, 1, "test"
+
+        def allreduce_sum(self, a: np.ndarray) -> np.ndarray:
+            events.append("call")
+            return a
+
+        def broadcast(self, a: np.ndarray, root: int) -> np.ndarray:
+            events.append("call")
+            return a
+
+        def barrier(self, one: np.ndarray) -> None:
+            events.append("barrier")
+
+        def finalize(self) -> None:
+            pass
+
+    loop = harness.Loop(Alone(), 4096, compute_mb=1.0, compute="histogram")
+    assert loop.work is not None
+    index, weight = loop.work
+    assert index.size == weight.size == (1 << 20) // 16  # 16 B per (int64, float64) row
+    assert index.min() >= 0 and index.max() < harness.HIST_BINS
+    real = loop._compute
+    loop._compute = lambda: (events.append("compute"), real())  # type: ignore[method-assign]
+    starts, ends = loop.run("allreduce", 4096, iters=3, warmup=1)
+    assert len(starts) == len(ends) == 3
+    assert events == ["barrier", "compute", "call"] * 4
+    ns = harness.parse_args(["--impl", "rabit2", "--out", "x", "--sizes", "4096",
+                             "--compute-mb", "1", "--compute", "histogram"])
+    assert ns.compute == "histogram"
+    with pytest.raises(SystemExit):
+        harness.parse_args(["--impl", "rabit2", "--out", "x", "--sizes", "4096",
+                            "--compute", "fft"])

@@ -68,6 +68,10 @@ class Comm(Protocol):
         """Leave the job."""
 
 
+HIST_BINS = 51_200  # the GBDT example's 400 KB level: 2 nodes x 8 features x 400 bins x 8 B
+COMPUTE_KINDS = ("stream", "histogram")
+
+
 def default_iters(size: int) -> int:
     """Iterations per size: 1000 up to 64 KiB, about 570 at 1 MiB, 35 at 16 MiB, 10 at 64 MiB."""
     return max(10, min(1000, int(6e8 // size)))
@@ -76,15 +80,23 @@ def default_iters(size: int) -> int:
 class Loop:
     """One rank's buffers (sized for the largest message) and the measured loop."""
 
-    def __init__(self, comm: Comm, max_bytes: int, compute_mb: float = 0.0) -> None:
+    def __init__(self, comm: Comm, max_bytes: int, compute_mb: float = 0.0,
+                 compute: str = "stream") -> None:
         self.comm = comm
-        # --compute-mb: memory traffic between the barrier and each timed call, as the
-        # compute of a training round (histogram building) leaves the caches
+        # --compute-mb: work between the barrier and each timed call, as the compute of a
+        # training round leaves the caches: "stream" reads half and writes half of it (a
+        # numpy multiply); "histogram" builds a 51 200-bin histogram of that many MiB of
+        # (index int64, weight float64) rows with np.bincount and allocates a fresh 6.4 MB
+        # array, as the GBDT example's histogram building does
+        self.compute = compute
         words = int(compute_mb * (1 << 20)) // 8
-        self.work = (
-            (np.ones(words, dtype=np.float32), np.empty(words, dtype=np.float32))
-            if words else None
-        )
+        self.work: tuple[np.ndarray, np.ndarray] | None = None
+        if words and compute == "histogram":
+            rng = np.random.default_rng(comm.rank)
+            rows = words // 2
+            self.work = (rng.integers(0, HIST_BINS, rows), rng.random(rows))
+        elif words:
+            self.work = (np.ones(words, dtype=np.float32), np.empty(words, dtype=np.float32))
         n = max_bytes // 4
         self.pattern = (np.arange(n, dtype=np.int64) % 251 + 1).astype(np.float32)
         self.buf = np.empty(n, dtype=np.float32)
@@ -123,8 +135,14 @@ class Loop:
         return t0, t1
 
     def _compute(self) -> None:
-        """Read half and write half of ``--compute-mb`` MiB (nothing without it)."""
-        if self.work is not None:
+        """The work of ``--compute-mb`` / ``--compute`` (nothing without it)."""
+        if self.work is None:
+            return
+        if self.compute == "histogram":
+            hist = np.bincount(self.work[0], weights=self.work[1], minlength=HIST_BINS)
+            fresh = np.zeros(800_000)  # (a temporary as large as the deepest level's)
+            fresh += hist[0]
+        else:
             np.multiply(self.work[0], np.float32(1.0001), out=self.work[1])
 
     def _check(self, res: Any, expect: np.ndarray, op: str, n: int, it: int) -> None:
@@ -171,6 +189,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     ap.add_argument("--iters-scale", type=float, default=1.0)
     ap.add_argument("--compute-mb", type=float, default=0.0,
                     help="MiB of memory traffic before each timed call (default none)")
+    ap.add_argument("--compute", choices=COMPUTE_KINDS, default="stream",
+                    help="what that traffic is (default stream)")
     ns = ap.parse_args(argv)
     ns.sizes = [int(s) for s in ns.sizes.split(",") if s]
     ns.ops = [o for o in ns.ops.split(",") if o]
@@ -182,7 +202,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parse_args(argv)
     adapter = importlib.import_module(IMPLS[ns.impl])
     comm: Comm = adapter.make_comm(ns.impl)
-    loop = Loop(comm, max(ns.sizes), ns.compute_mb)
+    loop = Loop(comm, max(ns.sizes), ns.compute_mb, ns.compute)
     results: list[dict[str, Any]] = []
     for op in ns.ops:
         for size in ns.sizes:

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 from common import HERE, MAIN_PYTHON
+from harness import COMPUTE_KINDS
 
 sys.path.insert(0, str(HERE.parent))  # bench/units.py
 from units import fmt_size, fmt_time, parse_size
@@ -148,6 +149,8 @@ def run_impl(
         str(ns.iters_scale),
         "--compute-mb",
         str(ns.compute_mb),
+        "--compute",
+        ns.compute,
     ]
     job = adapter.job(label, n, hargs)
     t0 = time.perf_counter()
@@ -294,6 +297,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                     help="every rank moves MB MiB of memory (a numpy multiply) between the "
                          "barrier and each timed call, as a training round's compute leaves "
                          "the caches (default 0: calls back to back)")
+    ap.add_argument("--compute", choices=COMPUTE_KINDS, default="stream",
+                    help="stream: that numpy multiply; histogram: np.bincount of MB MiB of "
+                         "(index, weight) rows into 51 200 bins plus a fresh 6.4 MB array, as "
+                         "the GBDT example's histogram building (leaves colder caches)")
     ap.add_argument("--out", type=Path, help="default bench/results/peers-<stamp>/")
     ap.add_argument("--timeout", type=float, help="seconds per job (default 180, full 420)")
     ap.add_argument("--skip-setup", action="store_true", help="do not call setup.sh first")
@@ -396,7 +403,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text += (
         f"\nTotal wall time {wall:.0f} s; iterations x{ns.iters_scale:g}"
         + (f"; {ns.rounds} alternating rounds" if ns.rounds > 1 else "")
-        + (f"; {ns.compute_mb:g} MiB of memory traffic before each call"
+        + (f"; {ns.compute_mb:g} MiB of {ns.compute} compute before each call"
            if ns.compute_mb else "")
         + "; time = first rank "
         "in to last rank out (shared CLOCK_MONOTONIC), after the implementation's own "
