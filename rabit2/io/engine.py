@@ -417,8 +417,10 @@ class Engine:
         if task in done:
             return task.result()
         task.cancel()
+        # bounded: Python 3.11's wait_for swallows a cancellation that arrives as its inner
+        # future completes (a dial refused at that moment), and a retry loop would go on
         with contextlib.suppress(BaseException):
-            await task
+            await asyncio.wait({task}, timeout=1.0)
         if self._failed.is_set() and self.agent.error is not None:
             # aborted; an agent that had failed already (a neighbour's error reached it
             # during init) keeps that error, the cause, rather than a misleading timeout
@@ -465,8 +467,8 @@ class Engine:
                 address = self._recovered_at.get(peer, assignment.peers[peer])
                 return await self._dial(peer, *address)
             except PeerLostError:
-                if not self.agent.restarted:
-                    raise
+                if not self.agent.restarted or self._failed.is_set():
+                    raise  # (aborted: a cancellation of this loop can be lost, see below)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
 
