@@ -752,7 +752,8 @@ class Engine:
                 await self._dial(rank, *self._recovered_at.get(rank, address))
                 return
             except RabitError as exc:
-                if self.loop.time() + delay > deadline or self.agent.error is not None:
+                if (self.loop.time() + delay > deadline or self.agent.error is not None
+                        or self._closing):  # (closing cancelled us; 3.11 can lose that)
                     logger.warning("cannot reconnect to rank %d: %s", rank, exc)
                     return
                 await asyncio.sleep(delay)
