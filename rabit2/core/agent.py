@@ -153,7 +153,6 @@ class Agent(RecoveryMixin):
         ``recover_timeout`` seconds) for the peer's replacement instead of failing, and
         every finished call's result is kept for replay (``docs/recovery.md``)."""
         self.state = State.IDLE
-        self._readable_from: fsm.State | None = None  # a state that READABLE leaves as it is
         self._descriptors: dict[tuple[Any, ...], CallDescriptor] = {}
         self.rank = 0
         self.world = 1
@@ -266,10 +265,7 @@ class Agent(RecoveryMixin):
 
     def on_bytes(self, peer: int, nbytes: int, now: float) -> list[Command]:
         """``nbytes`` landed in the buffer returned by the last :meth:`recv_buffer`."""
-        state = self.state
-        if state is not self._readable_from:  # (the table's answer for the last state seen)
-            self._go(Event.READABLE)
-            self._readable_from = self.state if self.state is state else None
+        self._go(Event.READABLE)
         if self.state is State.FAILED or (self.state is State.TASK_COMPLETE
                                           and not self.recover):
             return []  # (a finalized rank with recovery on still serves its neighbours)

@@ -416,6 +416,8 @@ class Engine:
             failed.cancel()
         if task in done:
             return task.result()
+        # (its outcome is the abort's or the deadline's now: mark it retrieved, whenever)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
         task.cancel()
         # bounded: Python 3.11's wait_for swallows a cancellation that arrives as its inner
         # future completes (a dial refused at that moment), and a retry loop would go on
