@@ -877,6 +877,26 @@ def test_random_fault_plans_soak(seed: int) -> None:
     _run_random_plan(seed)
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_random_fault_plans_with_a_landing_ring_that_wraps(
+        monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """The same plans with the ring's reduce-scatter landing in a 1 KiB cyclic buffer, so
+    that kills, resets, resumes and refills meet bytes that landed round and round."""
+    monkeypatch.setattr("rabit2.core.schedule.MIN_RING_REDUCE", 256)
+    monkeypatch.setattr("rabit2.core.schedule.LANDING_RING", 1024)
+    _run_random_plan(seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(20, 3000))
+def test_random_fault_plans_with_a_landing_ring_that_wraps_soak(
+        monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """The same, over many more plans (``pytest --slow -k wraps_soak``)."""
+    monkeypatch.setattr("rabit2.core.schedule.MIN_RING_REDUCE", 256)
+    monkeypatch.setattr("rabit2.core.schedule.LANDING_RING", 1024)
+    _run_random_plan(seed)
+
+
 def test_a_reset_with_a_restarted_rank_that_replayed_past_the_call_releases_it() -> None:
     """Rank 6 is restarted and replays past the call rank 4 is blocked in; their link then
     resets while 6 is between calls, still replaying.  Rank 4 must not wait for a need from

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from rabit2.core import fsm
+from rabit2.core import fsm, schedule
 from rabit2.core.agent_recovery import RecoveryMixin
 from rabit2.core.control import decode_body
 from rabit2.core.framing import (
@@ -737,16 +737,20 @@ class Agent(RecoveryMixin):
             keep[lo:hi] = active.call.buf[lo:hi]
         self.results.keep(active.call_id, active.desc, np.frombuffer(keep, dtype=np.uint8))
 
+    # A link's scratch is allocated at no less than the landing ring's size: its pages are
+    # touched only as calls use them, and calls of growing sizes (a GBDT tree's levels) do
+    # not each fault in a fresh, larger buffer (bench/README.md, "Landing ring").
+
     def _scratch(self, peer: int, nbytes: int) -> memoryview:
         link = self.links[peer]
         if link.scratch.nbytes < nbytes:
-            link.scratch = np.empty(nbytes, dtype=np.uint8)
+            link.scratch = np.empty(max(nbytes, schedule.LANDING_RING), dtype=np.uint8)
         return link.scratch.data[:nbytes]
 
     def _send_scratch(self, peer: int, nbytes: int) -> memoryview:
         link = self.links[peer]
         if link.send_scratch.nbytes < nbytes:
-            link.send_scratch = np.empty(nbytes, dtype=np.uint8)
+            link.send_scratch = np.empty(max(nbytes, schedule.LANDING_RING), dtype=np.uint8)
         return link.send_scratch.data[:nbytes]
 
     def _pump(self, active: ActiveCall, cmds: list[Command]) -> None:

@@ -31,6 +31,11 @@ ScratchFn = Callable[[int, int], memoryview]
 
 MIN_RING_REDUCE = 64 * 1024  # below this a numpy call costs more than it saves in pipelining
 MIRROR_STEP = 256 * 1024  # reduce-then-copy step that stays in a core's L2 cache
+LANDING_RING = 1024 * 1024
+"""Bytes of the cyclic buffer the ring allreduce's reduce-scatter lands in (per link, at
+most: a call that needs less takes less).  Bytes are reduced soon after they land, so a
+small buffer that is reused round and round stays in the cache, and no call, however large,
+grows the link's scratch beyond it (``bench/README.md``, "Landing ring")."""
 
 
 class Stream:
@@ -84,6 +89,32 @@ class Stream:
 
 
 EMPTY = Stream(())
+
+
+class _CyclicStream(Stream):
+    """An in-stream whose first ``cyclic`` bytes land round and round in ``ring`` (byte
+    ``p`` at ``ring[p % len(ring)]``) and the rest in ``pieces``.  A view never reaches a
+    byte that ``plan`` has not processed yet (``processed + len(ring)`` is the bound)."""
+
+    __slots__ = ("cyclic", "plan", "ring")
+
+    def __init__(self, ring: memoryview, cyclic: int, rest: Sequence[memoryview],
+                 plan: _RingChain) -> None:
+        super().__init__(rest)
+        self.ring, self.cyclic, self.plan = ring, cyclic, plan
+        self.length += cyclic
+
+    def view(self, pos: int, max_len: int) -> memoryview:
+        cyclic = self.cyclic
+        if pos >= cyclic:
+            return super().view(pos - cyclic, max_len)
+        size = len(self.ring)
+        at = pos % size
+        room = min(max_len, size - at, cyclic - pos, self.plan.processed + size - pos)
+        return self.ring[at : at + room]
+
+    def views(self, start: int, end: int) -> list[memoryview]:  # pragma: no cover
+        raise NotImplementedError("an in-stream's landing bytes are never sent")
 
 
 class Resume:
@@ -377,50 +408,88 @@ class _RingChain(Plan):
         buf: memoryview,
         prev: int,
         nxt: int,
-        in_pieces: Sequence[tuple[memoryview, memoryview | None, bool]],
+        in_pieces: Sequence[tuple[memoryview | int, memoryview | None, bool]],
         out_pieces: Sequence[memoryview],
         dtype: np.dtype | None = None,
         op: Op | None = None,
+        ring: memoryview | None = None,
     ) -> None:
+        """An in-piece's landing is a view, or (only for leading pieces, with ``ring``) its
+        length in bytes: those pieces land in the cyclic buffer ``ring``."""
         super().__init__()
         self.buf, self.dtype, self.op = buf, dtype, op
         self.prev, self.next = prev, nxt
-        # (landing view, target or None, reduce?) for every non-empty piece, in stream order
-        self._ins = [piece for piece in in_pieces if len(piece[0])]
+        # (landing view or None: in the ring, length, target or None, reduce?) for every
+        # non-empty piece, in stream order
+        self._ins: list[tuple[memoryview | None, int, memoryview | None, bool]] = []
+        for land, target, reduce in in_pieces:
+            size = land if isinstance(land, int) else len(land)
+            if size:
+                self._ins.append((None if isinstance(land, int) else land, size, target,
+                                  reduce))
         self._in_starts: list[int] = []
-        total = 0
-        for land, _, _ in self._ins:
+        total = cyclic = 0
+        for landing, size, _, _ in self._ins:
             self._in_starts.append(total)
-            total += len(land)
+            total += size
+            if landing is None:
+                assert cyclic == total - size, "ring pieces come first"
+                cyclic = total
+        self._ring = ring
         self._first_out = len(out_pieces[0]) if out_pieces else 0
-        self._set_streams(
-            {nxt: Stream([land for land, _, _ in self._ins])},
-            {prev: Stream(out_pieces)},
-        )
+        rest = [land for land, _, _, _ in self._ins if land is not None]
+        if cyclic:
+            # (room to make progress: bytes wait unreduced only below MIN_RING_REDUCE)
+            assert ring is not None and len(ring) >= min(cyclic, 2 * MIN_RING_REDUCE)
+            if dtype is not None:
+                assert len(ring) % dtype.itemsize == 0  # no element straddles the wrap
+            in_stream: Stream = _CyclicStream(ring, cyclic, rest, self)
+        else:
+            in_stream = Stream(rest)
+        self._set_streams({nxt: in_stream}, {prev: Stream(out_pieces)})
         self.processed = 0
         self._piece = 0  # index of the in-piece that holds ``processed``
         # in-pieces whose result bytes are also copied, as they are made, to a view of the
         # buffer kept for replays (RingAllreduce with ``keep``): index -> that view
         self._mirrors: dict[int, memoryview] = {}
 
+    def _landing(self, piece: int, lo: int, hi: int) -> list[tuple[int, int, memoryview]]:
+        """Where bytes ``[lo, hi)`` of in-piece ``piece`` landed: ``(lo', hi', view)`` parts
+        (two where the landing ring wraps)."""
+        land, _, _, _ = self._ins[piece]
+        if land is not None:
+            return [(lo, hi, land[lo:hi])]
+        ring = self._ring
+        assert ring is not None
+        size = len(ring)
+        start = self._in_starts[piece]
+        parts = []
+        while lo < hi:
+            at = (start + lo) % size
+            n = min(hi - lo, size - at)
+            parts.append((lo, lo + n, ring[at : at + n]))
+            lo += n
+        return parts
+
     def _reduce_mirrored(self, target: memoryview, land: memoryview, mirror: memoryview,
                          lo: int, hi: int) -> None:
-        """Reduce ``land[lo:hi]`` into ``target`` and copy each step of the result to
-        ``mirror`` while it is still in the cache (one pass over memory instead of two)."""
+        """Reduce ``land`` (bytes ``[lo, hi)`` of the piece) into ``target`` and copy each
+        step of the result to ``mirror`` while it is still in the cache (one pass over
+        memory instead of two)."""
         assert self.op is not None and self.dtype is not None
         step = MIRROR_STEP - MIRROR_STEP % self.dtype.itemsize
         for a in range(lo, hi, step):
             b = min(a + step, hi)
-            reduce_bytes(self.op, self.dtype, target[a:b], land[a:b])
+            reduce_bytes(self.op, self.dtype, target[a:b], land[a - lo : b - lo])
             mirror[a:b] = target[a:b]
 
     def on_received(self, peer: int, pos: int) -> None:
         self.received[peer] = pos
         itemsize = self.dtype.itemsize if self.dtype is not None else 1
         while self._piece < len(self._ins):
-            land, target, reduce = self._ins[self._piece]
+            land, size, target, reduce = self._ins[self._piece]
             start = self._in_starts[self._piece]
-            end = start + len(land)
+            end = start + size
             upto = min(pos, end)
             mirror = self._mirrors.get(self._piece)
             if not reduce:
@@ -430,6 +499,7 @@ class _RingChain(Plan):
                     upto -= (upto - start) % itemsize
                 if upto > self.processed:
                     lo, hi = self.processed - start, upto - start
+                    assert land is not None  # (only reduce pieces land in the ring)
                     if target is not None:
                         target[lo:hi] = land[lo:hi]
                     if mirror is not None:
@@ -442,10 +512,11 @@ class _RingChain(Plan):
                 if upto > self.processed:
                     lo, hi = self.processed - start, upto - start
                     assert self.op is not None and self.dtype is not None and target is not None
-                    if mirror is not None:
-                        self._reduce_mirrored(target, land, mirror, lo, hi)
-                    else:
-                        reduce_bytes(self.op, self.dtype, target[lo:hi], land[lo:hi])
+                    for a, b, landed in self._landing(self._piece, lo, hi):
+                        if mirror is not None:
+                            self._reduce_mirrored(target, landed, mirror, a, b)
+                        else:
+                            reduce_bytes(self.op, self.dtype, target[a:b], landed)
                     self.processed = upto
             if upto < end:
                 return
@@ -457,13 +528,18 @@ class _RingChain(Plan):
     def check_invariants(self) -> None:
         super().check_invariants()
         assert self.processed <= self.received[self.next]
+        stream = self.in_streams[self.next]
+        if isinstance(stream, _CyclicStream):  # no byte overwritten before it was processed
+            cyclic = stream.cyclic
+            assert (min(self.received[self.next], cyclic) - min(self.processed, cyclic)
+                    <= len(stream.ring))
 
     def _skip_to(self, pos: int) -> None:
         """Start the in-stream at ``pos`` (a piece boundary or a whole element into one)."""
         self.processed = pos
         self.received[self.next] = pos
         self._piece = bisect.bisect_right(self._in_starts, pos) - 1 if self._ins else 0
-        if self._ins and pos >= self._in_starts[-1] + len(self._ins[-1][0]):
+        if self._ins and pos >= self._in_starts[-1] + self._ins[-1][1]:
             self._piece = len(self._ins)
         self._piece = max(self._piece, 0)
 
@@ -507,13 +583,12 @@ class RingAllreduce(_RingChain):
 
         rs_in = [(rank + 2 + t) % world for t in range(world - 1)]
         rs_bytes = sum(segs[k][1] - segs[k][0] for k in rs_in)
-        landing = scratch(nxt, rs_bytes)
-        in_pieces: list[tuple[memoryview, memoryview | None, bool]] = []
-        off = 0
+        # the reduce-scatter lands in the link's scratch, used as a ring (whole elements)
+        ring_size = max(2 * MIN_RING_REDUCE, LANDING_RING - LANDING_RING % dtype.itemsize)
+        ring = scratch(nxt, min(rs_bytes, ring_size))
+        in_pieces: list[tuple[memoryview | int, memoryview | None, bool]] = []
         for k in rs_in:
-            size = segs[k][1] - segs[k][0]
-            in_pieces.append((landing[off : off + size], seg(k), True))
-            off += size
+            in_pieces.append((segs[k][1] - segs[k][0], seg(k), True))
         staged = keep if world == 2 else None
         if staged is None:
             in_pieces += [(seg(rank + 1 + t), None, False) for t in range(world - 1)]
@@ -523,7 +598,7 @@ class RingAllreduce(_RingChain):
                 in_pieces.append((staged[lo:hi], buf[lo:hi], False))
         out_pieces = [seg(rank + 1 + t) for t in range(world - 1)]
         out_pieces += [seg(rank + t) for t in range(world - 1)]
-        super().__init__(buf, prev, nxt, in_pieces, out_pieces, dtype, op)
+        super().__init__(buf, prev, nxt, in_pieces, out_pieces, dtype, op, ring)
         self.rs_bytes = rs_bytes  # the reduce-scatter part of the in-stream comes first
         own = segs[rank]
         self.own_segment = own  # reduced last (the final in-piece of reduce-scatter)
@@ -600,8 +675,8 @@ class RingAllreduce(_RingChain):
         assert self.in_from is not None and self.op is not None and self.dtype is not None
         hi = lo + len(data)
         assert hi == min(self.in_from, self.own_in_start)
-        for (land, target, reduce), start in zip(self._ins, self._in_starts, strict=True):
-            a, b = max(lo, start), min(hi, start + len(land))
+        for (_, size, target, reduce), start in zip(self._ins, self._in_starts, strict=True):
+            a, b = max(lo, start), min(hi, start + size)
             if a >= b:
                 continue
             assert reduce and target is not None  # (the skipped part is reduce-scatter)
@@ -643,7 +718,7 @@ class RingAllgather(_RingChain):
             lo, hi = blocks[k % world]
             return buf[lo:hi]
 
-        in_pieces: list[tuple[memoryview, memoryview | None, bool]] = [
+        in_pieces: list[tuple[memoryview | int, memoryview | None, bool]] = [
             (block(rank + 1 + t), None, False) for t in range(world - 1)
         ]
         out_pieces = [block(rank + t) for t in range(world - 1)]
