@@ -148,9 +148,9 @@ def test_the_ring_reduce_scatter_lands_round_and_round_in_bounded_scratch(
     itemsize = np.dtype(dtype).itemsize
     count = 6007 if small else 3 * (1 << 20) // itemsize
     rng = np.random.default_rng(world * itemsize)
-    info = np.iinfo(dtype) if np.dtype(dtype).kind == "i" else np.finfo(dtype)
     data = [rng.integers(-100, 100, count).astype(dtype) for _ in range(world)]
     if np.dtype(dtype).kind == "i":
+        info = np.iinfo(dtype)
         data[0][:3] = [info.min, info.max, 0]
     expect = np.max(data, axis=0)
 
@@ -169,7 +169,7 @@ def test_the_ring_reduce_scatter_lands_round_and_round_in_bounded_scratch(
         for r in range(world):
             assert bufs[r].tobytes() == expect.tobytes(), (r, max_piece)
             for link in net.agents[r].links.values():
-                assert link.scratch.nbytes <= max(ring, 512), (r, link.scratch.nbytes)
+                assert link.scratch.nbytes <= ring, (r, link.scratch.nbytes)
 
 
 @pytest.mark.parametrize("world", [3, 5, 8, 16, 17])

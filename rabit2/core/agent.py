@@ -737,11 +737,11 @@ class Agent(RecoveryMixin):
             keep[lo:hi] = active.call.buf[lo:hi]
         self.results.keep(active.call_id, active.desc, np.frombuffer(keep, dtype=np.uint8))
 
-    # A link's scratch is allocated at no less than the landing ring's size: its pages are
-    # touched only as calls use them, and calls of growing sizes (a GBDT tree's levels) do
-    # not each fault in a fresh, larger buffer (bench/README.md, "Landing ring").
-
     def _scratch(self, peer: int, nbytes: int) -> memoryview:
+        """The link's scratch, allocated at no less than the landing ring's size (as is the
+        send scratch): its pages are touched only as calls use them, and calls of growing
+        sizes (a GBDT tree's levels) do not each fault in a fresh, larger buffer
+        (``bench/README.md``, "Landing ring")."""
         link = self.links[peer]
         if link.scratch.nbytes < nbytes:
             link.scratch = np.empty(max(nbytes, schedule.LANDING_RING), dtype=np.uint8)
