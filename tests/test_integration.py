@@ -69,6 +69,30 @@ def test_mismatched_call_fails_every_rank_and_the_job() -> None:
 
 
 @pytest.mark.integration
+def test_a_replay_store_that_overflows_is_reported_once() -> None:
+    """With recovery on and ``rabit2_replay_mb=1``, 2 MiB results cannot be kept: every
+    rank says so once (a lost worker could not be recovered), and the job still succeeds."""
+    code = (
+        "import numpy as np, rabit2\n"
+        "rabit2.init()\n"
+        "for _ in range(3):\n"
+        "    x = np.ones(1 << 19, np.float32)\n"
+        "    rabit2.allreduce(x, rabit2.SUM)\n"
+        "    assert (x == rabit2.get_world_size()).all()\n"
+        "print('DONE', rabit2.get_rank(), flush=True)\n"
+        "rabit2.finalize()\n"
+    )
+    proc = submit(2, sys.executable, "-c", code, timeout=120,
+                  extra=("--max-attempts", "2", "--env", "RABIT2_REPLAY_MB=1"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    for rank in range(2):
+        assert f"DONE {rank}" in out, out[-3000:]
+        said = re.findall(rf"rank {rank}: the results of version 0 outgrew rabit2_replay_mb", out)
+        assert len(said) == 1, out[-3000:]
+
+
+@pytest.mark.integration
 def test_asyncio_api() -> None:
     proc = submit(3, sys.executable, str(WORKERS / "async_worker.py"))
     out = proc.stdout + proc.stderr

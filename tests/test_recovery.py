@@ -18,7 +18,7 @@ import pytest
 from simnet import SimNet
 
 from rabit2.core.agent import Agent, Call
-from rabit2.core.framing import CollectiveKind
+from rabit2.core.framing import CallDescriptor, CollectiveKind
 from rabit2.core.fsm import State
 from rabit2.core.ops import Op
 from rabit2.core.recovery import ResultStore
@@ -550,6 +550,26 @@ def test_a_broadcast_larger_than_the_store_is_not_copied() -> None:
     assert taken == []
     for agent in job.net.agents.values():
         assert agent.results.get((0, 0)) is None and agent.results.nbytes == 0
+
+
+def test_the_store_tells_when_it_dropped_a_result_of_the_version_being_made() -> None:
+    """``overflowed`` is the version that lost one of its own results for want of room
+    (then no restart can replay it); dropping an older version's results to make room is
+    the bound doing its job, not an overflow."""
+    store = ResultStore(limit=3000)
+    desc = CallDescriptor(CollectiveKind.ALLREDUCE_RING, 0, 0, 0, 1000)
+    blob = memoryview(bytes(1000))
+    store.add((1, 0), desc, [blob])
+    store.add((1, 1), desc, [blob])
+    store.on_checkpoint(2)
+    store.add((2, 0), desc, [blob])
+    store.add((2, 1), desc, [blob])  # drops (1, 0): an older version
+    assert store.overflowed == -1 and store.oldest == (1, 1)
+    store.add((2, 2), desc, [blob])  # drops (1, 1)
+    store.add((2, 3), desc, [blob])  # drops (2, 0): version 2 can no longer be replayed
+    assert store.overflowed == 2 and store.oldest == (2, 1)
+    store.add((3, 0), desc, [memoryview(bytes(4000))])  # never fits
+    assert store.overflowed == 3 and store.get((3, 0)) is None
 
 
 # -- found by the randomized fault soak (test_random_fault_plans below) ----------------------

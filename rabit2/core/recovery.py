@@ -142,6 +142,9 @@ class ResultStore:
         self._spare_bytes = 0
         self.nbytes = 0
         self._dropped_upto: CallId = (0, 0)  # calls before this were dropped (or never made)
+        # the latest version that lost one of its own results for want of room while it was
+        # the version being made: no restart can replay it any more (-1: none)
+        self.overflowed = -1
 
     def fits(self, size: int) -> bool:
         """Whether a result of ``size`` bytes can be kept at all (``rabit2_replay_mb``)."""
@@ -186,11 +189,14 @@ class ResultStore:
         """Drop the oldest results until ``size`` more bytes fit; False if it never will."""
         if not self.fits(size):
             self.clear_before((call[0], call[1] + 1))
+            self.overflowed = max(self.overflowed, call[0])
             return False
         while self._results and self.nbytes + size > self.limit:
             old, (_, blob) = self._results.popitem(last=False)
             self._release(blob)
             self._dropped_upto = (old[0], old[1] + 1)
+            if old[0] == call[0]:
+                self.overflowed = max(self.overflowed, call[0])
         return True
 
     def _release(self, blob: np.ndarray | bytes) -> None:

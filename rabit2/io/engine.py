@@ -311,6 +311,7 @@ class Engine:
         self._tick_handle: asyncio.TimerHandle | None = None
         self._writelines = self.loop_thread.is_uvloop
         self._kill_at = -1  # failure injection: SIGKILL once bytes_received reaches it
+        self._overflow_told = False  # the replay store's first overflow was logged
         self._reset_peer = -1  # ... or reset the link to this rank instead
         self._expect_accept: set[int] = set()
         self._ckpt_waiter: _Waiter | None = None
@@ -617,6 +618,8 @@ class Engine:
                     for buf in cmd.buffers:
                         link.transport.write(buf)
             elif isinstance(cmd, CallComplete):
+                if self.agent.results.overflowed >= 0 and not self._overflow_told:
+                    self._tell_overflow()
                 if self._kill_at >= 0:
                     self._inject_fault()  # fewer bytes arrived than asked: fail at the end
                 self._completed = True
@@ -653,6 +656,17 @@ class Engine:
                 transport = self.links[cmd.peer].transport
                 if transport is not None:
                     transport.abort()
+
+    def _tell_overflow(self) -> None:
+        """Say (once per process) that the replay store lost a result of the version being
+        made: until the next checkpoint, a lost worker cannot be recovered
+        (docs/recovery.md, "Versions")."""
+        self._overflow_told = True
+        logger.warning(
+            "rank %d: the results of version %d outgrew rabit2_replay_mb (%d MiB): a worker "
+            "lost before the next checkpoint cannot be recovered; checkpoint more often or "
+            "raise rabit2_replay_mb (said once)", self.agent.rank,
+            self.agent.results.overflowed, self.config.replay_mb)
 
     def on_bytes(self, peer: int, nbytes: int) -> None:
         self._execute(self.agent.on_bytes(peer, nbytes, self.loop.time()))
