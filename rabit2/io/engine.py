@@ -660,7 +660,7 @@ class Engine:
     def _tell_overflow(self) -> None:
         """Say (once per process) that the replay store lost a result of the version being
         made: until the next checkpoint, a lost worker cannot be recovered
-        (docs/recovery.md, "Versions")."""
+        (docs/recovery.md, "What every rank keeps")."""
         self._overflow_told = True
         logger.warning(
             "rank %d: the results of version %d outgrew rabit2_replay_mb (%d MiB): a worker "
