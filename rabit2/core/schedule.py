@@ -94,15 +94,17 @@ EMPTY = Stream(())
 class _CyclicStream(Stream):
     """An in-stream whose first ``cyclic`` bytes land round and round in ``ring`` (byte
     ``p`` at ``ring[p % len(ring)]``) and the rest in ``pieces``.  A view never reaches a
-    byte that ``plan`` has not processed yet (``processed + len(ring)`` is the bound)."""
+    byte that the plan has not processed yet: the plan keeps ``processed`` up to date
+    (the stream holds no reference to the plan, so that a finished plan, and the arrays
+    it views, are freed at once rather than by the cycle collector)."""
 
-    __slots__ = ("cyclic", "plan", "ring")
+    __slots__ = ("cyclic", "processed", "ring")
 
-    def __init__(self, ring: memoryview, cyclic: int, rest: Sequence[memoryview],
-                 plan: _RingChain) -> None:
+    def __init__(self, ring: memoryview, cyclic: int, rest: Sequence[memoryview]) -> None:
         super().__init__(rest)
-        self.ring, self.cyclic, self.plan = ring, cyclic, plan
+        self.ring, self.cyclic = ring, cyclic
         self.length += cyclic
+        self.processed = 0
 
     def view(self, pos: int, max_len: int) -> memoryview:
         cyclic = self.cyclic
@@ -110,7 +112,7 @@ class _CyclicStream(Stream):
             return super().view(pos - cyclic, max_len)
         size = len(self.ring)
         at = pos % size
-        room = min(max_len, size - at, cyclic - pos, self.plan.processed + size - pos)
+        room = min(max_len, size - at, cyclic - pos, self.processed + size - pos)
         return self.ring[at : at + room]
 
     def views(self, start: int, end: int) -> list[memoryview]:  # pragma: no cover
@@ -438,14 +440,14 @@ class _RingChain(Plan):
         self._ring = ring
         self._first_out = len(out_pieces[0]) if out_pieces else 0
         rest = [land for land, _, _, _ in self._ins if land is not None]
+        self._cyclic: _CyclicStream | None = None
         if cyclic:
             # (room to make progress: bytes wait unreduced only below MIN_RING_REDUCE)
             assert ring is not None and len(ring) >= min(cyclic, 2 * MIN_RING_REDUCE)
             if dtype is not None:
                 assert len(ring) % dtype.itemsize == 0  # no element straddles the wrap
-            in_stream: Stream = _CyclicStream(ring, cyclic, rest, self)
-        else:
-            in_stream = Stream(rest)
+            self._cyclic = _CyclicStream(ring, cyclic, rest)
+        in_stream = self._cyclic if self._cyclic is not None else Stream(rest)
         self._set_streams({nxt: in_stream}, {prev: Stream(out_pieces)})
         self.processed = 0
         self._piece = 0  # index of the in-piece that holds ``processed``
@@ -505,6 +507,8 @@ class _RingChain(Plan):
                     if mirror is not None:
                         mirror[lo:hi] = land[lo:hi]  # just received: still in the cache
                 self.processed = max(self.processed, upto)
+                if self._cyclic is not None:
+                    self._cyclic.processed = self.processed
             else:
                 upto -= (upto - start) % itemsize
                 if upto - self.processed < MIN_RING_REDUCE and upto != end:
@@ -518,6 +522,8 @@ class _RingChain(Plan):
                         else:
                             reduce_bytes(self.op, self.dtype, target[a:b], landed)
                     self.processed = upto
+                    if self._cyclic is not None:
+                        self._cyclic.processed = upto
             if upto < end:
                 return
             self._piece += 1
@@ -530,6 +536,7 @@ class _RingChain(Plan):
         assert self.processed <= self.received[self.next]
         stream = self.in_streams[self.next]
         if isinstance(stream, _CyclicStream):  # no byte overwritten before it was processed
+            assert stream.processed == self.processed
             cyclic = stream.cyclic
             assert (min(self.received[self.next], cyclic) - min(self.processed, cyclic)
                     <= len(stream.ring))
@@ -537,6 +544,8 @@ class _RingChain(Plan):
     def _skip_to(self, pos: int) -> None:
         """Start the in-stream at ``pos`` (a piece boundary or a whole element into one)."""
         self.processed = pos
+        if self._cyclic is not None:
+            self._cyclic.processed = pos
         self.received[self.next] = pos
         self._piece = bisect.bisect_right(self._in_starts, pos) - 1 if self._ins else 0
         if self._ins and pos >= self._in_starts[-1] + self._ins[-1][1]:
