@@ -69,6 +69,7 @@ from rabit2.core.recovery import (
     PeerState,
     ResultStore,
     call_id,
+    fresh_buffer,
 )
 from rabit2.core.schedule import (
     PairExchange,
@@ -133,6 +134,8 @@ AUTO_RING_MIN_BYTES = 512 * 1024
 """The default tree/ring threshold: the ring's 2(n - 1) dependent steps cost more than the
 tree's extra bytes at the root (or, at world size 2, than the pair exchange's copy) up to
 about here; measured in ``bench/README.md`` ("Tree or ring")."""
+SCRATCH_RESERVE_FROM = 1 << 20
+"""A link scratch this large or larger is allocated at the landing ring's size at least."""
 
 
 class Agent(RecoveryMixin):
@@ -738,19 +741,22 @@ class Agent(RecoveryMixin):
         self.results.keep(active.call_id, active.desc, np.frombuffer(keep, dtype=np.uint8))
 
     def _scratch(self, peer: int, nbytes: int) -> memoryview:
-        """The link's scratch, allocated at no less than the landing ring's size (as is the
-        send scratch): its pages are touched only as calls use them, and calls of growing
-        sizes (a GBDT tree's levels) do not each fault in a fresh, larger buffer
-        (``bench/README.md``, "Landing ring")."""
+        """The link's scratch.  Once a call needs 1 MiB or more of it, it is allocated at the
+        landing ring's size at least, in ordinary pages (``fresh_buffer``): its pages are
+        touched only as calls use them, and the calls of a GBDT tree's growing levels do not
+        each fault in a fresh, larger buffer (``bench/README.md``, "Landing ring").  Smaller
+        ones come from the allocator, which may hand back memory the process already
+        touched."""
         link = self.links[peer]
         if link.scratch.nbytes < nbytes:
-            link.scratch = np.empty(max(nbytes, schedule.LANDING_RING), dtype=np.uint8)
+            link.scratch = fresh_buffer(
+                nbytes if nbytes < SCRATCH_RESERVE_FROM else max(nbytes, schedule.LANDING_RING))
         return link.scratch.data[:nbytes]
 
     def _send_scratch(self, peer: int, nbytes: int) -> memoryview:
         link = self.links[peer]
         if link.send_scratch.nbytes < nbytes:
-            link.send_scratch = np.empty(max(nbytes, schedule.LANDING_RING), dtype=np.uint8)
+            link.send_scratch = np.empty(nbytes, dtype=np.uint8)
         return link.send_scratch.data[:nbytes]
 
     def _pump(self, active: ActiveCall, cmds: list[Command]) -> None:

@@ -107,10 +107,11 @@ def descriptor_from_wire(value: object) -> CallDescriptor:
 _SMALL_PAGES_FROM = 1 << 20
 
 
-def _fresh(size: int) -> np.ndarray:
-    """A new buffer for retained results.  Large ones are private anonymous mappings of
-    ordinary pages: numpy asks for transparent huge pages above 4 MiB, and on a virtual
-    machine the first touch of fresh huge pages in a worker made the calls that fill the
+def fresh_buffer(size: int) -> np.ndarray:
+    """A new byte buffer for retained results or a link's scratch.  Large ones are private
+    anonymous mappings of ordinary pages: numpy asks for transparent huge pages above
+    4 MiB, and on a virtual machine the first touch of fresh huge pages in a worker made
+    the calls that fill the
     store 3-6x slower than with small pages (16 MiB allreduce at N=2: 45-70 ms against
     14-24 ms; 64 MiB: 200-430 ms against 60-80 ms; MAP_POPULATE: no better), while the
     steady state, which recycles buffers, is the same (8-10 ms and ~35 ms).  The guest
@@ -177,7 +178,7 @@ class ResultStore:
             self._spare_bytes -= size
             return spare.pop()
         self._trim_spares(self.limit - size - self.nbytes)
-        return _fresh(size)
+        return fresh_buffer(size)
 
     def keep(self, call: CallId, desc: CallDescriptor, blob: np.ndarray) -> None:
         """Keep ``blob`` (from :meth:`take`, filled with the result) without copying it."""

@@ -31,11 +31,12 @@ ScratchFn = Callable[[int, int], memoryview]
 
 MIN_RING_REDUCE = 64 * 1024  # below this a numpy call costs more than it saves in pipelining
 MIRROR_STEP = 256 * 1024  # reduce-then-copy step that stays in a core's L2 cache
-LANDING_RING = 1024 * 1024
+LANDING_RING = 4 * 1024 * 1024
 """Bytes of the cyclic buffer the ring allreduce's reduce-scatter lands in (per link, at
-most: a call that needs less takes less).  Bytes are reduced soon after they land, so a
-small buffer that is reused round and round stays in the cache, and no call, however large,
-grows the link's scratch beyond it (``bench/README.md``, "Landing ring")."""
+most: a call that needs less takes less).  No call, however large, grows the link's
+scratch beyond it.  A 1 MiB ring, which stays in the cache, made 16 MiB calls with
+recovery on 5-13 % slower (several times as many reads and frames per call); 4 MiB was
+level with an unbounded landing (``bench/README.md``, "Landing ring")."""
 
 
 class Stream:
