@@ -111,13 +111,13 @@ def fresh_buffer(size: int) -> np.ndarray:
     """A new byte buffer for retained results or a link's scratch.  Large ones are private
     anonymous mappings of ordinary pages: numpy asks for transparent huge pages above
     4 MiB, and on a virtual machine the first touch of fresh huge pages in a worker made
-    the calls that fill the
-    store 3-6x slower than with small pages (16 MiB allreduce at N=2: 45-70 ms against
-    14-24 ms; 64 MiB: 200-430 ms against 60-80 ms; MAP_POPULATE: no better), while the
-    steady state, which recycles buffers, is the same (8-10 ms and ~35 ms).  The guest
-    kernel reports free blocks of 8 MiB and more to the host (``page_reporting_order=11``),
-    so fresh huge pages often need the host to fault memory back in; explicitly madvised
-    mappings were 35 ms or 220-330 ms per 64 MiB call depending on that."""
+    the calls that fill the store 3-6x slower than with small pages (16 MiB allreduce at
+    N=2: 45-70 ms against 14-24 ms; 64 MiB: 200-430 ms against 60-80 ms; MAP_POPULATE: no
+    better), while the steady state, which recycles buffers, is the same (8-10 ms and
+    ~35 ms).  The guest kernel reports free blocks of 8 MiB and more to the host
+    (``page_reporting_order=11``), so fresh huge pages often need the host to fault memory
+    back in; explicitly madvised mappings were 35 ms or 220-330 ms per 64 MiB call
+    depending on that."""
     if size < _SMALL_PAGES_FROM or not hasattr(mmap, "MAP_PRIVATE"):
         return np.empty(size, dtype=np.uint8)
     region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)

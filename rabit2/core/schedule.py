@@ -457,13 +457,10 @@ class _RingChain(Plan):
         self._mirrors: dict[int, memoryview] = {}
 
     def _landing(self, piece: int, lo: int, hi: int) -> list[tuple[int, int, memoryview]]:
-        """Where bytes ``[lo, hi)`` of in-piece ``piece`` landed: ``(lo', hi', view)`` parts
-        (two where the landing ring wraps)."""
-        land, _, _, _ = self._ins[piece]
-        if land is not None:
-            return [(lo, hi, land[lo:hi])]
+        """Where bytes ``[lo, hi)`` of reduce piece ``piece`` landed in the ring:
+        ``(lo', hi', view)`` parts (two where it wraps)."""
         ring = self._ring
-        assert ring is not None
+        assert ring is not None and self._ins[piece][0] is None  # (reduce pieces: the ring)
         size = len(ring)
         start = self._in_starts[piece]
         parts = []
