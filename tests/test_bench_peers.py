@@ -133,3 +133,48 @@ def test_the_histogram_compute_runs_between_the_barrier_and_each_timed_call() ->
     with pytest.raises(SystemExit):
         harness.parse_args(["--impl", "rabit2", "--out", "x", "--sizes", "4096",
                             "--compute", "fft"])
+
+
+def test_targets_are_judged_from_the_same_run_and_unmeasured_peers_never_count() -> None:
+    import sys  # noqa: PLC0415
+
+    sys.path.insert(0, str(PEERS))
+    try:
+        import targets  # noqa: PLC0415
+    finally:
+        sys.path.remove(str(PEERS))
+
+    mib = 1 << 20
+
+    def row(impl: str, size: int, rounds: list[float], world: int = 2) -> list[dict[str, object]]:
+        return [{"impl": impl, "status": "ok", "op": "allreduce", "world": world,
+                 "size_bytes": size, "median_s": m, "p90_s": m, "round": k}
+                for k, m in enumerate(rounds)]
+
+    rows = [
+        *row("rabit2", mib, [1.0, 1.0, 1.0]),
+        *row("rabit2", 64 * mib, [10.0, 20.0, 10.0]),
+        # classic rabit: slower at 1 MiB in every round; at 64 MiB faster in one round
+        # of three (ratios 1.5, 0.9, 1.2: the median 1.2 meets "no slower")
+        *row("xgboost1.7", mib, [1.1, 1.2, 1.3]),
+        *row("xgboost1.7", 64 * mib, [15.0, 18.0, 12.0]),
+        # the loopback limit: measured once; 64 MiB is 25 % faster than rabit2's median 10
+        {"impl": "limit:tcp-exchange", "op": "exchange", "world": 2, "size_bytes": mib,
+         "median_s": 1.05},
+        {"impl": "limit:tcp-exchange-reno", "op": "exchange", "world": 2,
+         "size_bytes": 64 * mib, "median_s": 8.0},
+        {"impl": "gloo", "world": 2, "status": "unavailable: not installed"},
+    ]
+    ok = targets.combine_rounds(rows)
+    classic, limit, small = targets.TARGETS[0], targets.TARGETS[1], targets.TARGETS[3]
+    met, text = targets.judge(classic, "rabit2", rows, ok)
+    assert met is True and text == "met (lowest: 1 MiB 1.200x (3/3))", text
+    met, text = targets.judge(limit, "rabit2", rows, ok)
+    assert met is False and text == "**not met**: 64 MiB 0.800x", text  # 1 MiB: 1.05 passes
+    # no 4-64 KiB row in this run, and gloo never ran: neither is a pass
+    assert targets.judge(small, "rabit2", rows, ok)[0] is None
+    rows += row("rabit2", 4096, [1.0]) + row("xgboost3", 4096, [9.0])
+    assert targets.judge(small, "rabit2", rows, targets.combine_rounds(rows)) == (
+        None, "not measured (gloo did not run)")
+    text = targets.verdicts(rows)
+    assert "| N=2 allreduce, >= 1 MiB: no slower than classic rabit | >= 1x | met" in text

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 from common import HERE, MAIN_PYTHON
 from harness import COMPUTE_KINDS
+from targets import combine_rounds, paired_ratio, verdicts
 
 sys.path.insert(0, str(HERE.parent))  # bench/units.py
 from units import fmt_size, fmt_time, parse_size
@@ -180,41 +181,6 @@ def _cell(r: dict[str, Any]) -> str:
     return f"{fmt_time(r['median_s'])} / {fmt_time(r['p90_s'])} / {r['busbw_GBps']:.3f}"
 
 
-def combine_rounds(rows: list[dict[str, Any]]) -> dict[tuple[str, int, str, int], dict[str, Any]]:
-    """Per (impl, N, op, size): one row whose median and p90 are the medians over the rounds
-    (the rows of one round when there is one), with the per-round medians in ``rounds_s``
-    (indexed by round, None where that round has no row)."""
-    groups: dict[tuple[str, int, str, int], list[dict[str, Any]]] = {}
-    for r in rows:
-        if r.get("status") == "ok":
-            groups.setdefault((r["impl"], r["world"], r["op"], r["size_bytes"]), []).append(r)
-    last = max((int(r.get("round", 0)) for r in rows if r.get("status") == "ok"), default=0)
-    out = {}
-    for key, rs in groups.items():
-        row = dict(rs[0])
-        row["median_s"] = float(np.median([r["median_s"] for r in rs]))
-        row["p90_s"] = float(np.median([r["p90_s"] for r in rs]))
-        row["busbw_GBps"] = busbw(row["size_bytes"], row["median_s"], row["world"], row["op"])
-        per_round: list[float | None] = [None] * (last + 1)
-        for r in rs:
-            per_round[int(r.get("round", 0))] = r["median_s"]
-        row["rounds_s"] = per_round
-        out[key] = row
-    return out
-
-
-def paired_ratio(peer: dict[str, Any], base: dict[str, Any]) -> str:
-    """``peer / base`` median time: per round when both ran in several rounds (the median of
-    the rounds' ratios, and in how many rounds the base was faster), else of the medians."""
-    pairs = [(p, b) for p, b in zip(peer["rounds_s"], base["rounds_s"], strict=True)
-             if p is not None and b is not None]
-    if len(pairs) <= 1:
-        return f"{peer['median_s'] / base['median_s']:.2f}x"
-    ratios = [p / b for p, b in pairs]
-    wins = sum(1 for x in ratios if x > 1)
-    return f"{float(np.median(ratios)):.2f}x ({wins}/{len(ratios)})"
-
-
 def tables(
     rows: list[dict[str, Any]], status: dict[tuple[str, int], str], ns: argparse.Namespace
 ) -> str:
@@ -224,6 +190,8 @@ def tables(
     head = "| impl | " + " | ".join(fmt_size(s) for s in sizes) + " |"
     rule = "|---|" + "---|" * len(sizes)
     ok = combine_rounds(rows)
+    for row in ok.values():
+        row["busbw_GBps"] = busbw(row["size_bytes"], row["median_s"], row["world"], row["op"])
     limits = {(r["impl"], r["size_bytes"]): r for r in rows if r["impl"].startswith("limit:")}
     labels = [lb for lb in ORDER if lb in ns.impls]
     base_label = ns.base if ns.base in labels else labels[0]
@@ -278,6 +246,7 @@ def tables(
     if versions:
         out.append("Versions: " + "; ".join(f"{k}: {v}" for k, v in versions.items()) + ".")
         out.append("")
+    out.append(verdicts(rows))
     return "\n".join(out)
 
 
