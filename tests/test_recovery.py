@@ -567,9 +567,34 @@ def test_the_store_tells_when_it_dropped_a_result_of_the_version_being_made() ->
     assert store.overflowed == -1 and store.oldest == (1, 1)
     store.add((2, 2), desc, [blob])  # drops (1, 1)
     store.add((2, 3), desc, [blob])  # drops (2, 0): version 2 can no longer be replayed
-    assert store.overflowed == 2 and store.oldest == (2, 1)
+    # ... so nothing of it is worth keeping: everything up to (2, 3) is forgotten
+    assert store.overflowed == 2 and store.oldest == (2, 4) and store.nbytes == 0
     store.add((3, 0), desc, [memoryview(bytes(4000))])  # never fits
     assert store.overflowed == 3 and store.get((3, 0)) is None
+
+
+def test_a_version_that_lost_a_result_keeps_nothing_more_until_the_next_checkpoint() -> None:
+    """Once a version has lost one of its own results no restart can replay it: its later
+    results are neither copied nor kept (a job that never checkpoints stops paying for the
+    store once it outgrew it), a buffer taken for one goes back to the spares, and the
+    next version is kept again."""
+    store = ResultStore(limit=300_000)
+    desc = CallDescriptor(CollectiveKind.ALLREDUCE_RING, 0, 0, 0, 100_000)
+    big = memoryview(bytes(100_000))
+    for seqno in range(4):  # the fourth drops (0, 0): version 0 overflowed
+        store.add((0, seqno), desc, [big])
+    assert store.overflowed == 0 and store.nbytes == 0 and store.oldest == (0, 4)
+    assert not store.wants((0, 4)) and store.wants((1, 0))
+    store.add((0, 4), desc, [big])
+    assert store.get((0, 4)) is None and store.nbytes == 0 and store.oldest == (0, 5)
+    staged = store.take(100_000)  # (a world-2 ring stages its allgather in one regardless)
+    store.keep((0, 5), desc, staged)
+    assert store.get((0, 5)) is None and store.oldest == (0, 6)
+    assert store.take(100_000) is staged  # the same (warm) buffer, not fresh memory
+    store.on_checkpoint(1)
+    store.add((1, 0), desc, [big])
+    got = store.get((1, 0))
+    assert got is not None and got[1].nbytes == 100_000 and store.oldest == (0, 6)
 
 
 # -- found by the randomized fault soak (test_random_fault_plans below) ----------------------
@@ -728,6 +753,36 @@ def test_a_ring_result_too_large_to_keep_is_not_copied(monkeypatch: pytest.Monke
         agent = net.agents[r]
         assert agent.results.get(net.done[r]) is None and agent.results.nbytes == 0
     assert taken == []
+
+
+def test_rings_of_a_version_that_overflowed_copy_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """World 3, 120 KB results and room for two: the third ring call drops the first
+    result of its own version, so from the fourth call on the agents take no buffer and
+    copy nothing for replays (no restart could use them), and the results stay right."""
+    taken: list[int] = []
+    take = ResultStore.take
+
+    def counting_take(self: ResultStore, size: int) -> np.ndarray:
+        taken.append(size)
+        return take(self, size)
+
+    monkeypatch.setattr(ResultStore, "take", counting_take)
+    world = 3
+    net = SimNet(world, seed=5, recover=True, ring_mincount=0, retain_bytes=250_000)
+    for i in range(5):
+        data = [np.full(30_000, r + i, dtype=np.float32) for r in range(world)]
+        bufs = [d.copy() for d in data]
+        net.run({r: Call(CollectiveKind.ALLREDUCE_RING, memoryview(bufs[r]).cast("B"),
+                         np.dtype(np.float32), Op.SUM) for r in range(world)})
+        assert not net.failed and len(net.done) == world
+        expect = np.sum(data, axis=0, dtype=np.float32).tobytes()
+        assert all(b.tobytes() == expect for b in bufs)
+        if i == 2:
+            assert len(taken) == 3 * world  # one buffer per rank and call so far
+    assert len(taken) == 3 * world
+    for agent in net.agents.values():
+        assert agent.results.overflowed == 0 and agent.results.nbytes == 0
+        assert agent.results.oldest == (0, 5)
 
 
 def test_one_need_per_call_when_a_link_resets_while_a_restarted_rank_is_between_calls() -> None:

@@ -131,10 +131,13 @@ TARGETS = (
            lambda s: True, ("gloo", "xgboost3"), 1.0),
     Target("N=2 broadcast, >= 1 MiB: no slower than classic rabit", "broadcast", 2, _large,
            ("xgboost1.7",), 1.0),
+    # (judged with a checkpoint per iteration only: the default launch, which never
+    # checkpoints, outgrows its 256 MiB replay store within five 64 MiB calls, after which
+    # its version cannot be replayed and nothing more is copied)
     Target("fault tolerance at 64 MiB, N=2: within 5 % of rabit2 without it", "allreduce", 2,
-           lambda s: s == 64 * MIB, ("rabit2-noft",), 1 / 1.05, ("rabit2-ckpt", "rabit2")),
+           lambda s: s == 64 * MIB, ("rabit2-noft",), 1 / 1.05, ("rabit2-ckpt",)),
     Target("fault tolerance at 64 MiB, N=4: within 5 % of rabit2 without it", "allreduce", 4,
-           lambda s: s == 64 * MIB, ("rabit2-noft",), 1 / 1.05, ("rabit2-ckpt", "rabit2")),
+           lambda s: s == 64 * MIB, ("rabit2-noft",), 1 / 1.05, ("rabit2-ckpt",)),
 )
 
 

@@ -420,7 +420,8 @@ class Agent(RecoveryMixin):
         that the stream is copied to as it arrives.  Small results are kept as bytes, and
         one larger than ``rabit2_replay_mb`` is not kept at all."""
         total = plan.in_streams[plan.in_link].length
-        if SMALL_RESULT < total <= self.results.limit:  # (a larger one is never kept)
+        # (a larger one is never kept, nor one of a version that can no longer be replayed)
+        if SMALL_RESULT < total <= self.results.limit and self.results.wants(active.call_id):
             active.mirror = self.results.take(total)
 
     def _dispatch_header(self, peer: int, link: Link, frame: FrameHeader, now: float,
@@ -703,8 +704,9 @@ class Agent(RecoveryMixin):
                 # (not a result too large to be kept, except at world size 2, where that
                 # buffer also stages the allgather for the resume's sake)
                 keep = (self.results.take(len(call.buf)).data
-                        if self.recover and (self.world == 2
-                                             or self.results.fits(len(call.buf)))
+                        if self.recover and (self.world == 2 or (
+                            self.results.fits(len(call.buf))
+                            and self.results.wants((self.version, self.seqno))))
                         else None)
                 return RingAllreduce(call.buf, call.dtype, call.op, self.rank, self.world,
                                      self._scratch, keep)

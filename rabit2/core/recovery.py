@@ -151,10 +151,16 @@ class ResultStore:
         """Whether a result of ``size`` bytes can be kept at all (``rabit2_replay_mb``)."""
         return size <= self.limit
 
+    def wants(self, call: CallId) -> bool:
+        """False once ``call``'s version has lost one of its own results (``overflowed``):
+        no restart can replay that version any more, so keeping its later results would
+        only cost copies and memory.  They are kept again from the next version on."""
+        return call[0] != self.overflowed
+
     def add(self, call: CallId, desc: CallDescriptor, pieces: Sequence[memoryview]) -> None:
         """Keep a copy of the result, given as the pieces it is made of."""
         size = sum(len(p) for p in pieces)
-        if not self.fits(size):
+        if not self.wants(call) or not self.fits(size):
             self._make_room(call, size)  # never kept: forget what came before it, copy nothing
             return
         if size <= SMALL_RESULT:
@@ -181,14 +187,20 @@ class ResultStore:
         return fresh_buffer(size)
 
     def keep(self, call: CallId, desc: CallDescriptor, blob: np.ndarray) -> None:
-        """Keep ``blob`` (from :meth:`take`, filled with the result) without copying it."""
+        """Keep ``blob`` (from :meth:`take`, filled with the result) without copying it; if
+        the result cannot be kept, the buffer goes back to the spares (within the bound)."""
         if self._make_room(call, blob.nbytes):
             self._results[call] = (desc, blob)
             self.nbytes += blob.nbytes
+        elif self.nbytes + self._spare_bytes + blob.nbytes <= self.limit:
+            self._spare.setdefault(blob.nbytes, []).append(blob)
+            self._spare_bytes += blob.nbytes
 
     def _make_room(self, call: CallId, size: int) -> bool:
-        """Drop the oldest results until ``size`` more bytes fit; False if it never will."""
-        if not self.fits(size):
+        """Drop the oldest results until ``size`` more bytes fit; False if the result is not
+        to be kept (it never fits, or its version lost a result: then everything up to it
+        is forgotten)."""
+        if not self.fits(size) or not self.wants(call):
             self.clear_before((call[0], call[1] + 1))
             self.overflowed = max(self.overflowed, call[0])
             return False
@@ -198,6 +210,9 @@ class ResultStore:
             self._dropped_upto = (old[0], old[1] + 1)
             if old[0] == call[0]:
                 self.overflowed = max(self.overflowed, call[0])
+        if not self.wants(call):  # (it just lost one: this one is no use either)
+            self.clear_before((call[0], call[1] + 1))
+            return False
         return True
 
     def _release(self, blob: np.ndarray | bytes) -> None:
