@@ -5,11 +5,13 @@
 Three probes (two processes on loopback, unpinned, like the Python peers):
 
 * ``tcp-exchange``: both processes send S bytes to each other at the same time and receive S
-  bytes over plain blocking sockets with TCP_NODELAY, ``sendall`` + ``recv_into`` a
-  preallocated buffer. Up to 256 KiB: one thread, send then receive, on a connection with
+  bytes over plain sockets with TCP_NODELAY into a preallocated buffer. Up to 256 KiB: one thread, send then receive, on a connection with
   1 MiB socket buffers (room for the whole message, so two blocking senders cannot
-  dead-lock). Larger: a sender thread per iteration while the main thread receives, on a
-  second connection with the kernel's default (auto-tuned) buffers. Each iteration is
+  dead-lock), ``sendall`` then ``recv_into``. Larger: one thread with a non-blocking socket on a second connection with
+  the kernel's default (auto-tuned) buffers, sending what the socket takes and receiving
+  what has arrived, asleep in ``poll`` only when neither moved. (Until 2026-11-24 this
+  used a sender thread started per iteration, which cost 25-50 % at 1-64 MiB: the
+  limits of runs a-k in ``bench/README.md`` are that slower probe.) Each iteration is
   preceded by an 8-byte exchange as a barrier and timed from the first process entering to
   the last leaving, exactly like a collective. This is the floor for an N=2 allreduce in
   Python: each rank must ship its S bytes and receive the peer's.
@@ -29,11 +31,11 @@ from __future__ import annotations
 import argparse
 import json
 import pickle
+import select
 import socket
 import struct
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,6 +45,7 @@ import numpy as np
 
 SMALL_MAX = 256 * 1024
 SOCK_BUF = 1024 * 1024
+_POLL = select.poll()  # the large connection's (one per process)
 
 
 def default_iters(size: int) -> int:
@@ -68,10 +71,33 @@ def exchange(
         small.sendall(send)
         recv_exact(small, recv)
         return
-    sender = threading.Thread(target=large.sendall, args=(send,))
-    sender.start()
-    recv_exact(large, recv)
-    sender.join()
+    # one thread, non-blocking: send what the socket takes, take what has arrived, and
+    # sleep in poll only when neither moved
+    sent = got = 0
+    n_out, n_in = len(send), len(recv)
+    fd = large.fileno()
+    while sent < n_out or got < n_in:
+        moved = False
+        if sent < n_out:
+            try:
+                sent += large.send(send[sent:])
+                moved = True
+            except BlockingIOError:
+                pass
+        if got < n_in:
+            try:
+                k = large.recv_into(recv[got:], n_in - got)
+            except BlockingIOError:
+                k = -1
+            if k == 0:
+                raise ConnectionError("peer closed")
+            if k > 0:
+                got += k
+                moved = True
+        if not moved:
+            events = (select.POLLOUT if sent < n_out else 0) | (select.POLLIN if got < n_in else 0)
+            _POLL.modify(fd, events)
+            _POLL.poll()
 
 
 def tune(sock: socket.socket, buffers: bool, congestion: str = "") -> None:
@@ -83,6 +109,11 @@ def tune(sock: socket.socket, buffers: bool, congestion: str = "") -> None:
     if buffers:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SOCK_BUF)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCK_BUF)
+
+
+def _nonblocking(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    _POLL.register(sock.fileno(), select.POLLIN)
 
 
 def exchange_loop(
@@ -117,6 +148,7 @@ def child(port: int, sizes: list[int], scale: float, congestion: str) -> int:
     tune(sock, True, congestion)
     large = socket.create_connection(("127.0.0.1", port))
     tune(large, False, congestion)
+    _nonblocking(large)
     stamps = exchange_loop(sock, large, sizes, scale)
     large.close()
     b8 = memoryview(bytearray(8))
@@ -192,6 +224,7 @@ def parent(
     tune(sock, True, congestion)
     large, _ = lst.accept()
     tune(large, False, congestion)
+    _nonblocking(large)
     lst.close()
     mine = exchange_loop(sock, large, sizes, scale)
     large.close()
