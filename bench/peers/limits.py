@@ -5,16 +5,17 @@
 Three probes (two processes on loopback, unpinned, like the Python peers):
 
 * ``tcp-exchange``: both processes send S bytes to each other at the same time and receive S
-  bytes over plain sockets with TCP_NODELAY into a preallocated buffer. Up to 256 KiB: one thread, send then receive, on a connection with
-  1 MiB socket buffers (room for the whole message, so two blocking senders cannot
-  dead-lock), ``sendall`` then ``recv_into``. Larger: one thread with a non-blocking socket on a second connection with
-  the kernel's default (auto-tuned) buffers, sending what the socket takes and receiving
-  what has arrived, asleep in ``poll`` only when neither moved. (Until 2026-11-24 this
-  used a sender thread started per iteration, which cost 25-50 % at 1-64 MiB: the
-  limits of runs a-k in ``bench/README.md`` are that slower probe.) Each iteration is
-  preceded by an 8-byte exchange as a barrier and timed from the first process entering to
-  the last leaving, exactly like a collective. This is the floor for an N=2 allreduce in
-  Python: each rank must ship its S bytes and receive the peer's.
+  bytes over plain sockets with TCP_NODELAY into a preallocated buffer. Up to 256 KiB: one
+  thread, send then receive, on a connection with 1 MiB socket buffers (room for the whole
+  message, so two blocking senders cannot dead-lock), ``sendall`` then ``recv_into``. Larger:
+  one thread with a non-blocking socket on a second connection with the kernel's default
+  (auto-tuned) buffers, sending what the socket takes and receiving what has arrived, asleep
+  in ``poll`` only when neither moved. (Until 2026-11-24 this used a sender thread started per
+  iteration, which cost 25-50 % at 1-64 MiB: the limits of runs a-k in ``bench/README.md`` are
+  that slower probe.) Each iteration is preceded by an 8-byte exchange as a barrier and timed
+  from the first process entering to the last leaving, exactly like a collective. This is the
+  floor for an N=2 allreduce in Python: each rank must ship its S bytes and receive the
+  peer's.
 * ``tcp-exchange-reno``: the same with TCP congestion control ``reno`` on both connections,
   as rabit2 sets on its links by default (``rabit2_tcp_congestion``); on a machine whose
   default is BBR (this VM) this is the faster of the two, so it is the limit to compare with.
