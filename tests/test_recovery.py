@@ -785,6 +785,38 @@ def test_rings_of_a_version_that_overflowed_copy_nothing(monkeypatch: pytest.Mon
         assert agent.results.oldest == (0, 5)
 
 
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["overflowed", "checkpointing"])
+def test_recycled_ring_buffers_do_not_chain(checkpoint: bool) -> None:
+    """World 2 rings recycle their replay buffers call after call (a version that
+    overflowed, or checkpoints that drop old results): the store must get back the array it
+    handed out, never a new array over it, or each call adds a link to a chain of arrays
+    that only grows and overflows the C stack when it is freed."""
+    world, n = 2, 50_000
+    net = SimNet(world, seed=9, recover=True, ring_mincount=0, retain_bytes=500_000)
+    for i in range(40):
+        if checkpoint:
+            for agent in net.agents.values():
+                agent.checkpoint(None)
+        data = [np.full(n, r + i, dtype=np.float32) for r in range(world)]
+        bufs = [d.copy() for d in data]
+        net.run({r: Call(CollectiveKind.ALLREDUCE_RING, memoryview(bufs[r]).cast("B"),
+                         np.dtype(np.float32), Op.SUM) for r in range(world)})
+        assert not net.failed and all((b == 2 * i + 1).all() for b in bufs)
+
+    def depth(obj: object) -> int:
+        d = 0
+        while isinstance(obj, (np.ndarray, memoryview)):
+            obj = obj.base if isinstance(obj, np.ndarray) else obj.obj
+            d += 1
+        return d
+
+    for agent in net.agents.values():
+        store = agent.results
+        arrays = [a for spares in store._spare.values() for a in spares]
+        arrays += [blob for _, blob in store._results.values() if isinstance(blob, np.ndarray)]
+        assert arrays and max(depth(a) for a in arrays) <= 2, [depth(a) for a in arrays]
+
+
 def test_one_need_per_call_when_a_link_resets_while_a_restarted_rank_is_between_calls() -> None:
     """World 2: rank 0 dies after its first call, is restarted and replays it; its link
     then resets while it is between that call and the one rank 1 is blocked in.  It begins

@@ -740,7 +740,13 @@ class Agent(RecoveryMixin):
         if plan.own_fetched:
             lo, hi = plan.own_segment
             keep[lo:hi] = active.call.buf[lo:hi]
-        self.results.keep(active.call_id, active.desc, np.frombuffer(keep, dtype=np.uint8))
+        # the very array the store handed out (``take(...).data``), not a new array over
+        # it: buffers are recycled call after call, and each such wrapper would hold the
+        # previous one, a chain that grows without bound and overflows the C stack when it
+        # is finally freed
+        blob = keep.obj
+        assert isinstance(blob, np.ndarray) and blob.nbytes == keep.nbytes
+        self.results.keep(active.call_id, active.desc, blob)
 
     def _scratch(self, peer: int, nbytes: int) -> memoryview:
         """The link's scratch.  Once a call needs 1 MiB or more of it, it is allocated at the
