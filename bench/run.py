@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import shutil
@@ -25,6 +26,10 @@ from typing import Any
 from units import fmt_size, fmt_time
 
 HERE = Path(__file__).resolve().parent
+# the workers import this checkout's rabit2, whatever copy pip installed (a script in
+# bench/ would otherwise find the installed one first)
+CHECKOUT_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join(
+    p for p in (str(HERE.parent), os.environ.get("PYTHONPATH", "")) if p)}
 WORKER = HERE / "bench_collectives.py"
 
 
@@ -47,6 +52,7 @@ def run_job(cmd: list[str], log: Path, timeout: float) -> str:
         text=True,
         timeout=timeout,
         check=False,
+        env=CHECKOUT_ENV,
     )
     log.write_text(proc.stdout)
     print(f"  exit {proc.returncode} after {time.perf_counter() - t0:.1f} s, log {log}")

@@ -8,11 +8,12 @@ off (``RABIT2_RECOVER=0``, like the peers, none of which recovers a lost worker)
 
 from __future__ import annotations
 
+import os
 import shutil
 from typing import Any, cast
 
 import numpy as np
-from common import MAIN_PYTHON, Job, harness_cmd, probe
+from common import HERE, MAIN_PYTHON, Job, harness_cmd, probe
 
 LABELS = ["rabit2", "rabit2-ckpt", "rabit2-noft"]
 
@@ -36,7 +37,11 @@ def job(label: str, n: int, harness_args: list[str]) -> Job:
             *(["--env", "RABIT2_RECOVER=0"] if label == "rabit2-noft" else []),
             "--",
             *harness_cmd(MAIN_PYTHON, label, harness_args),
-        ]
+        ],
+        # this checkout's rabit2 (and launcher), whatever copy pip installed: harness.py
+        # would otherwise find the installed one first
+        {"PYTHONPATH": os.pathsep.join(
+            p for p in (str(HERE.parent.parent), os.environ.get("PYTHONPATH", "")) if p)},
     )
 
 
