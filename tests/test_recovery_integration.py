@@ -387,6 +387,26 @@ def test_three_neighbours_killed_together_end_typed_or_recover(
 
 
 @pytest.mark.integration
+def test_a_worker_lost_after_its_version_outgrew_the_store_ends_the_job_typed() -> None:
+    """``rabit2_replay_mb=8`` and a 16 MB ring call in every version: each version loses a
+    result at its ring call, after which the workers keep nothing more of it.  Rank 1 dies
+    after that call in version 1: its replacement cannot replay version 1, so every rank
+    must end with UnrecoverableError (or the abort it causes) within seconds, the warning
+    said once per rank beforehand."""
+    job = run_job(3, f"mock=1,1,{B},0", extra=("--env", "RABIT2_REPLAY_MB=8"))
+    assert job.returncode != 0, job.tail()
+    failed = job.failures()
+    assert failed and {f["type"] for f in failed} <= {"UnrecoverableError",
+                                                       "JobAbortedError"}, job.tail()
+    assert any(f["type"] == "UnrecoverableError" and "no live neighbour retains its result"
+               in f["msg"] for f in failed), job.tail()
+    said = re.findall(r"rank (\d): the results of version 0 outgrew rabit2_replay_mb", job.stdout
+                      + job.stderr)
+    assert sorted(set(said)) == ["0", "1", "2"], job.tail()
+    assert job.elapsed < 40, job.elapsed
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize(("world", "calls", "mocks"), [
     (3, "trsb", ("mock=0,1,2,0,9017", "mock=2,1,2,0,105304")),
     (5, "rso", ("mock=4,1,1,0,37105", "mock=3,1,2,0,27576")),
