@@ -730,9 +730,8 @@ def test_a_ring_retains_its_result_copied_while_it_made_it(
         assert bytes(kept[1]) == bufs[r].tobytes()
 
 
-def test_a_ring_result_too_large_to_keep_is_not_copied(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Above ``rabit2_replay_mb`` a result is never kept: a ring at world size > 2 then
-    takes no buffer for it and copies nothing while it makes the result."""
+def _count_takes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The sizes of every buffer the replay stores hand out from now on."""
     taken: list[int] = []
     take = ResultStore.take
 
@@ -741,6 +740,13 @@ def test_a_ring_result_too_large_to_keep_is_not_copied(monkeypatch: pytest.Monke
         return take(self, size)
 
     monkeypatch.setattr(ResultStore, "take", counting_take)
+    return taken
+
+
+def test_a_ring_result_too_large_to_keep_is_not_copied(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Above ``rabit2_replay_mb`` a result is never kept: a ring at world size > 2 then
+    takes no buffer for it and copies nothing while it makes the result."""
+    taken = _count_takes(monkeypatch)
     world = 3
     data = [np.full(30_000, r + 1, dtype=np.float32) for r in range(world)]
     bufs = [d.copy() for d in data]
@@ -759,14 +765,7 @@ def test_rings_of_a_version_that_overflowed_copy_nothing(monkeypatch: pytest.Mon
     """World 3, 120 KB results and room for two: the third ring call drops the first
     result of its own version, so from the fourth call on the agents take no buffer and
     copy nothing for replays (no restart could use them), and the results stay right."""
-    taken: list[int] = []
-    take = ResultStore.take
-
-    def counting_take(self: ResultStore, size: int) -> np.ndarray:
-        taken.append(size)
-        return take(self, size)
-
-    monkeypatch.setattr(ResultStore, "take", counting_take)
+    taken = _count_takes(monkeypatch)
     world = 3
     net = SimNet(world, seed=5, recover=True, ring_mincount=0, retain_bytes=250_000)
     for i in range(5):
