@@ -171,10 +171,10 @@ def judge(target: Target, variant: str, rows: list[dict[str, Any]],
                 name, other = found
                 r = Ratio(other["median_s"] / mine["median_s"], 0, 1)
             else:
-                other = ok.get((peer, target.world, target.op, size))
-                if other is None:
+                theirs = ok.get((peer, target.world, target.op, size))
+                if theirs is None:
                     return None, f"not measured ({peer} did not run)"
-                name, r = peer, ratio(other, mine)
+                name, r = peer, ratio(theirs, mine)
             what = f"{fmt_size(size)}" + (f" {name}" if len(target.peers) > 1 else "")
             if r.value < target.need:
                 short.append(f"{what} {r.text(3)}")
