@@ -743,6 +743,45 @@ def _count_takes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return taken
 
 
+def test_older_results_go_once_every_rank_has_joined_the_new_version() -> None:
+    """The results of version v - 1 are dropped when this rank finishes a call of version v
+    that every rank contributes to (an allreduce): then no rank is behind v any more.  A
+    broadcast is not proof (a rank off its route can still be in v - 1), so they stay; the
+    dropped buffers serve the version's later results of the same size."""
+    world = 3
+    net = SimNet(world, seed=4, recover=True, ring_mincount=0)
+
+    def ring(i: int) -> dict[int, Call]:
+        bufs = [np.full(30_000, r + i, dtype=np.float32) for r in range(world)]
+        return {r: Call(CollectiveKind.ALLREDUCE_RING, memoryview(bufs[r]).cast("B"),
+                        np.dtype(np.float32), Op.SUM) for r in range(world)}
+
+    net.run(ring(0))
+    for agent in net.agents.values():
+        agent.checkpoint(b"v1")
+    net.run(ring(1))
+    spare_before = {r: agent.results.get((1, 0)) for r, agent in net.agents.items()}
+    for agent in net.agents.values():
+        agent.checkpoint(b"v2")
+    bufs = [np.full(1000, 7, dtype=np.int32) if r == 0 else np.empty(1000, np.int32)
+            for r in range(world)]
+    net.run({r: Call(BCAST, memoryview(bufs[r]).cast("B"), root=0) for r in range(world)})
+    for agent in net.agents.values():  # a broadcast proves nothing: version 1 stays
+        assert agent.results.get((1, 0)) is not None and agent.results.oldest <= (1, 0)
+    net.run(ring(2))
+    for agent in net.agents.values():
+        assert agent.results.get((1, 0)) is None and agent.results.oldest == (2, 0)
+    net.run(ring(3))
+    assert not net.failed
+    for r, agent in net.agents.items():
+        kept = agent.results.get((2, 2))
+        before = spare_before[r]
+        assert kept is not None and before is not None
+        # the new result sits in the buffer the dropped one had
+        assert np.shares_memory(np.frombuffer(kept[1], np.uint8),
+                                np.frombuffer(before[1], np.uint8))
+
+
 def test_a_ring_result_too_large_to_keep_is_not_copied(monkeypatch: pytest.MonkeyPatch) -> None:
     """Above ``rabit2_replay_mb`` a result is never kept: a ring at world size > 2 then
     takes no buffer for it and copies nothing while it makes the result."""

@@ -130,6 +130,11 @@ class AgentStats:
     frames_received: int
 
 
+_EVERY_RANK_CONTRIBUTES = frozenset((CollectiveKind.ALLREDUCE_TREE, CollectiveKind.ALLREDUCE_RING,
+                                     CollectiveKind.ALLREDUCE_PAIR, CollectiveKind.ALLGATHER))
+"""Collectives whose result depends on every rank's input (a broadcast does not: a rank on
+its route can finish one while a rank off it is still in an older version)."""
+
 AUTO_RING_MIN_BYTES = 512 * 1024
 """The default tree/ring threshold: the ring's 2(n - 1) dependent steps cost more than the
 tree's extra bytes at the root (or, at world size 2, than the pair exchange's copy) up to
@@ -171,6 +176,9 @@ class Agent(RecoveryMixin):
         self.error: RabitError | None = None
         self.last_progress = 0.0
         self._calls_completed = 0
+        # the latest version in which this rank finished a collective that every rank
+        # contributes to (from then on no restart needs the results of older versions)
+        self._version_joined = 0
         self._bytes_sent = 0
         self._bytes_received = 0
         self._frames_sent = 0
@@ -828,6 +836,14 @@ class Agent(RecoveryMixin):
         self.active = None
         self._calls_completed += 1
         if self.recover:
+            version = active.call_id[0]
+            if version > self._version_joined and active.desc.kind in _EVERY_RANK_CONTRIBUTES:
+                # every rank contributed to this call, so every rank has taken checkpoint
+                # ``version``: a restart resumes there or later, and the results of older
+                # versions can go now rather than at the next checkpoint (their buffers then
+                # serve this version's results: docs/recovery.md, "Versions")
+                self._version_joined = version
+                self.results.clear_before((version, 0))
             self._retain(active)
         self._go(Event.OP_COMPLETE)
         cmds.append(CallComplete(active.call_id))
