@@ -2,9 +2,10 @@
 options (fault tolerance on: results are kept for replays until the job outgrows the 256 MiB
 replay store; never checkpointing, it then keeps nothing more), ``rabit2-ckpt`` the same
 with a checkpoint after every iteration (untimed), as a training loop takes one per round,
-so the replay store holds two checkpoints' results and recycles their buffers instead of
-growing to ``rabit2_replay_mb`` with fresh memory, and ``rabit2-noft`` with fault tolerance
-off (``RABIT2_RECOVER=0``, like the peers, none of which recovers a lost worker)."""
+so the replay store holds at most two checkpoints' results and recycles their buffers
+instead of growing to ``rabit2_replay_mb`` with fresh memory, and ``rabit2-noft`` with
+fault tolerance off (``RABIT2_RECOVER=0``, like the peers, none of which recovers a lost
+worker)."""
 
 from __future__ import annotations
 
