@@ -34,7 +34,9 @@ SMALL_RESULT = 64 << 10  # results up to this size are kept as bytes objects, no
 GENERATIONS = 2
 """Checkpoint versions (and the results of calls made in them) kept on every rank: the
 current one and the one before, so that a neighbour that checkpointed just before a peer
-died can still serve a neighbour that did not (``docs/recovery.md``, "Versions")."""
+died can still serve a neighbour that did not (``docs/recovery.md``, "Versions").  The
+older version's results go earlier, once the rank finishes a call of the newer one that
+every rank contributes to (``Agent``)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
