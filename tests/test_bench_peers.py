@@ -178,3 +178,42 @@ def test_targets_are_judged_from_the_same_run_and_unmeasured_peers_never_count()
         None, "not measured (gloo did not run)")
     text = targets.verdicts(rows)
     assert "| N=2 allreduce, >= 1 MiB: no slower than classic rabit | >= 1x | met" in text
+
+
+def test_the_loopback_limit_moves_every_byte_both_ways_at_once() -> None:
+    """``limits.py``'s large exchange (one thread per side, non-blocking, poll when stuck):
+    both sides send 3 MiB at the same time, more than the sockets buffer, and each gets the
+    other's bytes exactly."""
+    import socket  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+    import threading  # noqa: PLC0415
+
+    sys.path.insert(0, str(PEERS))
+    try:
+        import limits  # noqa: PLC0415
+    finally:
+        sys.path.remove(str(PEERS))
+
+    size = 3 << 20
+    assert size > limits.SMALL_MAX
+    ends = socket.socketpair()
+    small = socket.socketpair()
+    try:
+        for end in ends:
+            limits._nonblocking(end)
+        out = [bytes([k + 1]) * (size - 7) + b"the end" for k in range(2)]
+        got = [bytearray(size), bytearray(size)]
+
+        def side(k: int) -> None:
+            limits.exchange(small[k], ends[k], memoryview(out[k]), memoryview(got[k]))
+
+        threads = [threading.Thread(target=side, args=(k,)) for k in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads)
+        assert bytes(got[0]) == out[1] and bytes(got[1]) == out[0]
+    finally:
+        for s in (*ends, *small):
+            s.close()

@@ -46,7 +46,7 @@ import numpy as np
 
 SMALL_MAX = 256 * 1024
 SOCK_BUF = 1024 * 1024
-_POLL = select.poll()  # the large connection's (one per process)
+_POLLERS: dict[int, Any] = {}  # a non-blocking connection's fd -> its select.poll object
 
 
 def default_iters(size: int) -> int:
@@ -97,8 +97,9 @@ def exchange(
                 moved = True
         if not moved:
             events = (select.POLLOUT if sent < n_out else 0) | (select.POLLIN if got < n_in else 0)
-            _POLL.modify(fd, events)
-            _POLL.poll()
+            poller = _POLLERS[fd]
+            poller.modify(fd, events)
+            poller.poll()
 
 
 def tune(sock: socket.socket, buffers: bool, congestion: str = "") -> None:
@@ -113,8 +114,11 @@ def tune(sock: socket.socket, buffers: bool, congestion: str = "") -> None:
 
 
 def _nonblocking(sock: socket.socket) -> None:
+    """Make ``sock`` the large connection: non-blocking, with a poll object of its own."""
     sock.setblocking(False)
-    _POLL.register(sock.fileno(), select.POLLIN)
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    _POLLERS[sock.fileno()] = poller
 
 
 def exchange_loop(
