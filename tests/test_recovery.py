@@ -21,7 +21,7 @@ from rabit2.core.agent import Agent, Call
 from rabit2.core.framing import CallDescriptor, CollectiveKind
 from rabit2.core.fsm import State
 from rabit2.core.ops import Op
-from rabit2.core.recovery import ResultStore
+from rabit2.core.recovery import GENERATIONS, ResultStore
 from rabit2.core.schedule import RingAllreduce
 from rabit2.core.topology import topology
 from rabit2.errors import (
@@ -1000,6 +1000,14 @@ def _run_random_plan(seed: int) -> None:
         job.run()
     except UnrecoverableError as exc:
         # a typed error is right only where docs/recovery.md says recovery is impossible
+        ahead = re.search(r"holds checkpoint version (\d+)", str(exc))
+        if ahead is not None:
+            # a neighbour ran two checkpoints past the lost rank's version through
+            # broadcasts that avoid it ("Versions"): it no longer holds that version
+            needed = int(ahead[1])
+            assert any(agent.version >= needed + GENERATIONS
+                       for agent in job.net.agents.values()), (seed, str(exc))
+            return
         assert re.search(_ADJACENT_LIMITS if close else _RETENTION_LIMIT, str(exc)), (
             seed, str(exc))
         return
@@ -1018,7 +1026,8 @@ def test_random_fault_plans(seed: int) -> None:
 @pytest.mark.parametrize("seed", range(40, 10_000))
 def test_random_fault_plans_soak(seed: int) -> None:
     """The same, over many more plans (``pytest --slow -k random_fault_plans_soak``, about
-    five minutes).  On 2026-11-23 seeds 0-39 000 all passed."""
+    five minutes).  On 2026-11-24 seeds 0-25 000 passed (seed 20 028: a neighbour two
+    checkpoints ahead, the documented limitation)."""
     _run_random_plan(seed)
 
 
