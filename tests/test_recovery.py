@@ -1026,7 +1026,7 @@ def test_random_fault_plans(seed: int) -> None:
 @pytest.mark.parametrize("seed", range(40, 10_000))
 def test_random_fault_plans_soak(seed: int) -> None:
     """The same, over many more plans (``pytest --slow -k random_fault_plans_soak``, about
-    five minutes).  On 2026-11-24 seeds 0-25 000 passed (seed 20 028: a neighbour two
+    five minutes).  On 2026-11-24 seeds 0-40 000 passed (seed 20 028: a neighbour two
     checkpoints ahead, the documented limitation)."""
     _run_random_plan(seed)
 
