@@ -195,8 +195,7 @@ class ResultStore:
             self._results[call] = (desc, blob)
             self.nbytes += blob.nbytes
         elif self.nbytes + self._spare_bytes + blob.nbytes <= self.limit:
-            self._spare.setdefault(blob.nbytes, []).append(blob)
-            self._spare_bytes += blob.nbytes
+            self._to_spares(blob)
 
     def _make_room(self, call: CallId, size: int) -> bool:
         """Drop the oldest results until ``size`` more bytes fit; False if the result is not
@@ -224,6 +223,9 @@ class ResultStore:
             self.nbytes -= len(blob)
             return
         self.nbytes -= blob.nbytes
+        self._to_spares(blob)
+
+    def _to_spares(self, blob: np.ndarray) -> None:
         self._spare.setdefault(blob.nbytes, []).append(blob)
         self._spare_bytes += blob.nbytes
 
