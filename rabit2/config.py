@@ -143,6 +143,12 @@ _ENV_KEYS = (
     "RABIT2_TCP_CONGESTION",
 )
 _PREFIXES = ("rabit_", "dmlc_", "rabit2_")
+# Where other launchers put a worker's index (and restart count) when DMLC_TASK_ID (and
+# DMLC_NUM_ATTEMPT) is not set: srun, Open MPI's mpirun, PMIx/PMI launchers, Kubernetes
+# indexed Jobs.  The first one present is used (docs/user-guide.md, "Other launchers").
+_TASK_ID_FALLBACKS = ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK",
+                      "JOB_COMPLETION_INDEX")
+_ATTEMPT_FALLBACKS = ("SLURM_RESTART_COUNT",)
 
 
 def _parse_mock(value: str) -> MockSpec:
@@ -235,6 +241,12 @@ def load_config(
     for key in _ENV_KEYS:
         if key in env:
             apply(key, env[key])
+    for key, fallbacks in (("DMLC_TASK_ID", _TASK_ID_FALLBACKS),
+                           ("DMLC_NUM_ATTEMPT", _ATTEMPT_FALLBACKS)):
+        if key not in env:
+            found = next((name for name in fallbacks if env.get(name, "") != ""), None)
+            if found is not None:
+                apply(key, env[found])
     for arg in args or ():
         text = arg.decode() if isinstance(arg, bytes) else str(arg)
         key, sep, value = text.partition("=")

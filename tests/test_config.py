@@ -295,3 +295,24 @@ def test_congestion_control_default_system_and_bad_names() -> None:
 def test_a_bad_congestion_control_fails_init_before_anything_connects() -> None:
     with pytest.raises(ValueError, match="nosuchalgo"):
         Engine(load_config(["rabit2_tcp_congestion=nosuchalgo"], environ={}))
+
+
+@pytest.mark.parametrize("key", ["SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMIX_RANK",
+                                 "PMI_RANK", "JOB_COMPLETION_INDEX"])
+def test_task_id_falls_back_to_other_launchers_variables(key: str) -> None:
+    assert load_config(environ={key: "3"}).task_id == "3"
+    # DMLC_TASK_ID, when there, wins; so do the arguments
+    assert load_config(environ={key: "3", "DMLC_TASK_ID": "7"}).task_id == "7"
+    assert load_config(["dmlc_task_id=9"], environ={key: "3"}).task_id == "9"
+
+
+def test_task_id_fallback_order_and_restart_count() -> None:
+    env = {"PMI_RANK": "2", "SLURM_PROCID": "1", "OMPI_COMM_WORLD_RANK": "", "FOO": "x"}
+    cfg = load_config(environ=env)
+    assert cfg.task_id == "1" and cfg.num_attempt == 0  # srun's comes first; empty is unset
+    cfg = load_config(environ={"SLURM_PROCID": "0", "SLURM_RESTART_COUNT": "2"})
+    assert cfg.num_attempt == 2
+    assert load_config(environ={"SLURM_RESTART_COUNT": "2",
+                                "DMLC_NUM_ATTEMPT": "5"}).num_attempt == 5
+    with pytest.raises(ValueError, match="num_attempt"):
+        load_config(environ={"SLURM_RESTART_COUNT": "many"})

@@ -106,7 +106,12 @@ def test_parse_args() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--cluster", "slurm", "-n", "2", "--", "x"], "available: local"),
+        (["--cluster", "yarn", "-n", "2", "--", "x"], "available: local, ssh"),
+        (["--cluster", "ssh", "-n", "2", "--", "x"], "needs --host-file"),
+        (["--host-file", "h", "-n", "2", "--", "x"], "for --cluster ssh"),
+        (["--cluster", "ssh", "--host-file", "/nonexistent/hosts", "-n", "2", "--", "x"],
+         "No such file"),
+        (["--ssh", "", "-n", "2", "--", "x"], "--ssh must name"),
         (["-n", "0", "--", "x"], "-n must be"),
         (["-n", "2"], "no command"),
         (["-n", "2", "--env", "novalue", "--", "x"], "K=V"),
@@ -273,3 +278,118 @@ def test_bind_and_heartbeat_options_are_parsed_and_checked() -> None:
     for bad in (["--bind", "socket"], ["--heartbeat-timeout", "0"]):
         with pytest.raises(SystemExit):
             parse_args(["-n", "2", *bad, "--", "true"])
+
+
+# -- --cluster ssh: the pure parts (tests/test_ssh_cluster.py runs real ssh) ------------------
+
+
+def test_parse_host_file() -> None:
+    from tracker.submit import Host, parse_host_file  # noqa: PLC0415
+
+    hosts = parse_host_file(
+        "# cluster\n\nnode1\nalice@node2:2222 slots=3   # a comment\n"
+        "10.0.0.7 slots=2 max_slots=4\n"
+    )
+    assert hosts == (Host("node1"), Host("alice@node2", 2222, 3), Host("10.0.0.7", None, 2))
+    assert hosts[1].address == "node2"
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("", "names no host"),
+        ("# only a comment\n", "names no host"),
+        ("node1\nnode2:0\n", "line 2"),
+        ("node1:ssh\n", "line 1"),
+        ("node1 slots=0\n", "slots must be >= 1"),
+        ("node1 slots=two\n", "line 1"),
+        ("node1 cpus=2\n", "unknown field"),
+        ("-oProxyCommand=x\n", "bad host name"),
+        ("node;rm\n", "bad host name"),
+    ],
+)
+def test_parse_host_file_errors(text: str, message: str) -> None:
+    from tracker.submit import parse_host_file  # noqa: PLC0415
+
+    with pytest.raises(ValueError, match=message):
+        parse_host_file(text)
+
+
+def test_hosts_are_filled_slot_by_slot_then_cycled() -> None:
+    from tracker.submit import Host, hosts_by_slot  # noqa: PLC0415
+
+    a, b = Host("a", slots=2), Host("b")
+    assert hosts_by_slot([a, b], 7) == (a, a, b, a, a, b, a)
+    assert hosts_by_slot([b], 2) == (b, b)
+
+
+def test_ssh_argv_quotes_the_command_and_keeps_the_secret_off_it() -> None:
+    from tracker.submit import Host, remote_python_for, ssh_argv  # noqa: PLC0415
+
+    opts = LaunchOptions(num_workers=1, command=("/opt/py/bin/python3", "t.py", "a b", "it's"),
+                         ssh=("ssh", "-F", "cfg"), remote_dir="/data/my job",
+                         remote_python=remote_python_for(("/opt/py/bin/python3",)))
+    argv = ssh_argv(opts, Host("bob@n1", 2200))
+    assert argv[:3] == ["ssh", "-F", "cfg"]
+    assert argv[3:7] == ["-o", "BatchMode=yes", "-o", "ConnectTimeout=20"]
+    assert argv[7:10] == ["-p", "2200", "bob@n1"]
+    remote = argv[10]
+    # what the remote shell runs, word for word
+    assert subprocess.run(["sh", "-c", f"printf '%s\\n' {remote.split('exec ', 1)[1]}"],
+                          capture_output=True, text=True, check=True).stdout.splitlines() == [
+        "/opt/py/bin/python3", "-m", "tracker.remote", "--", "/opt/py/bin/python3", "t.py",
+        "a b", "it's"]
+    assert remote.startswith("cd '/data/my job' && exec ")
+    assert "SECRET" not in " ".join(argv)
+    assert remote_python_for(("bash", "run.sh")) == "python3"
+    no_dir = ssh_argv(LaunchOptions(num_workers=1, command=("x",)), Host("n2"))
+    assert no_dir[-2:] == ["n2", "exec python3 -m tracker.remote -- x"]
+
+
+def test_ssh_workers_get_the_job_variables_not_this_machines_environment() -> None:
+    from tracker.submit import forwarded_env  # noqa: PLC0415
+
+    forwarded = forwarded_env({"PATH": "/bin", "HOME": "/root", "RABIT2_RECOVER": "0",
+                               "RABIT2_SPIN_US": "0", "DMLC_TASK_ID": "9"})
+    assert forwarded == {"RABIT2_RECOVER": "0", "RABIT2_SPIN_US": "0"}
+    env = build_worker_env(forwarded, {"RABIT2_SECRET": "ab"}, 1, 0, [("A", "1")],
+                           recover=True)
+    assert "PATH" not in env and env["RABIT2_RECOVER"] == "0"  # the launcher's setting wins
+    assert env["DMLC_TASK_ID"] == "1" and env["A"] == "1" and env["RABIT2_SECRET"] == "ab"
+
+
+def test_parse_args_ssh(tmp_path: Path) -> None:
+    from tracker.submit import Host  # noqa: PLC0415
+
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1:2299 slots=2\nlocalhost\n")
+    opts = parse_args(["--cluster", "ssh", "--host-file", str(hosts), "-n", "4",
+                       "--ssh", "ssh -F 'my cfg'", "--remote-dir", "", "--",
+                       sys.executable, "w.py"])
+    assert opts.cluster == "ssh" and opts.ssh == ("ssh", "-F", "my cfg")
+    assert opts.hosts == (Host("127.0.0.1", 2299, 2), Host("127.0.0.1", 2299, 2),
+                          Host("localhost"), Host("127.0.0.1", 2299, 2))
+    assert opts.tracker_host == "127.0.0.1"  # every host is this machine
+    assert opts.remote_dir == "" and opts.remote_python == sys.executable
+    opts = parse_args(["--cluster", "ssh", "--host-file", str(hosts), "-n", "1",
+                       "--tracker-host", "0.0.0.0", "--remote-python", "py3", "--", "x"])
+    assert opts.tracker_host == "0.0.0.0" and opts.remote_python == "py3"
+    assert opts.remote_dir == os.getcwd()
+    assert parse_args(["-n", "1", "--", "x"]).tracker_host == "127.0.0.1"
+
+
+def test_parse_args_ssh_unknown_host(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket  # noqa: PLC0415
+
+    def no_dns(host: str, *args: object, **kwargs: object) -> object:
+        # (a real lookup of an unknown name would ask this machine's DNS server)
+        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", no_dns)
+    hosts = tmp_path / "hosts"
+    hosts.write_text("no-such-host.invalid\n")
+    with pytest.raises(SystemExit) as info:
+        parse_args(["--cluster", "ssh", "--host-file", str(hosts), "-n", "1", "--", "x"])
+    assert info.value.code == 2
+    assert "cannot resolve host 'no-such-host.invalid'" in capsys.readouterr().err

@@ -1,6 +1,12 @@
 """``rabit2-submit``: start a tracker and N workers, restart crashed workers, report.
 
 ``rabit2-submit --cluster local -n 4 [--max-attempts K] -- python train.py k=v ...``
+``rabit2-submit --cluster ssh --host-file HOSTS -n 4 -- python train.py k=v ...``
+
+* ``local`` starts the workers as child processes; ``ssh`` starts each one through
+  ``ssh HOST`` (hosts from ``--host-file``, filled slot by slot), where
+  :mod:`tracker.remote` runs it and stops it when the launcher's ssh goes away.
+  Everything below holds for both.
 
 * A fresh job secret (``secrets.token_hex(32)``) is generated for every job, so a local job is
   always authenticated.
@@ -23,7 +29,9 @@ import contextlib
 import dataclasses
 import os
 import secrets
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -32,14 +40,29 @@ from collections.abc import Iterator, Mapping, Sequence
 from types import FrameType
 from typing import IO, TextIO
 
+from tracker.remote import encode_header
 from tracker.server import TrackerThread
 
-CLUSTERS = ("local",)
+CLUSTERS = ("local", "ssh")
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
 _POLL_SEC = 0.02
 _ABORT_GRACE_SEC = 10.0  # after the tracker aborted, workers get this long to exit themselves
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Host:
+    """One line of a ``--host-file``: ``name`` (``[user@]host``), ``:port``, ``slots=N``."""
+
+    name: str
+    port: int | None = None
+    slots: int = 1
+
+    @property
+    def address(self) -> str:
+        """The host part alone (what ``ssh`` connects to, without ``user@``)."""
+        return self.name.rpartition("@")[2]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -57,6 +80,107 @@ class LaunchOptions:
     kill_grace: float = 5.0
     bind: str = "auto"
     heartbeat_timeout: float = 30.0
+    cluster: str = "local"
+    hosts: tuple[Host, ...] = ()  # --cluster ssh: one entry per slot, in fill order
+    ssh: tuple[str, ...] = ("ssh",)
+    remote_dir: str = ""  # --cluster ssh: where the command runs ("": the login directory)
+    remote_python: str = "python3"  # --cluster ssh: runs ``-m tracker.remote`` there
+
+
+def parse_host_file(text: str) -> tuple[Host, ...]:
+    """The hosts of a host file (pure); raises ``ValueError`` naming the bad line.
+
+    One host per line: ``host``, ``user@host``, ``host:port`` (the ssh port), optionally
+    followed by ``slots=N`` (Open MPI's hostfile spelling: N workers on that host before the
+    next host gets any).  ``#`` starts a comment; blank lines are skipped.
+    """
+    hosts: list[Host] = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        words = line.split()
+        name, port_text = words[0], None
+        if ":" in name:
+            name, port_text = name.rsplit(":", 1)
+        slots = 1
+        try:
+            if not name or name.startswith("-") or any(c in name for c in "'\"\\$`;&|<>"):
+                raise ValueError(f"bad host name {words[0]!r}")
+            port = None if port_text is None else int(port_text)
+            if port is not None and not 0 < port < 65536:
+                raise ValueError(f"port {port} out of range")
+            for word in words[1:]:
+                key, sep, value = word.partition("=")
+                if key not in ("slots", "max_slots") or not sep:
+                    raise ValueError(f"unknown field {word!r} (expected slots=N)")
+                if key == "slots":
+                    slots = int(value)
+                    if slots < 1:
+                        raise ValueError("slots must be >= 1")
+        except ValueError as exc:
+            raise ValueError(f"host file line {number} ({raw.strip()!r}): {exc}") from None
+        hosts.append(Host(name, port, slots))
+    if not hosts:
+        raise ValueError("the host file names no host")
+    return tuple(hosts)
+
+
+def hosts_by_slot(hosts: Sequence[Host], num_workers: int) -> tuple[Host, ...]:
+    """The host of each task, filling each host's slots in turn and starting over from the
+    first host when every slot is taken (pure)."""
+    slots = [host for host in hosts for _ in range(host.slots)]
+    return tuple(slots[i % len(slots)] for i in range(num_workers))
+
+
+def tracker_host_for(hosts: Sequence[Host]) -> str:
+    """The local address the workers on ``hosts`` reach the tracker at: the one that routes
+    to the first host (no packet is sent), or loopback when every host is this machine.
+    Raises ``ValueError`` if a host name does not resolve."""
+    addresses: list[str] = []
+    for host in hosts:
+        try:
+            infos = socket.getaddrinfo(host.address, host.port or 22, socket.AF_INET,
+                                       socket.SOCK_STREAM)
+        except OSError as exc:
+            raise ValueError(f"cannot resolve host {host.address!r} ({exc}); pass "
+                             "--tracker-host with an address the workers can reach") from None
+        addresses.append(str(infos[0][4][0]))
+    if all(address.startswith("127.") for address in addresses):
+        return "127.0.0.1"
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with probe:
+        try:
+            probe.connect((addresses[0], 9))
+        except OSError as exc:
+            raise ValueError(f"no route to host {hosts[0].address!r} ({exc})") from None
+        return str(probe.getsockname()[0])
+
+
+def remote_python_for(command: Sequence[str]) -> str:
+    """The interpreter that runs :mod:`tracker.remote` on the hosts: the command's own when
+    it is a Python (it has rabit2, so it has ``tracker``), else ``python3``."""
+    first = os.path.basename(command[0]) if command else ""
+    return command[0] if first.startswith("python") else "python3"
+
+
+def ssh_argv(options: LaunchOptions, host: Host) -> list[str]:
+    """The ``ssh`` command line that starts one worker attempt on ``host`` (pure).
+
+    The job's environment is not on it: it goes to :mod:`tracker.remote` on ssh's stdin.
+    ``BatchMode=yes`` (a password prompt would wait forever) and ``ConnectTimeout`` follow
+    the ``--ssh`` command, so options given there win (ssh keeps an option's first value).
+    """
+    remote = " ".join(shlex.quote(word) for word in (
+        options.remote_python, "-m", "tracker.remote", "--", *options.command))
+    if options.remote_dir:
+        remote = f"cd {shlex.quote(options.remote_dir)} && exec {remote}"
+    else:
+        remote = f"exec {remote}"
+    argv = [*options.ssh, "-o", "BatchMode=yes", "-o", "ConnectTimeout=20"]
+    if host.port is not None:
+        argv += ["-p", str(host.port)]
+    return [*argv, host.name, remote]
 
 
 @dataclasses.dataclass(slots=True)
@@ -88,14 +212,16 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
     parser = argparse.ArgumentParser(
         prog="rabit2-submit",
         description="Launch a rabit2 job: a tracker plus N workers running COMMAND.",
-        usage="%(prog)s --cluster local -n N [options] -- command [args...]",
+        usage="%(prog)s --cluster {local,ssh} -n N [options] -- command [args...]",
     )
     parser.add_argument("--cluster", default="local", help=f"one of: {', '.join(CLUSTERS)}")
     parser.add_argument("-n", "--num-workers", type=int, required=True)
     parser.add_argument("--max-attempts", type=int, default=3,
                         help="runs per task in all, the first included (default 3)")
     parser.add_argument("--restart-delay", type=float, default=0.0, metavar="S")
-    parser.add_argument("--tracker-host", default="127.0.0.1")
+    parser.add_argument("--tracker-host", default=None,
+                        help="tracker listen address (default: 127.0.0.1; with ssh, the "
+                             "local address that routes to the first host)")
     parser.add_argument("--tracker-port", type=int, default=0)
     parser.add_argument("--env", action="append", default=[], metavar="K=V",
                         help="extra environment for every worker (repeatable)")
@@ -110,6 +236,17 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
     parser.add_argument("--heartbeat-timeout", type=float, default=30.0, metavar="S",
                         help="a worker silent this long (e.g. a paused process) is lost; "
                              "its neighbours fail their calls at once (default 30)")
+    ssh = parser.add_argument_group("--cluster ssh")
+    ssh.add_argument("--host-file", metavar="F",
+                     help="hosts, one per line: [user@]host[:port] [slots=N]")
+    ssh.add_argument("--ssh", default="ssh", metavar="CMD",
+                     help="ssh command and options, e.g. 'ssh -F ./ssh_config' (default ssh)")
+    ssh.add_argument("--remote-dir", default=None, metavar="DIR",
+                     help="directory the command runs in on the hosts (default: this one; "
+                          "'' for the login directory)")
+    ssh.add_argument("--remote-python", default=None, metavar="PY",
+                     help="Python with rabit2 on the hosts (default: the command's own "
+                          "interpreter if it is a python, else python3)")
     parser.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     command = list(args.rest) + command
@@ -128,6 +265,24 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
         parser.error("--timeout must be > 0")
     if not command:
         parser.error("no command given (put it after --)")
+    hosts: tuple[Host, ...] = ()
+    tracker_host = args.tracker_host
+    if args.cluster == "ssh":
+        if not args.host_file:
+            parser.error("--cluster ssh needs --host-file")
+        try:
+            with open(args.host_file, encoding="utf-8") as f:
+                hosts = parse_host_file(f.read())
+            if tracker_host is None:
+                tracker_host = tracker_host_for(hosts)
+        except (OSError, ValueError) as exc:
+            parser.error(str(exc))
+        hosts = hosts_by_slot(hosts, args.num_workers)
+    elif args.host_file is not None:
+        parser.error("--host-file is for --cluster ssh")
+    ssh_command = tuple(shlex.split(args.ssh))
+    if not ssh_command:
+        parser.error("--ssh must name a command")
     env: list[tuple[str, str]] = []
     for item in args.env:
         key, sep, value = item.partition("=")
@@ -139,13 +294,19 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
         command=tuple(command),
         max_attempts=args.max_attempts,
         restart_delay=args.restart_delay,
-        tracker_host=args.tracker_host,
+        tracker_host="127.0.0.1" if tracker_host is None else tracker_host,
         tracker_port=args.tracker_port,
         env=tuple(env),
         timeout=args.timeout,
         kill_grace=args.kill_grace,
         bind=args.bind,
         heartbeat_timeout=args.heartbeat_timeout,
+        cluster=args.cluster,
+        hosts=hosts,
+        ssh=ssh_command,
+        remote_dir=os.getcwd() if args.remote_dir is None else args.remote_dir,
+        remote_python=(remote_python_for(command) if args.remote_python is None
+                       else args.remote_python),
     )
 
 
@@ -346,6 +507,7 @@ class LocalLauncher:
             code = task.proc.poll()
             if code is None:
                 continue
+            _close_stdin(task.proc)
             task.proc = None
             task.exit_code = code
             if code == 0:
@@ -380,21 +542,40 @@ class LocalLauncher:
             self.tracker.mark_failed(str(task_id), reason)
 
     def _spawn(self, task: TaskRun) -> None:
-        cpus = bind_cpus_for(task.task_id, self.options.num_workers, self.options.bind)
-        env = build_worker_env(os.environ, self.tracker.worker_env(), task.task_id,
-                               task.attempts, self.options.env, cpus,
-                               recover=self.options.max_attempts > 1)
+        options = self.options
+        recover = options.max_attempts > 1
+        header = None
+        if options.cluster == "ssh":
+            # the job's variables go to tracker.remote on ssh's stdin (never on a command
+            # line); ssh itself runs with the launcher's environment, and is not pinned
+            cpus = None
+            argv = ssh_argv(options, options.hosts[task.task_id])
+            env = build_worker_env(forwarded_env(os.environ), self.tracker.worker_env(),
+                                   task.task_id, task.attempts, options.env, None, recover)
+            header = encode_header(env, options.kill_grace)
+            popen_env = None
+        else:
+            cpus = bind_cpus_for(task.task_id, options.num_workers, options.bind)
+            argv = list(options.command)
+            popen_env = build_worker_env(os.environ, self.tracker.worker_env(), task.task_id,
+                                         task.attempts, options.env, cpus, recover=recover)
         # A session of its own: Ctrl-C in the terminal reaches only the launcher (which then
         # stops the workers in order), and killpg also reaches the worker's own children.
         with _pinned(cpus):
             proc = subprocess.Popen(
-                self.options.command,
-                env=env,
-                stdin=subprocess.DEVNULL,
+                argv,
+                env=popen_env,
+                stdin=subprocess.DEVNULL if header is None else subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
             )
+        if header is not None and proc.stdin is not None:
+            # a few KiB into an empty pipe: never blocks.  The pipe then stays open: its end
+            # (this process or its ssh gone) is what stops the remote worker
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.write(header)
+                proc.stdin.flush()
         task.proc = proc
         task.attempts += 1
         task.status = "running"
@@ -429,12 +610,25 @@ class LocalLauncher:
             except subprocess.TimeoutExpired:
                 _signal_group(task, signal.SIGKILL)
                 proc.wait()
+            _close_stdin(proc)
             task.exit_code = proc.returncode
             task.status = "ok" if proc.returncode == 0 else "killed"
             task.proc = None
         for task in self.tasks:
             if task.status in ("pending", "restarting"):
                 task.status = "killed"
+
+
+def _close_stdin(proc: subprocess.Popen[bytes]) -> None:
+    if proc.stdin is not None:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+
+
+def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """What of the launcher's environment an ssh worker gets: the ``RABIT2_*`` settings
+    only (not ``PATH``, ``HOME``, ... of this machine; ``--env`` adds more) (pure)."""
+    return {key: value for key, value in environ.items() if key.startswith("RABIT2_")}
 
 
 def _signal_group(task: TaskRun, signum: signal.Signals) -> None:

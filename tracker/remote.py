@@ -1,0 +1,177 @@
+"""The remote end of ``rabit2-submit --cluster ssh``: one worker attempt on another host.
+
+``rabit2-submit`` runs, once per worker attempt::
+
+    ssh HOST 'cd DIR && exec PYTHON -m tracker.remote -- COMMAND...'
+
+and writes one JSON line to the ssh process's standard input::
+
+    {"env": {"DMLC_TRACKER_URI": "...", "RABIT2_SECRET": "...", ...}, "kill_grace": 5.0}
+
+The job's variables (the secret among them) travel on that pipe, never on a command line
+that ``ps`` would show other users of the host.  This program then:
+
+* runs COMMAND with the host's environment plus those variables, in a session of its own,
+  with its output going where this program's goes (back through ssh);
+* keeps reading its standard input: end-of-file means the launcher, or its ssh, is gone
+  (killed, Ctrl-C, a dropped connection), and the command's whole process group gets
+  SIGTERM, then SIGKILL after ``kill_grace`` seconds.  SIGTERM, SIGHUP or SIGINT to this
+  program do the same.  No worker outlives its launcher;
+* exits with the command's status (128 + N when signal N ended it, as a shell reports it),
+  which ssh hands back to the launcher.
+
+Exit status 2 (and a line on stderr) when the JSON line is missing, malformed or does not
+arrive within ``--wait`` seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from types import FrameType
+from typing import Any
+
+EXIT_USAGE = 2
+MAX_HEADER = 1 << 20  # the JSON line; a job's environment is a few KiB
+
+
+class HeaderError(ValueError):
+    """The launcher's JSON line is missing, late, too long or malformed."""
+
+
+def read_header(fd: int, timeout: float) -> tuple[dict[str, Any], bytes]:
+    """Read the first line from ``fd`` within ``timeout`` seconds; returns the parsed object
+    and any bytes read past the newline."""
+    buf = bytearray()
+    deadline = time.monotonic() + timeout
+    while b"\n" not in buf:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise HeaderError(f"no job description on stdin within {timeout:g} s")
+        ready, _, _ = select.select([fd], [], [], left)
+        if not ready:
+            continue
+        chunk = os.read(fd, 65536)
+        if not chunk:
+            raise HeaderError("stdin closed before the job description arrived")
+        buf += chunk
+        if len(buf) > MAX_HEADER and b"\n" not in buf:
+            raise HeaderError(f"job description longer than {MAX_HEADER} bytes")
+    line, _, rest = bytes(buf).partition(b"\n")
+    try:
+        header = json.loads(line)
+    except ValueError as exc:
+        raise HeaderError(f"job description is not JSON: {exc}") from None
+    check_header(header)
+    return header, rest
+
+
+def check_header(header: Any) -> None:
+    """Raise :class:`HeaderError` unless ``header`` is ``{"env": {str: str}, ...}``."""
+    if not isinstance(header, dict):
+        raise HeaderError("job description must be a JSON object")
+    env = header.get("env")
+    if not isinstance(env, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) and k and "=" not in k and "\0" not in v
+        for k, v in env.items()
+    ):
+        raise HeaderError("job description's 'env' must map variable names to strings")
+    grace = header.get("kill_grace", 5.0)
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)) or not grace >= 0:
+        raise HeaderError("job description's 'kill_grace' must be a number >= 0")
+
+
+def encode_header(env: Mapping[str, str], kill_grace: float) -> bytes:
+    """The line ``rabit2-submit`` writes (the inverse of :func:`read_header`)."""
+    return json.dumps({"env": dict(env), "kill_grace": kill_grace}).encode() + b"\n"
+
+
+class _Child:
+    """The command's process group, stopped at most once: SIGTERM, then SIGKILL."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], grace: float) -> None:
+        self.proc = proc
+        self.grace = grace
+        self._lock = threading.Lock()
+        self._stopping = False
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+        self._signal(signal.SIGTERM)
+        timer = threading.Timer(self.grace, self._signal, (signal.SIGKILL,))
+        timer.daemon = True
+        timer.start()
+
+    def _signal(self, signum: signal.Signals) -> None:
+        # (even after the leader exited: its group may not have, a worker's own children)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signum)
+
+
+def _watch_stdin(fd: int, child: _Child) -> None:
+    """Stop the command once the launcher's end of stdin is gone."""
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            chunk = b""
+        if not chunk:
+            child.stop()
+            return
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tracker.remote",
+        description="Remote end of rabit2-submit --cluster ssh (reads its job from stdin).",
+    )
+    parser.add_argument("--wait", type=float, default=60.0, metavar="S",
+                        help="seconds to wait for the job description on stdin")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        parser.error("no command given (put it after --)")
+    try:
+        header, _ = read_header(0, args.wait)
+    except HeaderError as exc:
+        print(f"rabit2 remote: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    env = dict(os.environ)
+    env.update(header["env"])
+    try:
+        proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    except OSError as exc:
+        print(f"rabit2 remote: cannot start {command[0]!r}: {exc}", file=sys.stderr,
+              flush=True)
+        return 127
+    child = _Child(proc, float(header.get("kill_grace", 5.0)))
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        child.stop()
+
+    for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, on_signal)
+    threading.Thread(target=_watch_stdin, args=(0, child), daemon=True,
+                     name="rabit2-remote-stdin").start()
+    code = proc.wait()
+    return code if code >= 0 else 128 - code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
