@@ -7,6 +7,7 @@ core scenarios on uvloop, which the workers use by default.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import random
@@ -612,6 +613,20 @@ def test_tracker_cli_success() -> None:
                          secret=bytes.fromhex(env["RABIT2_SECRET"]))
             client = await TrackerClient.connect(cfg, 20000)
             assert (await client.wait_assignment(5)).world_size == 1
+            # --query: the running tracker's status, with the job secret from the env
+            where = f"{env['DMLC_TRACKER_URI']}:{env['DMLC_TRACKER_PORT']}"
+            query = [sys.executable, "-m", "tracker.cli", "--query", where]
+            asked = await asyncio.to_thread(
+                subprocess.run, query, capture_output=True, text=True, timeout=30,
+                check=False, env={**os.environ, "RABIT2_SECRET": env["RABIT2_SECRET"]})
+            assert asked.returncode == 0, asked.stderr
+            status = json.loads(asked.stdout)
+            assert status["registered"] == 1 and status["tasks"][0]["rank"] == 0
+            assert not status["done"] and status["failures"] == 0
+            refused = await asyncio.to_thread(
+                subprocess.run, [*query, "--secret", "ab" * 32], capture_output=True,
+                text=True, timeout=30, check=False)
+            assert refused.returncode == 1 and "cannot query the tracker" in refused.stderr
             await client.shutdown(5)
 
         asyncio.run(worker())
@@ -690,3 +705,38 @@ async def test_a_held_shutdown_ends_with_an_abort_or_its_deadline(
         await asyncio.wait_for(held, 5)
     await c.close()
     assert not (await tracker.wait_done(5)).success
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        ([], "--n is required"),
+        (["--n", "0"], "--n must be >= 1"),
+        (["--n", "2", "--secret", "xyz"], "hexadecimal"),
+        (["--query", "nohostport"], "HOST:PORT"),
+        (["--query", "h:0"], "HOST:PORT"),
+        (["--query", "h:99999"], "HOST:PORT"),
+        (["--query", "h:1", "--query-timeout", "0"], "must be > 0"),
+    ],
+)
+def test_tracker_cli_usage_errors(argv: list[str], message: str,
+                                  capsys: pytest.CaptureFixture[str]) -> None:
+    from tracker.cli import parse_args  # noqa: PLC0415
+
+    with pytest.raises(SystemExit) as info:
+        parse_args(argv)
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_tracker_cli_query_of_no_tracker_fails_typed() -> None:
+    """Nothing listens there: exit 1 with the reason, within the timeout."""
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as probe:  # a free port on loopback, closed again
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    done = subprocess.run([sys.executable, "-m", "tracker.cli", "--query", f"127.0.0.1:{port}",
+                           "--secret", "ab", "--query-timeout", "2"],
+                          capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 1 and "cannot query the tracker" in done.stderr

@@ -3,17 +3,27 @@
 Prints the environment the workers need between ``DMLC_TRACKER_ENV_START`` and
 ``DMLC_TRACKER_ENV_END`` (as dmlc-core's standalone tracker does), then waits for the job.
 Exit status: 0 when every rank shut down, 1 when the job was aborted, 130 on Ctrl-C.
+
+``rabit2-tracker --query HOST:PORT`` asks a running tracker for its status instead: ranks,
+hosts, losses, restarts, as JSON.  The job secret comes from ``--secret`` or
+``RABIT2_SECRET`` (what a tracker started this way printed; inside a worker, its own
+environment names its job's tracker and secret).  Exit status 1 if the tracker
+cannot be reached or refuses the secret.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
+import os
 import secrets
 import sys
 from collections.abc import Sequence
 
+from rabit2.errors import TrackerError
+from rabit2.io.tracker_client import query_tracker_status
 from tracker.server import Tracker
 
 EXIT_OK = 0
@@ -26,7 +36,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="rabit2-tracker", description="Run a rabit2 tracker and print the worker env."
     )
-    parser.add_argument("--n", "-n", type=int, required=True, help="number of workers")
+    parser.add_argument("--n", "-n", type=int, help="number of workers (required to run one)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=0, help="port to listen on (0: any free)")
     parser.add_argument(
@@ -36,8 +46,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--sortby", choices=("task", "arrival"), default="task")
     parser.add_argument("--heartbeat-timeout", type=float, default=30.0)
     parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--query", metavar="HOST:PORT",
+                        help="print a running tracker's status as JSON instead (secret: "
+                             "--secret or RABIT2_SECRET)")
+    parser.add_argument("--query-timeout", type=float, default=10.0, metavar="S")
     args = parser.parse_args(argv)
-    if args.n < 1:
+    if args.query is not None:
+        host, sep, port = args.query.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            parser.error("--query expects HOST:PORT")
+        args.query = (host, int(port))
+        if args.secret is None:
+            args.secret = os.environ.get("RABIT2_SECRET", "")
+        if not args.query_timeout > 0:
+            parser.error("--query-timeout must be > 0")
+    elif args.n is None:
+        parser.error("--n is required (or --query HOST:PORT)")
+    elif args.n < 1:
         parser.error("--n must be >= 1")
     if args.secret is None:
         args.secret = secrets.token_hex(32)
@@ -74,9 +99,24 @@ async def run_tracker(args: argparse.Namespace) -> int:
     return EXIT_ABORTED
 
 
+def query(args: argparse.Namespace) -> int:
+    """Print the status of the tracker at ``args.query``; the exit status."""
+    host, port = args.query
+    try:
+        status = asyncio.run(query_tracker_status(host, port, bytes.fromhex(args.secret),
+                                                  args.query_timeout))
+    except TrackerError as exc:
+        print(f"rabit2-tracker: {exc}", file=sys.stderr)
+        return EXIT_ABORTED
+    print(json.dumps(status, indent=2, sort_keys=True))
+    return EXIT_OK
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point."""
     args = parse_args(argv)
+    if args.query is not None:
+        return query(args)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )

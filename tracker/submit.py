@@ -234,8 +234,9 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
                              "CPUs (one CPU each, round-robin, when there are more workers "
                              "than CPUs); core: worker i on CPU i mod ncpu; none: no pinning")
     parser.add_argument("--heartbeat-timeout", type=float, default=30.0, metavar="S",
-                        help="a worker silent this long (e.g. a paused process) is lost; "
-                             "its neighbours fail their calls at once (default 30)")
+                        help="a worker silent this long (e.g. a paused process) is lost "
+                             "and killed; with recovery on it is restarted and its "
+                             "neighbours wait, else their calls fail (default 30)")
     ssh = parser.add_argument_group("--cluster ssh")
     ssh.add_argument("--host-file", metavar="F",
                      help="hosts, one per line: [user@]host[:port] [slots=N]")
