@@ -211,6 +211,17 @@ def _convert(field: str, value: Any) -> Any:
     return str(value)
 
 
+def launcher_task(env: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """(task id, attempt) as the launcher set them: ``DMLC_TASK_ID`` and
+    ``DMLC_NUM_ATTEMPT``, else the first non-empty of the other launchers' variables
+    (``SLURM_PROCID``, ..., ``SLURM_RESTART_COUNT``); None where none is set."""
+    def first(names: tuple[str, ...]) -> str | None:
+        return next((env[name] for name in names if env.get(name, "") != ""), None)
+
+    return (first(("DMLC_TASK_ID", *_TASK_ID_FALLBACKS)),
+            first(("DMLC_NUM_ATTEMPT", *_ATTEMPT_FALLBACKS)))
+
+
 def load_config(
     args: Iterable[str | bytes] | None = None,
     kwargs: Mapping[str, Any] | None = None,
@@ -241,12 +252,11 @@ def load_config(
     for key in _ENV_KEYS:
         if key in env:
             apply(key, env[key])
-    for key, fallbacks in (("DMLC_TASK_ID", _TASK_ID_FALLBACKS),
-                           ("DMLC_NUM_ATTEMPT", _ATTEMPT_FALLBACKS)):
-        if key not in env:
-            found = next((name for name in fallbacks if env.get(name, "") != ""), None)
-            if found is not None:
-                apply(key, env[found])
+    task, attempt = launcher_task(env)
+    if "DMLC_TASK_ID" not in env and task is not None:
+        apply("DMLC_TASK_ID", task)
+    if "DMLC_NUM_ATTEMPT" not in env and attempt is not None:
+        apply("DMLC_NUM_ATTEMPT", attempt)
     for arg in args or ():
         text = arg.decode() if isinstance(arg, bytes) else str(arg)
         key, sep, value = text.partition("=")

@@ -95,7 +95,7 @@ def encode_header(env: Mapping[str, str], kill_grace: float) -> bytes:
     return json.dumps({"env": dict(env), "kill_grace": kill_grace}).encode() + b"\n"
 
 
-class _Child:
+class ChildGroup:
     """The command's process group, stopped at most once: SIGTERM, then SIGKILL."""
 
     def __init__(self, proc: subprocess.Popen[bytes], grace: float) -> None:
@@ -120,7 +120,7 @@ class _Child:
             os.killpg(self.proc.pid, signum)
 
 
-def _watch_stdin(fd: int, child: _Child) -> None:
+def _watch_stdin(fd: int, child: ChildGroup) -> None:
     """Stop the command once the launcher's end of stdin is gone."""
     while True:
         try:
@@ -160,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"rabit2 remote: cannot start {command[0]!r}: {exc}", file=sys.stderr,
               flush=True)
         return 127
-    child = _Child(proc, float(header.get("kill_grace", 5.0)))
+    child = ChildGroup(proc, float(header.get("kill_grace", 5.0)))
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         child.stop()
@@ -169,7 +169,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signum, on_signal)
     threading.Thread(target=_watch_stdin, args=(0, child), daemon=True,
                      name="rabit2-remote-stdin").start()
-    code = proc.wait()
+    return exit_status(proc.wait())
+
+
+def exit_status(code: int) -> int:
+    """A child's status as a shell reports it: 128 + N for death by signal N."""
     return code if code >= 0 else 128 - code
 
 

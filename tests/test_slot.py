@@ -1,0 +1,196 @@
+"""tracker.slot, the per-slot supervisor that gives srun/mpirun jobs rabit2-submit's
+restarts: real processes, a real tracker, and (where Open MPI is installed) real mpirun."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tracker.server import TrackerThread
+from tracker.slot import restart_refused
+
+pytestmark = pytest.mark.timeout(120)
+
+SECRET = bytes(range(32))
+
+
+def slot(*command: str, env: dict[str, str], attempts: int = 3,
+         **kwargs: object) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tracker.slot", "--max-attempts", str(attempts),
+         "--kill-grace", "0.5", "--", *command],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kwargs,  # type: ignore[call-overload]
+    )
+
+
+def base_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DMLC_", "RABIT2_", "SLURM_", "OMPI_", "PMI"))}
+    env.update(extra)
+    return env
+
+
+FLAKY = (
+    "import os, sys\n"
+    "print(os.environ['DMLC_TASK_ID'], os.environ['DMLC_NUM_ATTEMPT'],\n"
+    "      os.environ['RABIT2_RECOVER'], flush=True)\n"
+    "sys.exit(0 if int(os.environ['DMLC_NUM_ATTEMPT']) >= int(sys.argv[1]) else 3)\n"
+)
+
+
+def test_a_failing_worker_is_run_again_with_its_attempt_number() -> None:
+    proc = slot(sys.executable, "-c", FLAKY, "2", env=base_env(SLURM_PROCID="5"))
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert out.split("\n")[:3] == ["5 0 1", "5 1 1", "5 2 1"]  # srun's index, recovery on
+    assert err.count("restarting") == 2 and "attempt 1/3" in err
+
+
+def test_attempts_are_bounded_and_the_last_status_is_returned() -> None:
+    proc = slot(sys.executable, "-c", FLAKY, "9", env=base_env(DMLC_TASK_ID="a",
+                                                               DMLC_NUM_ATTEMPT="4"),
+                attempts=2)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 3
+    assert out.split() == ["a", "4", "1", "a", "5", "1"]  # numbering continues from 4
+    assert "exited with 3 after 2 attempts; giving up" in err
+
+
+def test_one_attempt_means_recovery_off_and_no_restart() -> None:
+    proc = slot(sys.executable, "-c", FLAKY, "1", env=base_env(PMI_RANK="0"), attempts=1)
+    out, _err = proc.communicate(timeout=60)
+    assert proc.returncode == 3 and out.split() == ["0", "0", "0"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "message"),
+    [
+        (["--", sys.executable, "-c", "pass"], {}, "no task id"),
+        (["--max-attempts", "0", "--", "x"], {"DMLC_TASK_ID": "0"}, "--max-attempts"),
+        (["--"], {"DMLC_TASK_ID": "0"}, "no command"),
+        (["--", "x"], {"DMLC_TASK_ID": "0", "DMLC_NUM_ATTEMPT": "one"}, "not an integer"),
+    ],
+)
+def test_usage_errors(argv: list[str], env: dict[str, str], message: str) -> None:
+    done = subprocess.run([sys.executable, "-m", "tracker.slot", *argv], env=base_env(**env),
+                          capture_output=True, text=True, timeout=30, check=False)
+    assert done.returncode == 2 and message in done.stderr
+
+
+def test_a_signal_stops_the_worker_group_and_nothing_restarts(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    script = (
+        "import os, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+        f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}} {{child.pid}}\\n')\n"
+        "time.sleep(300)\n"
+    )
+    proc = slot(sys.executable, "-c", script, env=base_env(DMLC_TASK_ID="0"))
+    deadline = time.monotonic() + 30
+    while not pids.exists():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "restarting" not in err
+    assert len(pids.read_text().splitlines()) == 1  # one run only
+    deadline = time.monotonic() + 10
+    for pid in map(int, pids.read_text().split()):
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, f"pid {pid} survived"
+            time.sleep(0.05)
+
+
+def test_no_restart_once_the_job_is_over_or_the_tracker_is_gone() -> None:
+    tracker = TrackerThread(2, host="127.0.0.1", port=0, secret=SECRET)
+    tracker.start()
+    try:
+        env = base_env(DMLC_TASK_ID="1", **tracker.worker_env())
+        assert restart_refused(env, "1") is None  # the job runs: a restart helps
+        tracker.abort("test says stop")
+        deadline = time.monotonic() + 10
+        while tracker.result() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        why = restart_refused(env, "1")
+        assert why is not None and "the job is over" in why and "test says stop" in why
+        proc = slot(sys.executable, "-c", "import sys; sys.exit(1)", env=env)
+        _out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 1
+        assert "not restarting: the job is over" in err and "restarting\n" not in err
+    finally:
+        tracker.stop()
+    why = restart_refused(env, "1")
+    assert why is not None and "cannot be asked" in why
+    assert restart_refused(base_env(), "1") is None  # no tracker at all: nothing to ask
+
+
+MPIRUN = shutil.which("mpirun")
+
+
+@pytest.mark.skipif(MPIRUN is None, reason="Open MPI's mpirun is not installed")
+def test_mpirun_job_recovers_a_killed_worker_through_the_slot() -> None:
+    """rabit2-tracker's variables + mpirun + tracker.slot: Open MPI starts the workers (task
+    ids from OMPI_COMM_WORLD_RANK), a worker killed by mock= is restarted by its slot,
+    rejoins and replays; every rank ends with the same model."""
+    tracker = TrackerThread(4, host="127.0.0.1", port=0, secret=SECRET)
+    tracker.start()
+    try:
+        job = tracker.worker_env()
+        forward = [arg for key in job for arg in ("-x", key)]
+        argv = [MPIRUN, "-n", "4", "--oversubscribe", *forward,
+                sys.executable, "-m", "tracker.slot", "--", sys.executable, "-m",
+                "rabit2.examples.gbdt", "--size", "ci", "mock=2,3,1,0"]
+        if os.geteuid() == 0:
+            argv.insert(1, "--allow-run-as-root")
+        done = subprocess.run(argv, env=base_env(**job), capture_output=True, text=True,
+                              timeout=100, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        # (an unbuffered print is two writes, which mpirun may forward apart: no anchors)
+        digests = re.findall(r"gbdt rank=(\d) world=4 .*? digest=([0-9a-f]{64})", done.stdout)
+        assert sorted(rank for rank, _ in digests) == ["0", "1", "2", "3"], done.stdout
+        assert len({digest for _, digest in digests}) == 1
+        assert "[rabit2 slot 2] exited with 137 (attempt 1/3); restarting" in done.stderr
+        result = tracker.join(30)
+        assert result is not None and result.success
+    finally:
+        tracker.stop()
+
+
+def test_no_restart_of_a_task_that_shut_down_with_the_tracker() -> None:
+    """A worker that told the tracker it is done and then failed has failed for good (the
+    tracker would refuse its replacement), as rabit2-submit decides too."""
+    import asyncio  # noqa: PLC0415
+
+    from rabit2.config import load_config  # noqa: PLC0415
+    from rabit2.io.tracker_client import TrackerClient  # noqa: PLC0415
+
+    tracker = TrackerThread(2, host="127.0.0.1", port=0, secret=SECRET)
+    tracker.start()
+    try:
+        env = base_env(**tracker.worker_env())
+
+        async def finish_task_0() -> None:
+            cfg = load_config(environ={**env, "DMLC_TASK_ID": "0"})
+            client = await TrackerClient.connect(cfg, 20001)
+            await client.shutdown(5)  # before rank assignment: the task is done
+
+        asyncio.run(finish_task_0())
+        why = restart_refused(env, "0")
+        assert why is not None and "failed for good" in why
+        assert restart_refused(env, "1") is None  # the other task may still come
+    finally:
+        tracker.stop()

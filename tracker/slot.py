@@ -1,0 +1,144 @@
+"""A per-slot supervisor: restarts for launchers that never restart a worker.
+
+srun, Open MPI's mpirun and Kubernetes start N processes and, when one dies, either let
+the others run on without it or stop them all; none starts it again.  Put this program
+between them and the worker, with the variables ``rabit2-tracker`` printed in the
+environment::
+
+    srun -n 4 python -m tracker.slot --max-attempts 3 -- python train.py
+    mpirun -n 4 -x DMLC_TRACKER_URI ... python -m tracker.slot -- python train.py
+
+It runs the command (with ``DMLC_TASK_ID`` from the launcher's own index, see
+:func:`rabit2.config.launcher_task`, ``DMLC_NUM_ATTEMPT`` counting its runs and
+``RABIT2_RECOVER=1`` unless set) and, when it exits non-zero, runs it again, up to
+``--max-attempts`` runs in all, as ``rabit2-submit`` does for its workers; with recovery
+on, the new run rejoins the job and replays.  Before a restart it asks the tracker whether
+that is still any use: not when the job is over (finished or aborted), when this task
+already shut down (it failed for good after telling the tracker), or when the tracker
+cannot be reached.  SIGTERM, SIGINT or SIGHUP (the launcher cancelling the job) stop the
+command's process group (SIGTERM, then SIGKILL after ``--kill-grace``) and end the
+supervisor without a restart.  Exit status: the last run's (128 + N for signal N), 2 on
+bad usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Mapping, Sequence
+from types import FrameType
+
+from rabit2.config import launcher_task
+from rabit2.errors import RabitError
+from rabit2.io.tracker_client import query_tracker_status
+from tracker.remote import ChildGroup, exit_status
+
+EXIT_USAGE = 2
+QUERY_TIMEOUT = 10.0
+
+
+def restart_refused(env: Mapping[str, str], task: str) -> str | None:
+    """Why the tracker says a new run of ``task`` would be no use, or None if it would."""
+    host, port = env.get("DMLC_TRACKER_URI", ""), env.get("DMLC_TRACKER_PORT", "")
+    if not host or host == "NULL" or not port.isdigit():
+        return None  # no tracker: a single-process program, nothing to ask
+    secret = env.get("RABIT2_SECRET", "")
+    try:
+        key = bytes.fromhex(secret)
+    except ValueError:
+        key = secret.encode()
+    try:
+        status = asyncio.run(query_tracker_status(host, int(port), key, QUERY_TIMEOUT))
+    except RabitError as exc:
+        return f"the tracker cannot be asked ({exc})"
+    if status.get("done"):
+        return f"the job is over ({status.get('reason')})"
+    for entry in status.get("tasks", []):
+        if entry.get("task_id") == task and entry.get("finished"):
+            return "it shut down with the tracker before it exited: it failed for good"
+    return None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m tracker.slot",
+        description="Run a rabit2 worker and restart it when it fails (for srun, mpirun, ...).",
+    )
+    parser.add_argument("--max-attempts", type=int, default=3,
+                        help="runs in all, the first included (default 3)")
+    parser.add_argument("--restart-delay", type=float, default=0.0, metavar="S")
+    parser.add_argument("--kill-grace", type=float, default=5.0, metavar="S")
+    parser.add_argument("command", nargs=argparse.REMAINDER)
+    args = parser.parse_args(argv)
+    command = list(args.command)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        parser.error("no command given (put it after --)")
+    if args.max_attempts < 1:
+        parser.error("--max-attempts must be >= 1")
+    if args.restart_delay < 0 or args.kill_grace < 0:
+        parser.error("--restart-delay and --kill-grace must be >= 0")
+    env = dict(os.environ)
+    task, attempt_text = launcher_task(env)
+    if task is None:
+        parser.error("no task id: set DMLC_TASK_ID, or run under srun/mpirun (SLURM_PROCID, "
+                     "OMPI_COMM_WORLD_RANK, PMIX_RANK, PMI_RANK, JOB_COMPLETION_INDEX)")
+    try:
+        first_attempt = 0 if attempt_text is None else int(attempt_text)
+    except ValueError:
+        parser.error(f"attempt number {attempt_text!r} is not an integer")
+    env["DMLC_TASK_ID"] = task
+    env.setdefault("RABIT2_RECOVER", "1" if args.max_attempts > 1 else "0")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+
+    stopped = threading.Event()
+    current: list[ChildGroup] = []
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        stopped.set()
+        if current:
+            current[0].stop()
+
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, on_signal)
+
+    code = 0
+    for run in range(args.max_attempts):
+        env["DMLC_NUM_ATTEMPT"] = str(first_attempt + run)
+        try:
+            proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        except OSError as exc:
+            _note(task, f"cannot start {command[0]!r}: {exc}")
+            return 127
+        current[:] = [ChildGroup(proc, args.kill_grace)]
+        if stopped.is_set():  # a signal between the check and the start
+            current[0].stop()
+        code = exit_status(proc.wait())
+        if code == 0 or stopped.is_set():
+            return code
+        if run + 1 == args.max_attempts:
+            _note(task, f"exited with {code} after {run + 1} attempts; giving up")
+            return code
+        why = restart_refused(env, task)
+        if why is not None:
+            _note(task, f"exited with {code}; not restarting: {why}")
+            return code
+        _note(task, f"exited with {code} (attempt {run + 1}/{args.max_attempts}); restarting")
+        if stopped.wait(args.restart_delay):
+            return code
+    return code
+
+
+def _note(task: str, message: str) -> None:
+    print(f"[rabit2 slot {task}] {message}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
