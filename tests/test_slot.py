@@ -85,7 +85,7 @@ def test_usage_errors(argv: list[str], env: dict[str, str], message: str) -> Non
     assert done.returncode == 2 and message in done.stderr
 
 
-def test_a_signal_stops_the_worker_group_and_nothing_restarts(tmp_path: Path) -> None:
+def test_the_launcher_signalling_the_task_stops_it_and_nothing_restarts(tmp_path: Path) -> None:
     pids = tmp_path / "pids"
     script = (
         "import os, subprocess, sys, time\n"
@@ -93,12 +93,14 @@ def test_a_signal_stops_the_worker_group_and_nothing_restarts(tmp_path: Path) ->
         f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}} {{child.pid}}\\n')\n"
         "time.sleep(300)\n"
     )
-    proc = slot(sys.executable, "-c", script, env=base_env(DMLC_TASK_ID="0"))
+    # as srun and mpirun start a task: a process group of its own, which they signal
+    proc = slot(sys.executable, "-c", script, env=base_env(DMLC_TASK_ID="0"),
+                start_new_session=True)
     deadline = time.monotonic() + 30
     while not pids.exists():
         assert time.monotonic() < deadline and proc.poll() is None
         time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGTERM)
     _out, err = proc.communicate(timeout=30)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "restarting" not in err
@@ -194,3 +196,36 @@ def test_no_restart_of_a_task_that_shut_down_with_the_tracker() -> None:
         assert restart_refused(env, "1") is None  # the other task may still come
     finally:
         tracker.stop()
+
+
+def test_giving_up_aborts_the_job_at_the_tracker() -> None:
+    """Out of attempts, the slot tells the tracker (give_up), which aborts the job, as
+    rabit2-submit does when a task has used up its attempts."""
+    tracker = TrackerThread(2, host="127.0.0.1", port=0, secret=SECRET)
+    tracker.start()
+    try:
+        env = base_env(DMLC_TASK_ID="1", **tracker.worker_env())
+        proc = slot(sys.executable, "-c", "import sys; sys.exit(4)", env=env, attempts=2)
+        _out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 4 and "giving up" in err
+        result = tracker.join(10)
+        assert result is not None and not result.success
+        assert "task 1 failed for good: exited with 4 after 2 attempts" in result.reason
+    finally:
+        tracker.stop()
+
+
+def test_a_signal_to_the_slot_alone_stops_the_worker(tmp_path: Path) -> None:
+    """SIGTERM to the supervisor only (not its group): it passes it on to the worker, and
+    does not restart it."""
+    marker = tmp_path / "up"
+    script = f"import time\nopen({str(marker)!r}, 'w').close()\ntime.sleep(300)\n"
+    proc = slot(sys.executable, "-c", script, env=base_env(DMLC_TASK_ID="0"),
+                start_new_session=True)
+    deadline = time.monotonic() + 30
+    while not marker.exists():
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM and "restarting" not in err

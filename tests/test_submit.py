@@ -5,6 +5,7 @@ The workers are tiny Python scripts that talk to the tracker through ``TrackerCl
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import signal
@@ -106,12 +107,14 @@ def test_parse_args() -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--cluster", "yarn", "-n", "2", "--", "x"], "available: local, ssh"),
+        (["--cluster", "yarn", "-n", "2", "--", "x"], "available: local, ssh, slurm, mpi"),
         (["--cluster", "ssh", "-n", "2", "--", "x"], "needs --host-file"),
         (["--host-file", "h", "-n", "2", "--", "x"], "for --cluster ssh"),
         (["--cluster", "ssh", "--host-file", "/nonexistent/hosts", "-n", "2", "--", "x"],
          "No such file"),
         (["--ssh", "", "-n", "2", "--", "x"], "--ssh must name"),
+        (["--cluster", "mpi", "--mpirun", " ", "-n", "2", "--", "x"], "--mpirun must name"),
+        (["--cluster", "slurm", "--srun", "", "-n", "2", "--", "x"], "--srun must name"),
         (["-n", "0", "--", "x"], "-n must be"),
         (["-n", "2"], "no command"),
         (["-n", "2", "--env", "novalue", "--", "x"], "K=V"),
@@ -393,3 +396,51 @@ def test_parse_args_ssh_unknown_host(tmp_path: Path, capsys: pytest.CaptureFixtu
         parse_args(["--cluster", "ssh", "--host-file", str(hosts), "-n", "1", "--", "x"])
     assert info.value.code == 2
     assert "cannot resolve host 'no-such-host.invalid'" in capsys.readouterr().err
+
+
+# -- --cluster slurm / mpi: the pure parts (tests/test_group_cluster.py runs the real ones) --
+
+
+def test_group_argv_runs_every_worker_under_a_slot() -> None:
+    from tracker.submit import group_argv  # noqa: PLC0415
+
+    opts = LaunchOptions(num_workers=4, command=("python", "t.py", "k=v"), cluster="slurm",
+                         group=("srun", "-N", "2"), remote_python="python", max_attempts=2,
+                         restart_delay=0.5, kill_grace=3)
+    slot = ["python", "-m", "tracker.slot", "--max-attempts", "2", "--restart-delay", "0.5",
+            "--kill-grace", "3", "--", "python", "t.py", "k=v"]
+    assert group_argv(opts, ["B", "A"]) == [
+        "srun", "-N", "2", "-n", "4", "--kill-on-bad-exit=0", "--label", *slot]
+    mpi = dataclasses.replace(opts, cluster="mpi", group=("mpirun",))
+    assert group_argv(mpi, ["B", "A"]) == ["mpirun", "-n", "4", "-x", "A", "-x", "B", *slot]
+
+
+def test_group_env_leaves_task_ids_to_the_slots() -> None:
+    from tracker.submit import group_env  # noqa: PLC0415
+
+    env = group_env({"PATH": "/bin", "DMLC_TASK_ID": "7", "DMLC_NUM_ATTEMPT": "2"},
+                    {"RABIT2_SECRET": "ab", "DMLC_NUM_WORKER": "4"}, [("X", "1")])
+    assert "DMLC_TASK_ID" not in env and "DMLC_NUM_ATTEMPT" not in env
+    assert "RABIT2_RECOVER" not in env  # each slot decides from --max-attempts
+    assert env["PATH"] == "/bin" and env["RABIT2_SECRET"] == "ab" and env["X"] == "1"
+    assert env["DMLC_ROLE"] == "worker" and env["PYTHONUNBUFFERED"] == "1"
+
+
+def test_parse_args_slurm_and_mpi() -> None:
+    opts = parse_args(["--cluster", "slurm", "-n", "4", "--srun", "srun -N 2", "--",
+                       "python", "t.py"])
+    assert opts.group == ("srun", "-N", "2") and opts.tracker_host == "0.0.0.0"
+    assert opts.remote_python == "python"
+    opts = parse_args(["--cluster", "mpi", "-n", "2", "--tracker-host", "10.0.0.1", "--",
+                       "./run.sh"])
+    assert opts.group == ("mpirun",) and opts.tracker_host == "10.0.0.1"
+    assert opts.remote_python == "python3"
+    assert parse_args(["-n", "1", "--", "x"]).group == ()
+
+
+def test_a_missing_srun_or_mpirun_fails_the_job_clearly() -> None:
+    opts = LaunchOptions(num_workers=2, command=("python", "-c", "pass"), cluster="mpi",
+                         group=("/nonexistent/mpirun",), remote_python="python")
+    out, err = io.StringIO(), io.StringIO()
+    assert run_job(opts, out, err) == EXIT_FAILED
+    assert "cannot start '/nonexistent/mpirun'" in err.getvalue()

@@ -96,11 +96,19 @@ def encode_header(env: Mapping[str, str], kill_grace: float) -> bytes:
 
 
 class ChildGroup:
-    """The command's process group, stopped at most once: SIGTERM, then SIGKILL."""
+    """The command, stopped at most once: SIGTERM, then SIGKILL after ``grace`` seconds.
 
-    def __init__(self, proc: subprocess.Popen[bytes], grace: float) -> None:
+    ``whole_group``: the command leads a process group of its own (``start_new_session``),
+    and the signals go to that group, its own children included.  Otherwise they go to the
+    command alone, which then shares its parent's group, so that whatever kills that group
+    (a launcher's process tracking) reaches the command too.
+    """
+
+    def __init__(self, proc: subprocess.Popen[bytes], grace: float,
+                 whole_group: bool = True) -> None:
         self.proc = proc
         self.grace = grace
+        self.whole_group = whole_group
         self._lock = threading.Lock()
         self._stopping = False
 
@@ -115,9 +123,12 @@ class ChildGroup:
         timer.start()
 
     def _signal(self, signum: signal.Signals) -> None:
-        # (even after the leader exited: its group may not have, a worker's own children)
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signum)
+            if self.whole_group:
+                # (even after the leader exited: its group may not have, its own children)
+                os.killpg(self.proc.pid, signum)
+            elif self.proc.poll() is None:
+                self.proc.send_signal(signum)
 
 
 def _watch_stdin(fd: int, child: ChildGroup) -> None:

@@ -374,8 +374,18 @@ class Tracker:
                 status["tasks_truncated"] = True
             conn.send({"t": "status_reply", "status": status})
             return True
+        if kind == "give_up" and conn.role == "monitor":
+            # a supervisor (tracker.slot) ran out of attempts for one task: like the
+            # launcher's own give-up, the job ends at once instead of waiting for it
+            task_id = msg["task_id"]
+            if not 0 < len(task_id) <= _MAX_TASK_ID:
+                raise ProtocolError(f"task_id must have 1..{_MAX_TASK_ID} characters")
+            logger.error("task %s given up by its supervisor: %s", task_id, msg["reason"])
+            self.mark_failed(task_id, msg["reason"][:_MAX_REASON])
+            return True
         if conn.role != "worker":
-            raise ProtocolError(f"a {conn.role} connection may only send status, not {kind}")
+            raise ProtocolError(f"a {conn.role} connection may only send status or give_up, "
+                                f"not {kind}")
         task = conn.task
         if task is None:
             if kind != "register":
@@ -675,6 +685,25 @@ class TrackerThread:
         Reads one attribute that the tracker thread assigns once, atomically.
         """
         return self.tracker.result
+
+    def status(self, timeout: float = 5.0) -> dict[str, Any] | None:
+        """:meth:`Tracker.status`, taken on the tracker's thread; None if it does not answer
+        within ``timeout`` seconds or was stopped."""
+
+        async def take() -> dict[str, Any]:
+            return self.tracker.status()
+
+        coro = take()
+        try:
+            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        except RuntimeError:  # the loop is closed
+            coro.close()
+            return None
+        try:
+            return future.result(timeout)
+        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+            future.cancel()
+            return None
 
     def abort(self, reason: str) -> None:
         """See :meth:`Tracker.abort`."""

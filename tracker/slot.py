@@ -15,10 +15,13 @@ It runs the command (with ``DMLC_TASK_ID`` from the launcher's own index, see
 on, the new run rejoins the job and replays.  Before a restart it asks the tracker whether
 that is still any use: not when the job is over (finished or aborted), when this task
 already shut down (it failed for good after telling the tracker), or when the tracker
-cannot be reached.  SIGTERM, SIGINT or SIGHUP (the launcher cancelling the job) stop the
-command's process group (SIGTERM, then SIGKILL after ``--kill-grace``) and end the
-supervisor without a restart.  Exit status: the last run's (128 + N for signal N), 2 on
-bad usage.
+cannot be reached.  When its attempts are used up it tells the tracker (``give_up``,
+``docs/protocol.md``), which aborts the job as ``rabit2-submit`` would: the other workers
+raise ``JobAbortedError`` at once instead of waiting for a replacement.  SIGTERM, SIGINT
+or SIGHUP (the launcher cancelling the job) stop the command (SIGTERM, then SIGKILL after
+``--kill-grace``; it runs in this program's process group, which the launcher tracks) and
+end the supervisor without a restart.  Exit
+status: the last run's (128 + N for signal N), 2 on bad usage.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 from types import FrameType
+from typing import Any
 
 from rabit2.config import launcher_task
 from rabit2.errors import RabitError
@@ -42,20 +46,29 @@ EXIT_USAGE = 2
 QUERY_TIMEOUT = 10.0
 
 
-def restart_refused(env: Mapping[str, str], task: str) -> str | None:
-    """Why the tracker says a new run of ``task`` would be no use, or None if it would."""
+def _ask_tracker(env: Mapping[str, str],
+                 give_up: tuple[str, str] | None = None) -> dict[str, Any] | str | None:
+    """The job's tracker status (after telling it ``give_up``, if given); a string saying
+    why it cannot be asked; None when there is no tracker (a single-process program)."""
     host, port = env.get("DMLC_TRACKER_URI", ""), env.get("DMLC_TRACKER_PORT", "")
     if not host or host == "NULL" or not port.isdigit():
-        return None  # no tracker: a single-process program, nothing to ask
+        return None
     secret = env.get("RABIT2_SECRET", "")
     try:
         key = bytes.fromhex(secret)
     except ValueError:
         key = secret.encode()
     try:
-        status = asyncio.run(query_tracker_status(host, int(port), key, QUERY_TIMEOUT))
+        return asyncio.run(query_tracker_status(host, int(port), key, QUERY_TIMEOUT, give_up))
     except RabitError as exc:
         return f"the tracker cannot be asked ({exc})"
+
+
+def restart_refused(env: Mapping[str, str], task: str) -> str | None:
+    """Why the tracker says a new run of ``task`` would be no use, or None if it would."""
+    status = _ask_tracker(env)
+    if status is None or isinstance(status, str):
+        return status
     if status.get("done"):
         return f"the job is over ({status.get('reason')})"
     for entry in status.get("tasks", []):
@@ -112,12 +125,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     for run in range(args.max_attempts):
         env["DMLC_NUM_ATTEMPT"] = str(first_attempt + run)
         try:
-            proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL,
-                                    start_new_session=True)
+            # in this process's group: launchers track their tasks by process group
+            # (Slurm's proctrack/pgid, Open MPI's orted), and one that kills this
+            # supervisor's group outright must reach the worker too
+            proc = subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL)
         except OSError as exc:
             _note(task, f"cannot start {command[0]!r}: {exc}")
             return 127
-        current[:] = [ChildGroup(proc, args.kill_grace)]
+        current[:] = [ChildGroup(proc, args.kill_grace, whole_group=False)]
         if stopped.is_set():  # a signal between the check and the start
             current[0].stop()
         code = exit_status(proc.wait())
@@ -125,6 +140,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             return code
         if run + 1 == args.max_attempts:
             _note(task, f"exited with {code} after {run + 1} attempts; giving up")
+            # as rabit2-submit does: the job ends now, rather than the other workers
+            # waiting for a replacement that will not come
+            _ask_tracker(env, (task, f"exited with {code} after {run + 1} attempts"))
             return code
         why = restart_refused(env, task)
         if why is not None:

@@ -2,11 +2,16 @@
 
 ``rabit2-submit --cluster local -n 4 [--max-attempts K] -- python train.py k=v ...``
 ``rabit2-submit --cluster ssh --host-file HOSTS -n 4 -- python train.py k=v ...``
+``rabit2-submit --cluster slurm -n 4 -- python train.py`` (or ``--cluster mpi``)
 
 * ``local`` starts the workers as child processes; ``ssh`` starts each one through
   ``ssh HOST`` (hosts from ``--host-file``, filled slot by slot), where
   :mod:`tracker.remote` runs it and stops it when the launcher's ssh goes away.
   Everything below holds for both.
+* ``slurm`` and ``mpi`` hand all N to one ``srun`` or ``mpirun``, each worker under
+  :mod:`tracker.slot`, which restarts it in place (:class:`GroupLauncher`): same
+  environment, restarts and recovery; the output carries srun's ``--label`` (mpirun's
+  own tags on request) instead of ``[rank r]``, and the summary comes from the tracker.
 
 * A fresh job secret (``secrets.token_hex(32)``) is generated for every job, so a local job is
   always authenticated.
@@ -41,9 +46,9 @@ from types import FrameType
 from typing import IO, TextIO
 
 from tracker.remote import encode_header
-from tracker.server import TrackerThread
+from tracker.server import JobResult, TrackerThread
 
-CLUSTERS = ("local", "ssh")
+CLUSTERS = ("local", "ssh", "slurm", "mpi")
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
@@ -84,7 +89,8 @@ class LaunchOptions:
     hosts: tuple[Host, ...] = ()  # --cluster ssh: one entry per slot, in fill order
     ssh: tuple[str, ...] = ("ssh",)
     remote_dir: str = ""  # --cluster ssh: where the command runs ("": the login directory)
-    remote_python: str = "python3"  # --cluster ssh: runs ``-m tracker.remote`` there
+    remote_python: str = "python3"  # --cluster ssh/slurm/mpi: runs tracker.remote/.slot
+    group: tuple[str, ...] = ()  # --cluster slurm/mpi: the srun/mpirun command and options
 
 
 def parse_host_file(text: str) -> tuple[Host, ...]:
@@ -212,7 +218,7 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
     parser = argparse.ArgumentParser(
         prog="rabit2-submit",
         description="Launch a rabit2 job: a tracker plus N workers running COMMAND.",
-        usage="%(prog)s --cluster {local,ssh} -n N [options] -- command [args...]",
+        usage="%(prog)s --cluster {local,ssh,slurm,mpi} -n N [options] -- command [args...]",
     )
     parser.add_argument("--cluster", default="local", help=f"one of: {', '.join(CLUSTERS)}")
     parser.add_argument("-n", "--num-workers", type=int, required=True)
@@ -221,7 +227,8 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
     parser.add_argument("--restart-delay", type=float, default=0.0, metavar="S")
     parser.add_argument("--tracker-host", default=None,
                         help="tracker listen address (default: 127.0.0.1; with ssh, the "
-                             "local address that routes to the first host)")
+                             "local address that routes to the first host; with slurm and "
+                             "mpi, every interface, advertised by this host's name)")
     parser.add_argument("--tracker-port", type=int, default=0)
     parser.add_argument("--env", action="append", default=[], metavar="K=V",
                         help="extra environment for every worker (repeatable)")
@@ -247,7 +254,14 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
                           "'' for the login directory)")
     ssh.add_argument("--remote-python", default=None, metavar="PY",
                      help="Python with rabit2 on the hosts (default: the command's own "
-                          "interpreter if it is a python, else python3)")
+                          "interpreter if it is a python, else python3; also for slurm "
+                          "and mpi)")
+    group = parser.add_argument_group("--cluster slurm / mpi")
+    group.add_argument("--srun", default="srun", metavar="CMD",
+                       help="srun command and options, e.g. 'srun -N 2' (default srun)")
+    group.add_argument("--mpirun", default="mpirun", metavar="CMD",
+                       help="mpirun command and options, e.g. 'mpirun --hostfile H' "
+                            "(default mpirun)")
     parser.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     command = list(args.rest) + command
@@ -281,6 +295,11 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
         hosts = hosts_by_slot(hosts, args.num_workers)
     elif args.host_file is not None:
         parser.error("--host-file is for --cluster ssh")
+    elif args.cluster in ("slurm", "mpi") and tracker_host is None:
+        tracker_host = "0.0.0.0"  # the workers may run on any node
+    group_command = tuple(shlex.split(args.srun if args.cluster == "slurm" else args.mpirun))
+    if args.cluster in ("slurm", "mpi") and not group_command:
+        parser.error(f"--{'srun' if args.cluster == 'slurm' else 'mpirun'} must name a command")
     ssh_command = tuple(shlex.split(args.ssh))
     if not ssh_command:
         parser.error("--ssh must name a command")
@@ -308,6 +327,7 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
         remote_dir=os.getcwd() if args.remote_dir is None else args.remote_dir,
         remote_python=(remote_python_for(command) if args.remote_python is None
                        else args.remote_python),
+        group=group_command if args.cluster in ("slurm", "mpi") else (),
     )
 
 
@@ -620,6 +640,41 @@ class LocalLauncher:
                 task.status = "killed"
 
 
+def group_env(base: Mapping[str, str], tracker_env: Mapping[str, str],
+              extra: Sequence[tuple[str, str]] = ()) -> dict[str, str]:
+    """The environment of the srun/mpirun process for ``--cluster slurm``/``mpi`` (pure).
+
+    What every worker gets (:func:`build_worker_env`) but its task id and attempt, which
+    each :mod:`tracker.slot` takes from its own launcher index and counts itself: a
+    ``DMLC_TASK_ID`` here would give every worker the same one.  ``RABIT2_RECOVER`` is left
+    to the slots (on when they may restart), unless set here.
+    """
+    env = {key: value for key, value in base.items()
+           if key not in ("DMLC_TASK_ID", "DMLC_NUM_ATTEMPT")}
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.update(tracker_env)
+    env["DMLC_ROLE"] = "worker"
+    env.update(extra)
+    return env
+
+
+def group_argv(options: LaunchOptions, forward: Sequence[str]) -> list[str]:
+    """The one srun or mpirun command line that starts every worker under
+    :mod:`tracker.slot` (pure).  mpirun gets ``-x NAME`` for each variable in ``forward``
+    (Open MPI passes no environment to other nodes unless told); srun exports the whole
+    environment, lets the other tasks run on when one fails (``--kill-on-bad-exit=0``: the
+    slot restarts it) and labels each output line with the task's index."""
+    slot = [options.remote_python, "-m", "tracker.slot",
+            "--max-attempts", str(options.max_attempts),
+            "--restart-delay", f"{options.restart_delay:g}",
+            "--kill-grace", f"{options.kill_grace:g}", "--", *options.command]
+    n = str(options.num_workers)
+    if options.cluster == "slurm":
+        return [*options.group, "-n", n, "--kill-on-bad-exit=0", "--label", *slot]
+    exports = [arg for name in sorted(forward) for arg in ("-x", name)]
+    return [*options.group, "-n", n, *exports, *slot]
+
+
 def _close_stdin(proc: subprocess.Popen[bytes]) -> None:
     if proc.stdin is not None:
         with contextlib.suppress(OSError):
@@ -643,6 +698,116 @@ def _signal_group(task: TaskRun, signum: signal.Signals) -> None:
         task.proc.send_signal(signum)  # the group changed hands (the worker called setsid)
 
 
+class GroupLauncher:
+    """``--cluster slurm`` / ``mpi``: one srun or mpirun starts every worker, each under
+    :mod:`tracker.slot` (which restarts it in place, after asking the tracker); this
+    process runs the tracker, relays the output, bounds the job and stops it, and prints a
+    summary taken from the tracker.  A paused worker that the tracker declares lost is not
+    killed from here (the launcher has no handle on one remote process): with recovery on
+    its neighbours wait for it up to ``rabit2_recover_timeout_sec``."""
+
+    def __init__(self, options: LaunchOptions, tracker: TrackerThread, out: TextIO,
+                 err: TextIO, writer: LineWriter | None = None) -> None:
+        self.options = options
+        self.tracker = tracker
+        self._out, self._err = out, err
+        self._writer = writer or LineWriter()
+
+    def _note(self, message: str) -> None:
+        self._writer.write(self._err, f"[rabit2-submit] {message}")
+
+    def run(self) -> int:
+        options = self.options
+        job = self.tracker.worker_env()
+        forward = [*job, "DMLC_ROLE", "PYTHONUNBUFFERED", *(key for key, _ in options.env),
+                   *(key for key in os.environ if key.startswith("RABIT2_"))]
+        argv = group_argv(options, sorted(set(forward)))
+        env = group_env(os.environ, job, options.env)
+        self._note(" ".join(shlex.quote(word) for word in argv))
+        try:
+            proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    start_new_session=True)
+        except OSError as exc:
+            self._note(f"cannot start {argv[0]!r}: {exc}")
+            self.tracker.abort(f"{argv[0]} could not be started")
+            return EXIT_FAILED
+        readers = [threading.Thread(target=self._relay, args=(pipe, stream), daemon=True)
+                   for pipe, stream in ((proc.stdout, self._out), (proc.stderr, self._err))]
+        for reader in readers:
+            reader.start()
+        interrupted = False
+        deadline = None if options.timeout is None else time.monotonic() + options.timeout
+        over_since: float | None = None
+        try:
+            while proc.poll() is None:
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    self._note(f"the job timed out after {options.timeout:g}s")
+                    self.tracker.abort(f"the job timed out after {options.timeout:g}s")
+                    break
+                if self.tracker.result() is not None:
+                    # the job is over (every rank done, or aborted): the workers get the
+                    # same grace as rabit2-submit's own to exit before they are stopped
+                    over_since = now if over_since is None else over_since
+                    if now - over_since > _ABORT_GRACE_SEC:
+                        self._note(f"{argv[0]} did not exit after the job ended; stopping it")
+                        break
+                time.sleep(_POLL_SEC)
+        except (KeyboardInterrupt, _Interrupted):
+            interrupted = True
+            self._note("the launcher was interrupted")
+            self.tracker.abort("the launcher was interrupted")
+        finally:
+            code = self._stop(proc)
+            for reader in readers:
+                reader.join(options.kill_grace + 1.0)
+        result = self.tracker.result()
+        self._note("summary:")
+        self._writer.write(self._err, self._summary(result))
+        if interrupted:
+            return EXIT_INTERRUPTED
+        return EXIT_OK if code == 0 and result is not None and result.success else EXIT_FAILED
+
+    def _stop(self, proc: subprocess.Popen[bytes]) -> int:
+        """The group's exit status; SIGTERM to it (srun and mpirun pass it on to the slots,
+        which stop their workers), SIGKILL after ``--kill-grace``."""
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(self.options.kill_grace + 5.0)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        return proc.returncode
+
+    def _summary(self, result: JobResult | None) -> str:
+        status = self.tracker.status() or {"tasks": []}
+        tasks = []
+        for entry in status["tasks"]:
+            task_id = str(entry["task_id"])
+            tasks.append(TaskRun(
+                task_id=int(task_id) if task_id.isdigit() else -1,
+                attempts=int(entry["incarnation"]) + 1,
+                rank=entry["rank"],
+                status="done" if entry["finished"] else "lost",
+            ))
+        missing = self.options.num_workers - len(tasks)
+        reason = None if result is None else result.reason
+        if missing > 0:
+            reason = f"{reason}; {missing} task(s) never reached the tracker"
+        return format_summary(tasks, reason)
+
+    def _relay(self, pipe: IO[bytes] | None, stream: TextIO) -> None:
+        if pipe is None:
+            return
+        with pipe:
+            for raw in iter(pipe.readline, b""):
+                self._writer.write(stream, raw.decode("utf-8", errors="replace").rstrip("\n"))
+
+
 def run_job(options: LaunchOptions, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Start a tracker and the workers, run the job, stop everything; return the exit status."""
     out = out or sys.stdout
@@ -657,7 +822,8 @@ def run_job(options: LaunchOptions, out: TextIO | None = None, err: TextIO | Non
         # tracker_print relays ("[rank] msg") share the workers' line lock
         print_fn=lambda line: writer.write(out, line),
     )
-    launcher = LocalLauncher(options, tracker, out, err, writer)
+    kind = GroupLauncher if options.cluster in ("slurm", "mpi") else LocalLauncher
+    launcher = kind(options, tracker, out, err, writer)
     tracker.start()
     try:
         return launcher.run()

@@ -53,6 +53,8 @@ MESSAGE_FIELDS: Final[Mapping[str, Mapping[str, type]]] = {
     "shutdown": {"hold": bool},
     "error": {"msg": str},
     "status": {},
+    # monitor -> tracker (a supervisor such as tracker.slot)
+    "give_up": {"task_id": str, "reason": str},
     # tracker -> worker
     "assign": {
         "rank": int,

@@ -391,10 +391,12 @@ class TrackerClient:
 
 
 async def query_tracker_status(
-    host: str, port: int, secret: bytes, timeout: float
+    host: str, port: int, secret: bytes, timeout: float, give_up: tuple[str, str] | None = None
 ) -> dict[str, Any]:
     """Ask a tracker for its :meth:`tracker.server.Tracker.status` over a monitor connection.
 
+    ``give_up=(task_id, reason)`` first tells it that a supervisor gave up on that task
+    (the tracker aborts the job); the status returned is then the one after that.
     Raises :class:`TrackerError` if the tracker cannot be reached, refuses us or does not
     answer within ``timeout`` seconds.
     """
@@ -404,6 +406,9 @@ async def query_tracker_status(
         raise TrackerError(f"cannot query the tracker at {host}:{port}: {exc}") from exc
     reader, writer = await asyncio.open_connection(sock=sock)
     try:
+        if give_up is not None:
+            writer.write(encode_frame({"t": "give_up", "task_id": give_up[0],
+                                       "reason": give_up[1]}))
         writer.write(encode_frame({"t": "status"}))
         decoder = FrameDecoder()
         async with asyncio.timeout(timeout):

@@ -1,0 +1,214 @@
+"""``rabit2-submit --cluster slurm`` and ``--cluster mpi`` with the real launchers.
+
+Slurm: a private slurmctld + slurmd (one node, this machine, free ports, state in a
+temporary directory) started by the fixture and stopped after.  MPI: Open MPI's mpirun.
+Each is skipped, with the reason, where it is not installed; `.ci/run` installs both.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+GBDT = ("-m", "rabit2.examples.gbdt", "--size", "ci", "mock=2,3,1,0")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def _stop_daemon(pid_file: Path) -> None:
+    try:
+        pid = int(pid_file.read_text())
+    except (OSError, ValueError):
+        return
+    for signum in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A one-node Slurm cluster of this machine; yields the environment that points at it."""
+    tools = [shutil.which(tool) for tool in ("srun", "sinfo", "slurmctld", "slurmd")]
+    if None in tools:
+        pytest.skip("Slurm (slurm-wlm) is not installed")
+    if os.geteuid() != 0:
+        pytest.skip("the private Slurm daemons run as root")
+    d = tmp_path_factory.mktemp("slurm")
+    for sub in ("state", "spool", "log"):
+        (d / sub).mkdir()
+    host = socket.gethostname().split(".")[0]
+    conf = d / "slurm.conf"
+    # (config_overrides below lets this 2-core machine offer 8 CPUs: 4 workers oversubscribed)
+    node = ("CPUs=8 Sockets=1 CoresPerSocket=8 ThreadsPerCore=1 RealMemory=2000 "
+            "State=UNKNOWN")
+    conf.write_text(textwrap.dedent(f"""\
+        ClusterName=rabit2test
+        SlurmctldHost={host}(127.0.0.1)
+        SlurmUser=root
+        SlurmdUser=root
+        AuthType=auth/none
+        CredType=cred/none
+        MpiDefault=none
+        ProctrackType=proctrack/pgid
+        TaskPlugin=task/none
+        SwitchType=switch/none
+        SchedulerType=sched/backfill
+        SelectType=select/cons_tres
+        SelectTypeParameters=CR_Core
+        ReturnToService=2
+        SlurmctldPort={_free_port()}
+        SlurmdPort={_free_port()}
+        StateSaveLocation={d}/state
+        SlurmdSpoolDir={d}/spool
+        SlurmctldPidFile={d}/slurmctld.pid
+        SlurmdPidFile={d}/slurmd.pid
+        SlurmctldLogFile={d}/log/slurmctld.log
+        SlurmdLogFile={d}/log/slurmd.log
+        JobAcctGatherType=jobacct_gather/none
+        AccountingStorageType=accounting_storage/none
+        NodeName={host} NodeAddr=127.0.0.1 {node}
+        PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
+        SlurmdParameters=config_overrides
+        """))
+    env = {**os.environ, "SLURM_CONF": str(conf)}
+    try:
+        for daemon in ("slurmctld", "slurmd"):
+            subprocess.run([daemon, "-f", str(conf)], env=env, check=True, timeout=30)
+        deadline = time.monotonic() + 30
+        while subprocess.run(["sinfo", "-h", "-o", "%t"], env=env, capture_output=True,
+                             text=True, check=False).stdout.strip() != "idle":
+            if time.monotonic() > deadline:
+                log = (d / "log" / "slurmctld.log").read_text(errors="replace")[-2000:]
+                pytest.fail(f"the private Slurm node never became idle:\n{log}")
+            time.sleep(0.2)
+        yield env
+    finally:
+        _stop_daemon(d / "slurmd.pid")
+        _stop_daemon(d / "slurmctld.pid")
+
+
+def _mpirun() -> str:
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("Open MPI's mpirun is not installed")
+    flags = " --oversubscribe"  # 4 workers on 2 cores
+    if os.geteuid() == 0:
+        flags += " --allow-run-as-root"
+    return mpirun + flags
+
+
+def submit(cluster: str, *command: str, extra: tuple[str, ...] = ()) -> list[str]:
+    launcher = ("--mpirun", _mpirun()) if cluster == "mpi" else ()
+    return [sys.executable, "-m", "tracker.submit", "--cluster", cluster, "-n", "4",
+            "--tracker-host", "127.0.0.1", "--kill-grace", "1", *launcher, *extra, "--",
+            sys.executable, *command]
+
+
+@pytest.fixture(params=["slurm", "mpi"])
+def cluster(request: pytest.FixtureRequest) -> tuple[str, dict[str, str]]:
+    if request.param == "slurm":
+        return "slurm", request.getfixturevalue("slurm")
+    _mpirun()  # (skips where there is none)
+    return "mpi", dict(os.environ)
+
+
+def test_a_killed_worker_is_restarted_in_its_slot_and_the_job_recovers(
+    cluster: tuple[str, dict[str, str]],
+) -> None:
+    kind, env = cluster
+    done = subprocess.run(submit(kind, *GBDT), env=env, capture_output=True, text=True,
+                          timeout=150, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # (an unbuffered print is two writes, which mpirun may forward apart: no anchors)
+    digests = re.findall(r"gbdt rank=(\d) world=4 .*? digest=([0-9a-f]{64})", done.stdout)
+    assert sorted(rank for rank, _ in digests) == ["0", "1", "2", "3"], done.stdout
+    assert len({digest for _, digest in digests}) == 1
+    assert "[rabit2 slot 2] exited with 137 (attempt 1/3); restarting" in done.stderr
+    assert re.search(r"^2\s+2\s+2\s+-\s+done$", done.stderr, re.M), done.stderr
+    assert "job: every rank shut down" in done.stderr
+    if kind == "slurm":
+        assert re.search(r"^0: gbdt rank=0 ", done.stdout, re.M)  # srun's --label
+
+
+def test_a_worker_that_keeps_failing_ends_the_job_at_once(
+    cluster: tuple[str, dict[str, str]],
+) -> None:
+    """Rank 1 dies in every attempt while the others wait in a call for its replacement:
+    when its slot gives up it tells the tracker, which aborts the job, so the others raise
+    JobAbortedError at once instead of waiting out rabit2_recover_timeout_sec (300 s)."""
+    kind, env = cluster
+    script = ("import os, numpy as np, rabit2\nrabit2.init()\n"
+              "a = np.ones(4)\nrabit2.allreduce(a, rabit2.Op.SUM)\n"
+              "if rabit2.get_rank() == 1:\n    os._exit(5)\n"
+              "rabit2.allreduce(a, rabit2.Op.SUM)\nrabit2.finalize()\n")
+    start = time.monotonic()
+    done = subprocess.run(submit(kind, "-c", script, extra=("--max-attempts", "2")), env=env,
+                          capture_output=True, text=True, timeout=150, check=False)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "[rabit2 slot 1] exited with 5 after 2 attempts; giving up" in done.stderr
+    assert "JobAbortedError" in done.stderr and "failed for good" in done.stderr
+    assert time.monotonic() - start < 90
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "timeout"])
+def test_no_worker_outlives_the_launcher(cluster: tuple[str, dict[str, str]], how: str,
+                                         tmp_path: Path) -> None:
+    kind, env = cluster
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    sleeper = ("import os, time, rabit2\nrabit2.init()\n"
+               f"open(os.path.join({str(pids)!r}, str(os.getpid())), 'w').close()\n"
+               "time.sleep(300)\n")
+    extra = ("--timeout", "8") if how == "timeout" else ()
+    proc = subprocess.Popen(submit(kind, "-c", sleeper, extra=extra), env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(pids.iterdir())) < 4:
+            assert time.monotonic() < deadline and proc.poll() is None, "workers never up"
+            time.sleep(0.05)
+        if how == "SIGTERM":
+            proc.send_signal(signal.SIGTERM)
+        _out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    if how == "SIGTERM":
+        assert proc.returncode == 130, err
+    else:
+        assert proc.returncode == 1 and "timed out after 8s" in err, err
+    deadline = time.monotonic() + 20
+    for pid in (int(p.name) for p in pids.iterdir()):
+        while True:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                break
+            assert time.monotonic() < deadline, f"worker {pid} outlived the launcher"
+            time.sleep(0.05)
