@@ -6,13 +6,13 @@ test_ssh_cluster.py runs it through a real sshd.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from jobs import assert_gone
 
 from tracker.remote import HeaderError, check_header, encode_header
 
@@ -77,15 +77,7 @@ def test_the_launcher_going_away_stops_the_whole_process_group(tmp_path: Path) -
     proc.wait(timeout=20)
     assert time.monotonic() - started < 10
     assert proc.returncode == 128 + 9  # SIGTERM was ignored, SIGKILL was not
-    deadline = time.monotonic() + 10
-    for pid in (worker, grandchild):
-        while True:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            assert time.monotonic() < deadline, f"pid {pid} survived its launcher"
-            time.sleep(0.05)
+    assert_gone((worker, grandchild), 10)
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,6 @@ restarts: real processes, a real tracker, and (where Open MPI is installed) real
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -13,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from jobs import assert_gone, assert_one_model, wait_until
 
 from tracker.server import TrackerThread
 from tracker.slot import restart_refused
@@ -96,24 +96,13 @@ def test_the_launcher_signalling_the_task_stops_it_and_nothing_restarts(tmp_path
     # as srun and mpirun start a task: a process group of its own, which they signal
     proc = slot(sys.executable, "-c", script, env=base_env(DMLC_TASK_ID="0"),
                 start_new_session=True)
-    deadline = time.monotonic() + 30
-    while not pids.exists():
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.05)
+    wait_until(pids.exists, 30, proc, "the worker")
     os.killpg(proc.pid, signal.SIGTERM)
     _out, err = proc.communicate(timeout=30)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "restarting" not in err
     assert len(pids.read_text().splitlines()) == 1  # one run only
-    deadline = time.monotonic() + 10
-    for pid in map(int, pids.read_text().split()):
-        while True:
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                break
-            assert time.monotonic() < deadline, f"pid {pid} survived"
-            time.sleep(0.05)
+    assert_gone(map(int, pids.read_text().split()), 10)
 
 
 def test_no_restart_once_the_job_is_over_or_the_tracker_is_gone() -> None:
@@ -161,10 +150,7 @@ def test_mpirun_job_recovers_a_killed_worker_through_the_slot() -> None:
         done = subprocess.run(argv, env=base_env(**job), capture_output=True, text=True,
                               timeout=100, check=False)
         assert done.returncode == 0, done.stdout + done.stderr
-        # (an unbuffered print is two writes, which mpirun may forward apart: no anchors)
-        digests = re.findall(r"gbdt rank=(\d) world=4 .*? digest=([0-9a-f]{64})", done.stdout)
-        assert sorted(rank for rank, _ in digests) == ["0", "1", "2", "3"], done.stdout
-        assert len({digest for _, digest in digests}) == 1
+        assert_one_model(done.stdout, 4)
         assert "[rabit2 slot 2] exited with 137 (attempt 1/3); restarting" in done.stderr
         result = tracker.join(30)
         assert result is not None and result.success
@@ -222,10 +208,7 @@ def test_a_signal_to_the_slot_alone_stops_the_worker(tmp_path: Path) -> None:
     script = f"import time\nopen({str(marker)!r}, 'w').close()\ntime.sleep(300)\n"
     proc = slot(sys.executable, "-c", script, env=base_env(DMLC_TASK_ID="0"),
                 start_new_session=True)
-    deadline = time.monotonic() + 30
-    while not marker.exists():
-        assert time.monotonic() < deadline and proc.poll() is None
-        time.sleep(0.05)
+    wait_until(marker.exists, 30, proc, "the worker")
     proc.send_signal(signal.SIGTERM)
     _out, err = proc.communicate(timeout=30)
     assert proc.returncode == 128 + signal.SIGTERM and "restarting" not in err

@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import netns
 import pytest
+from jobs import assert_one_model
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -151,8 +153,7 @@ def test_a_worker_killed_on_a_remote_host_is_restarted_and_the_job_recovers(
         check=False, capture_output=True, text=True, timeout=150, cwd=keys,
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    digests = set(re.findall(r"rank=\d world=4 .* digest=([0-9a-f]+)", done.stdout))
-    assert len(digests) == 1, done.stdout
+    assert_one_model(done.stdout, 4)
     assert re.search(r"^2\s+2\s+2\s+0\s+ok$", done.stderr, re.M), done.stderr  # 2 attempts
     assert workers_left(bed) == []
 
@@ -188,3 +189,27 @@ def test_no_remote_worker_outlives_its_launcher(
     while workers_left(bed):
         assert time.monotonic() < deadline, f"left on the hosts: {workers_left(bed)}"
         time.sleep(0.1)
+
+
+def test_a_host_that_refuses_ssh_fails_the_job_with_ssh_s_reason(tmp_path: Path) -> None:
+    """No sshd where the host file points (a closed port on loopback): every attempt fails
+    at once with ssh's own message, and the job ends after --max-attempts, typed, without
+    waiting.  Needs only the ssh client."""
+    if shutil.which("ssh") is None:
+        pytest.skip("the OpenSSH client is not installed")
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"127.0.0.1:{port}\n")
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "--cluster", "ssh", "--host-file", str(hosts),
+         "--ssh", "ssh -o StrictHostKeyChecking=no -o UserKnownHostsFile=/dev/null",
+         "-n", "2", "--max-attempts", "2", "--", sys.executable, "-c", "pass"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "Connection refused" in done.stderr
+    assert "exited with 255 after 2 attempts" in done.stderr
+    assert time.monotonic() - started < 60

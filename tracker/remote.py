@@ -152,11 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="seconds to wait for the job description on stdin")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
-    command = list(args.command)
-    if command[:1] == ["--"]:
-        command = command[1:]
-    if not command:
-        parser.error("no command given (put it after --)")
+    command = command_after(parser, args.command)
     try:
         header, _ = read_header(0, args.wait)
     except HeaderError as exc:
@@ -181,6 +177,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     threading.Thread(target=_watch_stdin, args=(0, child), daemon=True,
                      name="rabit2-remote-stdin").start()
     return exit_status(proc.wait())
+
+
+def command_after(parser: argparse.ArgumentParser, words: Sequence[str]) -> list[str]:
+    """The command of an ``[options] -- command...`` line (``argparse.REMAINDER`` keeps the
+    ``--``); a usage error (exit 2) if there is none."""
+    command = list(words)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        parser.error("no command given (put it after --)")
+    return command
 
 
 def exit_status(code: int) -> int:

@@ -40,7 +40,7 @@ from typing import Any
 from rabit2.config import launcher_task
 from rabit2.errors import RabitError
 from rabit2.io.tracker_client import query_tracker_status
-from tracker.remote import ChildGroup, exit_status
+from tracker.remote import ChildGroup, command_after, exit_status
 
 EXIT_USAGE = 2
 QUERY_TIMEOUT = 10.0
@@ -88,11 +88,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--kill-grace", type=float, default=5.0, metavar="S")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
-    command = list(args.command)
-    if command[:1] == ["--"]:
-        command = command[1:]
-    if not command:
-        parser.error("no command given (put it after --)")
+    command = command_after(parser, args.command)
     if args.max_attempts < 1:
         parser.error("--max-attempts must be >= 1")
     if args.restart_delay < 0 or args.kill_grace < 0:
