@@ -444,3 +444,31 @@ def test_a_missing_srun_or_mpirun_fails_the_job_clearly() -> None:
     out, err = io.StringIO(), io.StringIO()
     assert run_job(opts, out, err) == EXIT_FAILED
     assert "cannot start '/nonexistent/mpirun'" in err.getvalue()
+
+
+def test_dry_run_prints_the_commands_and_starts_nothing(tmp_path: Path) -> None:
+    """--dry-run: the worker command lines (the secret is named, never shown), no tracker,
+    no process; exit 0."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1:2222 slots=2\n")
+    marker = tmp_path / "ran"
+    command = ["--", sys.executable, "-c", f"open({str(marker)!r}, 'w')"]
+    for extra in (["--cluster", "local"], ["--cluster", "ssh", "--host-file", str(hosts)],
+                  ["--cluster", "slurm"], ["--cluster", "mpi", "--env", "X=1"]):
+        done = subprocess.run([sys.executable, "-m", "tracker.submit", "--dry-run", "-n", "2",
+                               *extra, *command], capture_output=True, text=True, timeout=30,
+                              check=False)
+        assert done.returncode == 0, done.stderr
+        lines = done.stdout.splitlines()
+        assert lines[0].startswith("# tracker on ") and "RABIT2_SECRET" in lines[0]
+        body = "\n".join(lines[1:])
+        if extra[1] == "local":
+            assert body.count("DMLC_TASK_ID=") == 2
+        elif extra[1] == "ssh":
+            assert body.count("ssh -o BatchMode=yes") == 2 and "-p 2222 127.0.0.1" in body
+        elif extra[1] == "slurm":
+            assert body.startswith("srun -n 2 --kill-on-bad-exit=0 --label ")
+        else:
+            assert body.startswith("mpirun -n 2 ") and "-x RABIT2_SECRET -x X " in body
+        assert "tracker.slot" in body or extra[1] in ("local", "ssh")
+    assert not marker.exists()

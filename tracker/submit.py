@@ -41,7 +41,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from types import FrameType
 from typing import IO, TextIO
 
@@ -91,6 +91,7 @@ class LaunchOptions:
     remote_dir: str = ""  # --cluster ssh: where the command runs ("": the login directory)
     remote_python: str = "python3"  # --cluster ssh/slurm/mpi: runs tracker.remote/.slot
     group: tuple[str, ...] = ()  # --cluster slurm/mpi: the srun/mpirun command and options
+    dry_run: bool = False
 
 
 def parse_host_file(text: str) -> tuple[Host, ...]:
@@ -240,6 +241,8 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
                         help="auto (default): start each worker on an equal group of the "
                              "CPUs (one CPU each, round-robin, when there are more workers "
                              "than CPUs); core: worker i on CPU i mod ncpu; none: no pinning")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the commands that would start the workers, and exit")
     parser.add_argument("--heartbeat-timeout", type=float, default=30.0, metavar="S",
                         help="a worker silent this long (e.g. a paused process) is lost "
                              "and killed; with recovery on it is restarted and its "
@@ -321,6 +324,7 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
         kill_grace=args.kill_grace,
         bind=args.bind,
         heartbeat_timeout=args.heartbeat_timeout,
+        dry_run=args.dry_run,
         cluster=args.cluster,
         hosts=hosts,
         ssh=ssh_command,
@@ -658,6 +662,14 @@ def group_env(base: Mapping[str, str], tracker_env: Mapping[str, str],
     return env
 
 
+def group_forward(job: Iterable[str], extra: Sequence[tuple[str, str]],
+                  environ: Mapping[str, str]) -> list[str]:
+    """The variables mpirun must pass on to every worker (``-x``): the job's, the
+    ``--env`` ones and the launcher's ``RABIT2_*`` settings (pure)."""
+    return sorted({*job, "DMLC_ROLE", "PYTHONUNBUFFERED", *(key for key, _ in extra),
+                   *(key for key in environ if key.startswith("RABIT2_"))})
+
+
 def group_argv(options: LaunchOptions, forward: Sequence[str]) -> list[str]:
     """The one srun or mpirun command line that starts every worker under
     :mod:`tracker.slot` (pure).  mpirun gets ``-x NAME`` for each variable in ``forward``
@@ -719,9 +731,7 @@ class GroupLauncher:
     def run(self) -> int:
         options = self.options
         job = self.tracker.worker_env()
-        forward = [*job, "DMLC_ROLE", "PYTHONUNBUFFERED", *(key for key, _ in options.env),
-                   *(key for key in os.environ if key.startswith("RABIT2_"))]
-        argv = group_argv(options, sorted(set(forward)))
+        argv = group_argv(options, group_forward(job, options.env, os.environ))
         env = group_env(os.environ, job, options.env)
         self._note(" ".join(shlex.quote(word) for word in argv))
         try:
@@ -808,10 +818,36 @@ class GroupLauncher:
                 self._writer.write(stream, raw.decode("utf-8", errors="replace").rstrip("\n"))
 
 
+def dry_run_lines(options: LaunchOptions) -> list[str]:
+    """What ``--dry-run`` prints: one command line per worker (``local``, ``ssh``) or the
+    one srun/mpirun line, as a shell would take it, with the job's variables named but not
+    their values (the tracker's address and secret exist only once it runs) (pure)."""
+    job = ["DMLC_TRACKER_URI", "DMLC_TRACKER_PORT", "DMLC_NUM_WORKER", "RABIT2_SECRET"]
+    lines = [f"# tracker on {options.tracker_host}:{options.tracker_port or '<any free port>'}; "
+             f"every worker gets {', '.join(job)}, DMLC_ROLE=worker"
+             + "".join(f", {key}={value}" for key, value in options.env)]
+    if options.cluster in ("slurm", "mpi"):
+        lines.append(shlex.join(group_argv(options,
+                                           group_forward(job, options.env, os.environ))))
+        return lines
+    for task in range(options.num_workers):
+        if options.cluster == "ssh":
+            command = shlex.join(ssh_argv(options, options.hosts[task]))
+            lines.append(f"# task {task}: job variables on stdin to tracker.remote\n{command}")
+        else:
+            cpus = bind_cpus_for(task, options.num_workers, options.bind)
+            where = "" if cpus is None else f" (CPUs {','.join(map(str, cpus))})"
+            lines.append(f"DMLC_TASK_ID={task} {shlex.join(options.command)}{where}")
+    return lines
+
+
 def run_job(options: LaunchOptions, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Start a tracker and the workers, run the job, stop everything; return the exit status."""
     out = out or sys.stdout
     err = err or sys.stderr
+    if options.dry_run:
+        out.write("\n".join(dry_run_lines(options)) + "\n")
+        return EXIT_OK
     writer = LineWriter()
     tracker = TrackerThread(
         options.num_workers,
