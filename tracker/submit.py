@@ -10,8 +10,8 @@
   Everything below holds for both.
 * ``slurm`` and ``mpi`` hand all N to one ``srun`` or ``mpirun``, each worker under
   :mod:`tracker.slot`, which restarts it in place (:class:`GroupLauncher`): same
-  environment, restarts and recovery; the output carries srun's ``--label`` (mpirun's
-  own tags on request) instead of ``[rank r]``, and the summary comes from the tracker.
+  environment, restarts and recovery; srun's ``--label`` becomes ``[rank r]`` (mpirun's
+  output is passed on as it comes), and the summary comes from the tracker.
 
 * A fresh job secret (``secrets.token_hex(32)``) is generated for every job, so a local job is
   always authenticated.
@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import dataclasses
 import os
+import re
 import secrets
 import shlex
 import signal
@@ -53,6 +54,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_INTERRUPTED = 130
 _POLL_SEC = 0.02
+_SRUN_LABEL = re.compile(r"\s*(\d+): ")
 _ABORT_GRACE_SEC = 10.0  # after the tracker aborted, workers get this long to exit themselves
 
 
@@ -811,11 +813,18 @@ class GroupLauncher:
         return format_summary(tasks, reason)
 
     def _relay(self, pipe: IO[bytes] | None, stream: TextIO) -> None:
+        """Pass the group's lines on; srun's ``--label`` ("3: ...", the task index, which is
+        the task id) becomes ``[rank r]`` as with the other back-ends."""
         if pipe is None:
             return
         with pipe:
             for raw in iter(pipe.readline, b""):
-                self._writer.write(stream, raw.decode("utf-8", errors="replace").rstrip("\n"))
+                line = raw.decode("utf-8", errors="replace").rstrip("\n")
+                label = _SRUN_LABEL.match(line) if self.options.cluster == "slurm" else None
+                if label is not None:
+                    rank = self.tracker.rank_of(label.group(1))
+                    line = f"[rank {label.group(1) if rank is None else rank}] {line[label.end():]}"
+                self._writer.write(stream, line)
 
 
 def dry_run_lines(options: LaunchOptions) -> list[str]:
