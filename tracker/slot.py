@@ -42,7 +42,6 @@ from rabit2.errors import RabitError
 from rabit2.io.tracker_client import query_tracker_status
 from tracker.remote import ChildGroup, command_after, exit_status
 
-EXIT_USAGE = 2
 QUERY_TIMEOUT = 10.0
 
 
