@@ -199,3 +199,25 @@ def test_no_worker_outlives_the_launcher(cluster: tuple[str, dict[str, str]], ho
     else:
         assert proc.returncode == 1 and "timed out after 8s" in err, err
     assert_gone((int(p.name) for p in pids.iterdir()), 20, "worker")
+
+
+def test_a_paused_worker_is_killed_by_its_slot_and_replaced(
+    cluster: tuple[str, dict[str, str]],
+) -> None:
+    """Rank 1 stops itself (SIGSTOP: alive, silent). The tracker declares it lost after
+    --heartbeat-timeout; its slot, watching the tracker, kills it; the replacement
+    rejoins and the job finishes with the right sums."""
+    kind, env = cluster
+    script = ("import os, signal, numpy as np, rabit2\nrabit2.init()\n"
+              "a = np.ones(4)\nrabit2.allreduce(a, rabit2.Op.SUM)\n"
+              "if rabit2.get_rank() == 1 and os.environ['DMLC_NUM_ATTEMPT'] == '0':\n"
+              "    os.kill(os.getpid(), signal.SIGSTOP)\n"
+              "b = np.ones(4) * (rabit2.get_rank() + 1)\nrabit2.allreduce(b, rabit2.Op.SUM)\n"
+              "assert a.tolist() == [4.0] * 4 and b.tolist() == [10.0] * 4, (a, b)\n"
+              "print('sums ok', flush=True)\nrabit2.finalize()\n")
+    done = subprocess.run(submit(kind, "-c", script, extra=("--heartbeat-timeout", "2")),
+                          env=env, capture_output=True, text=True, timeout=150, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("sums ok") == 4
+    assert "[rabit2 slot 1] the tracker declared it lost" in done.stderr
+    assert re.search(r"^1\s+1\s+2\s+-\s+done$", done.stderr, re.M), done.stderr

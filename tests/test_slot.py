@@ -77,6 +77,7 @@ def test_one_attempt_means_recovery_off_and_no_restart() -> None:
         (["--max-attempts", "0", "--", "x"], {"DMLC_TASK_ID": "0"}, "--max-attempts"),
         (["--"], {"DMLC_TASK_ID": "0"}, "no command"),
         (["--", "x"], {"DMLC_TASK_ID": "0", "DMLC_NUM_ATTEMPT": "one"}, "not an integer"),
+        (["--watch", "-1", "--", "x"], {"DMLC_TASK_ID": "0"}, "--watch must be >= 0"),
     ],
 )
 def test_usage_errors(argv: list[str], env: dict[str, str], message: str) -> None:

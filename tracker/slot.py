@@ -17,7 +17,10 @@ that is still any use: not when the job is over (finished or aborted), when this
 already shut down (it failed for good after telling the tracker), or when the tracker
 cannot be reached.  When its attempts are used up it tells the tracker (``give_up``,
 ``docs/protocol.md``), which aborts the job as ``rabit2-submit`` would: the other workers
-raise ``JobAbortedError`` at once instead of waiting for a replacement.  SIGTERM, SIGINT
+raise ``JobAbortedError`` at once instead of waiting for a replacement.  While a worker
+runs, the slot asks the tracker every ``--watch`` seconds whether it declared that worker
+lost (paused or wedged past the heartbeat deadline): then it kills it, and the usual
+restart follows.  SIGTERM, SIGINT
 or SIGHUP (the launcher cancelling the job) stop the command (SIGTERM, then SIGKILL after
 ``--kill-grace``; it runs in this program's process group, which the launcher tracks) and
 end the supervisor without a restart.  Exit
@@ -85,6 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="runs in all, the first included (default 3)")
     parser.add_argument("--restart-delay", type=float, default=0.0, metavar="S")
     parser.add_argument("--kill-grace", type=float, default=5.0, metavar="S")
+    parser.add_argument("--watch", type=float, default=5.0, metavar="S",
+                        help="ask the tracker this often whether it declared the running "
+                             "worker lost (a paused or wedged process); 0: never (default 5)")
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
     command = command_after(parser, args.command)
@@ -92,6 +98,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--max-attempts must be >= 1")
     if args.restart_delay < 0 or args.kill_grace < 0:
         parser.error("--restart-delay and --kill-grace must be >= 0")
+    if args.watch < 0:
+        parser.error("--watch must be >= 0")
     env = dict(os.environ)
     task, attempt_text = launcher_task(env)
     if task is None:
@@ -130,7 +138,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         current[:] = [ChildGroup(proc, args.kill_grace, whole_group=False)]
         if stopped.is_set():  # a signal between the check and the start
             current[0].stop()
+        ended = threading.Event()
+        if args.watch > 0:
+            threading.Thread(target=_watch,
+                             args=(env, task, first_attempt + run, proc, args.watch, ended),
+                             daemon=True, name="rabit2-slot-watch").start()
         code = exit_status(proc.wait())
+        ended.set()
         if code == 0 or stopped.is_set():
             return code
         if run + 1 == args.max_attempts:
@@ -147,6 +161,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         if stopped.wait(args.restart_delay):
             return code
     return code
+
+
+def _watch(env: Mapping[str, str], task: str, attempt: int, proc: subprocess.Popen[bytes],
+           interval: float, ended: threading.Event) -> None:
+    """Kill the running worker (SIGKILL: a stopped process too) once the tracker has
+    declared it lost, e.g. silent past its heartbeat deadline, so that the usual restart
+    runs, as ``rabit2-submit`` does for its own workers.  "Lost" is: the tracker knows this
+    run (its attempt number), no longer has a connection from it, and it did not shut down.
+    A tracker that cannot be asked is asked again later."""
+    while not ended.wait(interval):
+        status = _ask_tracker(env)
+        if status is None:
+            return  # no tracker in the environment: nothing to watch
+        if isinstance(status, str):
+            continue
+        if status.get("done"):
+            return
+        entry = next((e for e in status.get("tasks", []) if e.get("task_id") == task), None)
+        if (entry is not None and entry.get("attempt") == attempt
+                and not entry.get("connected") and not entry.get("finished")
+                and proc.poll() is None and not ended.is_set()):
+            _note(task, "the tracker declared it lost (silent or disconnected) while it "
+                        "still runs; killing it")
+            proc.kill()
+            return
 
 
 def _note(task: str, message: str) -> None:

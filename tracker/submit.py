@@ -716,9 +716,9 @@ class GroupLauncher:
     """``--cluster slurm`` / ``mpi``: one srun or mpirun starts every worker, each under
     :mod:`tracker.slot` (which restarts it in place, after asking the tracker); this
     process runs the tracker, relays the output, bounds the job and stops it, and prints a
-    summary taken from the tracker.  A paused worker that the tracker declares lost is not
-    killed from here (the launcher has no handle on one remote process): with recovery on
-    its neighbours wait for it up to ``rabit2_recover_timeout_sec``."""
+    summary taken from the tracker.  A paused worker that the tracker declares lost is
+    killed by its slot (``--watch``), not from here: this process has no handle on one
+    remote worker."""
 
     def __init__(self, options: LaunchOptions, tracker: TrackerThread, out: TextIO,
                  err: TextIO, writer: LineWriter | None = None) -> None:
