@@ -251,6 +251,10 @@ async def test_sortby_arrival_and_status_query(make_tracker: Callable[..., Any])
     status = await query_tracker_status(HOST, tracker.port, SECRET, 5)
     assert [t["task_id"] for t in status["tasks"]] == ["c", "a", "b"]
     assert [t["rank"] for t in status["tasks"]] == [0, 1, 2]
+    one = await query_tracker_status(HOST, tracker.port, SECRET, 5, task_id="a")
+    assert [t["task_id"] for t in one["tasks"]] == ["a"] and one["registered"] == 3
+    none = await query_tracker_status(HOST, tracker.port, SECRET, 5, task_id="zz")
+    assert none["tasks"] == [] and none["registered"] == 3
     assignments = [await c.wait_assignment(5) for c in clients]
     assert [a.rank for a in assignments] == [0, 1, 2]
     with pytest.raises(TrackerError):
@@ -740,3 +744,26 @@ def test_tracker_cli_query_of_no_tracker_fails_typed() -> None:
                            "--secret", "ab", "--query-timeout", "2"],
                           capture_output=True, text=True, timeout=30, check=False)
     assert done.returncode == 1 and "cannot query the tracker" in done.stderr
+
+
+@pytest.mark.asyncio
+async def test_a_bad_status_filter_closes_that_connection_only(
+    make_tracker: Callable[..., Any],
+) -> None:
+    """status.task_id must be a str: anything else is refused, naming the field, and closes
+    that monitor connection; the job goes on."""
+    from rabit2.core.control import FrameDecoder, encode_frame  # noqa: PLC0415
+    from rabit2.io.handshake import connect_authenticated  # noqa: PLC0415
+
+    tracker = await make_tracker(1)
+    sock, _ = await connect_authenticated(HOST, tracker.port, SECRET, {"role": "monitor"}, 5)
+    reader, writer = await asyncio.open_connection(sock=sock)
+    writer.write(encode_frame({"t": "status", "task_id": 7}))
+    received = await asyncio.wait_for(reader.read(), 5)  # to the end: the tracker closes
+    (refusal,) = FrameDecoder().feed(received)
+    assert refusal["t"] == "refuse" and "status.task_id must be a str" in refusal["reason"]
+    writer.close()
+    client = await TrackerClient.connect(config(tracker, "0"), 21500)
+    assert (await client.wait_assignment(5)).world_size == 1
+    await client.shutdown(5)
+    assert (await tracker.wait_done(5)).success

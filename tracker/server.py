@@ -242,9 +242,11 @@ class Tracker:
         who = f"task {task_id}" if task is None else _describe(task)
         self._abort(f"{who} failed for good: {reason}", exclude=None)
 
-    def status(self) -> dict[str, Any]:
-        """A msgpack-able snapshot for humans and monitoring."""
+    def status(self, only: str | None = None) -> dict[str, Any]:
+        """A msgpack-able snapshot for humans and monitoring; ``only``: list that task alone
+        in ``tasks`` (the totals still count every task)."""
         tasks = sorted(self._tasks.values(), key=lambda t: (t.rank is None, t.rank, t.arrival))
+        listed = tasks if only is None else [task for task in tasks if task.task_id == only]
         return {
             "world_size": self.n_workers,
             "port": self.port,
@@ -269,7 +271,7 @@ class Tracker:
                     "finished": task.finished,
                     "losses": task.losses,
                 }
-                for task in tasks
+                for task in listed
             ],
         }
 
@@ -367,7 +369,10 @@ class Tracker:
         """Handle one frame; False when the connection is finished (after shutdown)."""
         kind = msg["t"]
         if kind == "status":
-            status = self.status()
+            only = msg.get("task_id")
+            if only is not None and not isinstance(only, str):
+                raise ProtocolError("status.task_id must be a str")
+            status = self.status(only)
             if len(status["tasks"]) > _STATUS_TASKS_ON_WIRE:
                 # keep the reply under MAX_FRAME; the totals above the list stay exact
                 status["tasks"] = status["tasks"][:_STATUS_TASKS_ON_WIRE]

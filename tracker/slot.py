@@ -48,10 +48,11 @@ from tracker.remote import ChildGroup, command_after, exit_status
 QUERY_TIMEOUT = 10.0
 
 
-def _ask_tracker(env: Mapping[str, str],
+def _ask_tracker(env: Mapping[str, str], task: str,
                  give_up: tuple[str, str] | None = None) -> dict[str, Any] | str | None:
-    """The job's tracker status (after telling it ``give_up``, if given); a string saying
-    why it cannot be asked; None when there is no tracker (a single-process program)."""
+    """The job's tracker status, listing ``task`` alone (after telling it ``give_up``, if
+    given); a string saying why it cannot be asked; None when there is no tracker (a
+    single-process program)."""
     host, port = env.get("DMLC_TRACKER_URI", ""), env.get("DMLC_TRACKER_PORT", "")
     if not host or host == "NULL" or not port.isdigit():
         return None
@@ -61,14 +62,15 @@ def _ask_tracker(env: Mapping[str, str],
     except ValueError:
         key = secret.encode()
     try:
-        return asyncio.run(query_tracker_status(host, int(port), key, QUERY_TIMEOUT, give_up))
+        return asyncio.run(query_tracker_status(host, int(port), key, QUERY_TIMEOUT, give_up,
+                                                task_id=task))
     except RabitError as exc:
         return f"the tracker cannot be asked ({exc})"
 
 
 def restart_refused(env: Mapping[str, str], task: str) -> str | None:
     """Why the tracker says a new run of ``task`` would be no use, or None if it would."""
-    status = _ask_tracker(env)
+    status = _ask_tracker(env, task)
     if status is None or isinstance(status, str):
         return status
     if status.get("done"):
@@ -151,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             _note(task, f"exited with {code} after {run + 1} attempts; giving up")
             # as rabit2-submit does: the job ends now, rather than the other workers
             # waiting for a replacement that will not come
-            _ask_tracker(env, (task, f"exited with {code} after {run + 1} attempts"))
+            _ask_tracker(env, task, (task, f"exited with {code} after {run + 1} attempts"))
             return code
         why = restart_refused(env, task)
         if why is not None:
@@ -171,7 +173,7 @@ def _watch(env: Mapping[str, str], task: str, attempt: int, proc: subprocess.Pop
     run (its attempt number), no longer has a connection from it, and it did not shut down.
     A tracker that cannot be asked is asked again later."""
     while not ended.wait(interval):
-        status = _ask_tracker(env)
+        status = _ask_tracker(env, task)
         if status is None:
             return  # no tracker in the environment: nothing to watch
         if isinstance(status, str):

@@ -391,10 +391,12 @@ class TrackerClient:
 
 
 async def query_tracker_status(
-    host: str, port: int, secret: bytes, timeout: float, give_up: tuple[str, str] | None = None
+    host: str, port: int, secret: bytes, timeout: float,
+    give_up: tuple[str, str] | None = None, task_id: str | None = None,
 ) -> dict[str, Any]:
     """Ask a tracker for its :meth:`tracker.server.Tracker.status` over a monitor connection.
 
+    ``task_id``: list that task alone (a job of 1024 tasks answers 100 KB otherwise).
     ``give_up=(task_id, reason)`` first tells it that a supervisor gave up on that task
     (the tracker aborts the job); the status returned is then the one after that.
     Raises :class:`TrackerError` if the tracker cannot be reached, refuses us or does not
@@ -409,7 +411,8 @@ async def query_tracker_status(
         if give_up is not None:
             writer.write(encode_frame({"t": "give_up", "task_id": give_up[0],
                                        "reason": give_up[1]}))
-        writer.write(encode_frame({"t": "status"}))
+        writer.write(encode_frame({"t": "status"} if task_id is None
+                                  else {"t": "status", "task_id": task_id}))
         decoder = FrameDecoder()
         async with asyncio.timeout(timeout):
             while True:
