@@ -46,6 +46,7 @@ from rabit2.io.tracker_client import query_tracker_status
 from tracker.remote import ChildGroup, command_after, exit_status
 
 QUERY_TIMEOUT = 10.0
+_EXIT_GRACE = 2.0  # a worker seen disconnected gets this long to be exiting on its own
 
 
 def _ask_tracker(env: Mapping[str, str], task: str,
@@ -182,8 +183,11 @@ def _watch(env: Mapping[str, str], task: str, attempt: int, proc: subprocess.Pop
             return
         entry = next((e for e in status.get("tasks", []) if e.get("task_id") == task), None)
         if (entry is not None and entry.get("attempt") == attempt
-                and not entry.get("connected") and not entry.get("finished")
-                and proc.poll() is None and not ended.is_set()):
+                and not entry.get("connected") and not entry.get("finished")):
+            # a worker that closed its tracker connection because it is exiting is gone
+            # within a moment; one that is paused or wedged is not
+            if ended.wait(_EXIT_GRACE) or proc.poll() is not None:
+                return
             _note(task, "the tracker declared it lost (silent or disconnected) while it "
                         "still runs; killing it")
             proc.kill()
