@@ -385,8 +385,9 @@ class Tracker:
             task_id = msg["task_id"]
             if not 0 < len(task_id) <= _MAX_TASK_ID:
                 raise ProtocolError(f"task_id must have 1..{_MAX_TASK_ID} characters")
-            logger.error("task %s given up by its supervisor: %s", task_id, msg["reason"])
-            self.mark_failed(task_id, msg["reason"][:_MAX_REASON])
+            reason = msg["reason"][:_MAX_REASON]
+            logger.error("task %s given up by its supervisor: %s", task_id, reason)
+            self.mark_failed(task_id, reason)
             return True
         if conn.role != "worker":
             raise ProtocolError(f"a {conn.role} connection may only send status or give_up, "

@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import Any
 
-from rabit2.config import launcher_task
+from rabit2.config import launcher_task, load_config
 from rabit2.errors import RabitError
 from rabit2.io.tracker_client import query_tracker_status
 from tracker.remote import ChildGroup, command_after, exit_status
@@ -54,17 +54,15 @@ def _ask_tracker(env: Mapping[str, str], task: str,
     """The job's tracker status, listing ``task`` alone (after telling it ``give_up``, if
     given); a string saying why it cannot be asked; None when there is no tracker (a
     single-process program)."""
-    host, port = env.get("DMLC_TRACKER_URI", ""), env.get("DMLC_TRACKER_PORT", "")
-    if not host or host == "NULL" or not port.isdigit():
+    try:
+        cfg = load_config(environ=env)  # the tracker and secret exactly as a worker reads them
+    except ValueError as exc:
+        return f"the tracker cannot be asked ({exc})"
+    if cfg.tracker_uri is None:
         return None
-    secret = env.get("RABIT2_SECRET", "")
     try:
-        key = bytes.fromhex(secret)
-    except ValueError:
-        key = secret.encode()
-    try:
-        return asyncio.run(query_tracker_status(host, int(port), key, QUERY_TIMEOUT, give_up,
-                                                task_id=task))
+        return asyncio.run(query_tracker_status(cfg.tracker_uri, cfg.tracker_port, cfg.secret,
+                                                QUERY_TIMEOUT, give_up, task_id=task))
     except RabitError as exc:
         return f"the tracker cannot be asked ({exc})"
 

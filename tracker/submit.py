@@ -655,11 +655,10 @@ def group_env(base: Mapping[str, str], tracker_env: Mapping[str, str],
     ``DMLC_TASK_ID`` here would give every worker the same one.  ``RABIT2_RECOVER`` is left
     to the slots (on when they may restart), unless set here.
     """
-    env = {key: value for key, value in base.items()
-           if key not in ("DMLC_TASK_ID", "DMLC_NUM_ATTEMPT")}
-    env.setdefault("PYTHONUNBUFFERED", "1")
-    env.update(tracker_env)
-    env["DMLC_ROLE"] = "worker"
+    env = build_worker_env(base, tracker_env, 0, 0)
+    del env["DMLC_TASK_ID"], env["DMLC_NUM_ATTEMPT"]
+    if "RABIT2_RECOVER" not in base:
+        del env["RABIT2_RECOVER"]
     env.update(extra)
     return env
 
