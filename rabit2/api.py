@@ -110,6 +110,11 @@ def finalize() -> None:
             engine.finalize()
 
 
+def current_config() -> Config | None:
+    """The configuration this process joined with (None when not initialised)."""
+    return _state.config
+
+
 def get_rank() -> int:
     """This process's rank (0 when not initialised, as in rabit)."""
     return _state.rank if _state.config is not None else 0

@@ -1,0 +1,101 @@
+"""``rx.CommunicatorContext``: rabit2 for the process, and XGBoost's collectives through it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import xgboost
+
+import rabit2
+from rabit2.errors import RabitError
+from rabit2.xgboost.service import Endpoint
+from rabit2.xgboost.training import TrainingState, restored_state
+
+logger = logging.getLogger("rabit2.xgboost")
+
+_lock = threading.Lock()
+_active: CommunicatorContext | None = None
+
+
+def active() -> CommunicatorContext | None:
+    """The context this process is in, if any."""
+    return _active
+
+
+class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext"]):
+    """Join the rabit2 job and route XGBoost's collectives through it.
+
+    ``with CommunicatorContext(args, **kwargs):`` calls ``rabit2.init(args, **kwargs)``
+    (the environment ``rabit2-submit`` sets is read as usual), starts this worker's federated
+    endpoint on loopback, takes the training checkpoint from the neighbours when this worker
+    was restarted, and initialises ``xgboost.collective`` with the federated communicator
+    pointed at the endpoint.  Alone (no tracker configured) XGBoost runs as it would
+    without it.  On the way out XGBoost's communicator, the endpoint and rabit2 are shut
+    down; an exception inside the block first aborts the job, so that every other rank
+    fails at once instead of waiting for this one.
+    """
+
+    def __init__(self, args: Iterable[str | bytes] | None = None, **kwargs: Any) -> None:
+        self.args, self.kwargs = args, kwargs
+        self.endpoint: Endpoint | None = None
+        self.restored: TrainingState | None = None
+        self.trained = False
+
+    def __enter__(self) -> CommunicatorContext:
+        global _active
+        with _lock:
+            if _active is not None:
+                raise RuntimeError("a rabit2.xgboost.CommunicatorContext is already open "
+                                   "in this process")
+            _active = self
+        try:
+            rabit2.init(self.args, **self.kwargs)
+            if rabit2.is_distributed():
+                self._join()
+        except BaseException:
+            self._close(failed=True)
+            raise
+        return self
+
+    def _join(self) -> None:
+        rank, world = rabit2.get_rank(), rabit2.get_world_size()
+        self.endpoint = Endpoint(rank, world)
+        port = self.endpoint.start()
+        version, state = rabit2.load_checkpoint()
+        self.restored = restored_state(version, state)
+        if self.restored is not None:
+            self.endpoint.replay_prelude(self.restored.prelude)
+            logger.info("rank %d restarted: training goes on from round %d (checkpoint %d)",
+                        rank, self.restored.next_round, version)
+        xgboost.collective.init(dmlc_communicator="federated",
+                                federated_server_address=f"127.0.0.1:{port}",
+                                federated_world_size=world, federated_rank=rank)
+        self._xgb = True
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._close(failed=exc is not None, error=exc)
+
+    def _close(self, failed: bool, error: BaseException | None = None) -> None:
+        global _active
+        try:
+            if getattr(self, "_xgb", False):
+                self._xgb = False
+                with contextlib.suppress(xgboost.core.XGBoostError):
+                    xgboost.collective.finalize()
+            if failed and rabit2.is_distributed() and not isinstance(error, RabitError):
+                reason = "failed" if error is None else f"{type(error).__name__}: {error}"
+                rabit2.signal_error(f"rank {rabit2.get_rank()} left the job: {reason}")
+            if failed:
+                with contextlib.suppress(RabitError):
+                    rabit2.finalize()
+            else:
+                rabit2.finalize()
+        finally:
+            if self.endpoint is not None:
+                self.endpoint.stop()
+            with _lock:
+                _active = None

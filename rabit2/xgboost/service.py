@@ -1,0 +1,408 @@
+"""The federated endpoint: XGBoost's collectives, executed by rabit2's.
+
+Each worker serves XGBoost's ``Federated`` gRPC service (``federated.proto``) on loopback, for
+its own XGBoost only; every request becomes one rabit2 collective across the job.  Requests
+are checked before anything is sent (the caller's rank, the sequence number, the data type and
+operation, the size) and a bad one fails the call with a message that XGBoost raises as
+``XGBoostError``; the job is then aborted so that every other rank fails too, at once.
+
+For recovery (``docs/xgboost.md``) the endpoint also keeps the *prelude*: the results of the
+calls made before training starts (the DMatrix's and the quantile sketch's).  They are global,
+the same on every rank, so they travel in the checkpoint; a worker restarted after a
+checkpoint gets its prelude calls answered from them, without the network, while the others
+are already boosting.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import threading
+from collections.abc import Callable
+from concurrent import futures
+from typing import Any
+
+import grpc
+import numpy as np
+
+import rabit2
+from rabit2.errors import MismatchError, RabitError
+from rabit2.xgboost._proto import DATA_TYPES, MESSAGES, METHODS, REDUCE_OPS, SERVICE
+
+logger = logging.getLogger("rabit2.xgboost")
+
+# XGBoost's DataType -> numpy (LONG_DOUBLE, float128 in XGBoost, has no portable numpy twin)
+_DTYPES: dict[int, np.dtype] = {
+    DATA_TYPES.index(name): np.dtype(kind) for name, kind in (
+        ("HALF", "<f2"), ("FLOAT", "<f4"), ("DOUBLE", "<f8"), ("INT8", "i1"),
+        ("INT16", "<i2"), ("INT32", "<i4"), ("INT64", "<i8"), ("UINT8", "u1"),
+        ("UINT16", "<u2"), ("UINT32", "<u4"), ("UINT64", "<u8"))
+}
+_OPS: dict[int, rabit2.Op] = {
+    REDUCE_OPS.index("MAX"): rabit2.Op.MAX, REDUCE_OPS.index("MIN"): rabit2.Op.MIN,
+    REDUCE_OPS.index("SUM"): rabit2.Op.SUM, REDUCE_OPS.index("BITWISE_AND"): rabit2.Op.BITAND,
+    REDUCE_OPS.index("BITWISE_OR"): rabit2.Op.BITOR,
+    REDUCE_OPS.index("BITWISE_XOR"): rabit2.Op.BITXOR,
+}
+SEQUENCE_WAIT_SEC = 5.0
+"""How long a request that arrived ahead of its turn waits for the ones before it."""
+
+
+class EndpointError(Exception):
+    """A request the endpoint refuses; ``code`` is the gRPC status it answers with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str,
+                 error: RabitError | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.error = error  # the typed rabit2 error behind it, raised again by rx.train
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Record:
+    """One collective as the prelude log keeps it: what was asked, and the global result."""
+
+    method: str
+    dtype: int = -1  # Allreduce only
+    op: int = -1  # Allreduce only
+    root: int = -1  # Broadcast only
+    size: int = -1  # bytes this rank sent where every rank sends the same (-1: not checked)
+    result: bytes = b""
+
+    def describe(self) -> str:
+        if self.method == "Allreduce":
+            return (f"Allreduce({DATA_TYPES[self.dtype]}, {REDUCE_OPS[self.op]}, "
+                    f"{self.size} B)")
+        if self.method == "Broadcast":
+            return f"Broadcast(root {self.root}, {len(self.result)} B)"
+        return f"{self.method}({len(self.result)} B in all)"
+
+
+class Endpoint:
+    """The ``Federated`` service of one worker.  Thread-safe; requests run one at a time in
+    sequence-number order."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+        self._cond = threading.Condition()
+        self._next_seq = 0
+        self._busy = False
+        self.failure: EndpointError | None = None
+        self.calls = 0
+        # prelude: recorded as it runs (fresh start), or replayed from a checkpoint
+        self._recording: list[Record] | None = []
+        self._replay: collections.deque[Record] | None = None
+        self._replayed = 0
+        # the broadcasts of training's first round, which a booster makes once (e.g. its
+        # column sampler's seed) and a restarted worker's loaded booster makes again
+        self._first_round: list[Record] | None = None
+        self._prologue: list[Record] | None = None
+        self._allowed_peers: set[str] = set()
+        self.server: grpc.Server | None = None
+        self.port = 0
+
+    # ------------------------------------------------------------------ phases
+
+    def replay_prelude(self, records: tuple[Record, ...]) -> None:
+        """A restarted worker: answer the prelude's calls from ``records``."""
+        with self._cond:
+            self._recording = None
+            self._replay = collections.deque(records)
+
+    def end_prelude(self) -> tuple[Record, ...]:
+        """Training starts: the prelude is complete.  Returns it (for the checkpoints) on a
+        fresh start; on a restart checks that every recorded call was made again."""
+        with self._cond:
+            if self._replay is not None:
+                if self._replay:
+                    raise MismatchError(
+                        f"the restarted worker made {self._replayed} calls before training "
+                        f"where the original run made {self._replayed + len(self._replay)} "
+                        f"(the next one was {self._replay[0].describe()}): the program must "
+                        "make the same calls before training on a restart")
+                self._replay = None
+                return ()
+            records = tuple(self._recording or ())
+            self._recording = None
+            self._first_round = []
+            return records
+
+    def first_round_broadcasts(self) -> tuple[Record, ...]:
+        """The broadcasts of training's first round, recorded since :meth:`end_prelude`;
+        stops recording."""
+        with self._cond:
+            records = tuple(self._first_round or ())
+            self._first_round = None
+            return records
+
+    def expect_prologue(self, records: tuple[Record, ...]) -> None:
+        """A restarted worker's first round: broadcasts it makes before the round's first
+        other call are answered from ``records`` (same root and size, in order)."""
+        with self._cond:
+            self._prologue = list(records)
+
+    # ------------------------------------------------------------------ requests
+
+    def handle(self, method: str, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            self._admit(context)
+            seq = int(request.sequence_number)
+            self._take_turn(request, seq)
+            try:
+                result = self._execute(method, request)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+            return MESSAGES[f"{method}Reply"](receive_buffer=result)
+        except EndpointError as exc:
+            context.abort(exc.code, str(exc))
+            raise  # (abort raises; this keeps type checkers content)
+
+    def _admit(self, context: grpc.ServicerContext) -> None:
+        peer = context.peer()
+        if peer in self._allowed_peers:
+            return
+        if not _is_own_connection(peer, self.port):
+            logger.warning("federated endpoint: refused a call from %s, which is not this "
+                           "worker's XGBoost", peer)
+            raise EndpointError(grpc.StatusCode.PERMISSION_DENIED,
+                                "rabit2: this endpoint serves its own worker's XGBoost only")
+        self._allowed_peers.add(peer)
+
+    def _take_turn(self, request: Any, seq: int) -> None:
+        """Wait (bounded) until ``seq`` is the next sequence number and no call runs."""
+        if request.rank != self.rank:
+            self._fail(grpc.StatusCode.INVALID_ARGUMENT,
+                       f"request from rank {request.rank} reached rank {self.rank}'s endpoint "
+                       "(federated_rank must be rabit2.get_rank())")
+        with self._cond:
+            if self.failure is not None:
+                raise EndpointError(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"rabit2: an earlier call failed: {self.failure}",
+                                    self.failure.error)
+            ready = self._cond.wait_for(lambda: seq <= self._next_seq and not self._busy,
+                                        SEQUENCE_WAIT_SEC)
+            if ready and seq == self._next_seq:
+                self._next_seq += 1
+                self._busy = True
+                return
+            expected = self._next_seq
+        self._fail(grpc.StatusCode.INVALID_ARGUMENT,
+                   f"sequence number {seq} out of order (expected {expected})")
+
+    def _fail(self, code: grpc.StatusCode, message: str,
+              error: RabitError | None = None) -> None:
+        """Refuse this call and every later one; a bad request (not a job-wide rabit2 error)
+        also aborts the job, so that the other ranks fail now rather than at a deadline."""
+        failure = EndpointError(code, f"rabit2: {message}", error)
+        with self._cond:
+            if self.failure is None:
+                self.failure = failure
+        if error is None and rabit2.is_distributed():
+            rabit2.signal_error(f"rank {self.rank}: XGBoost's request refused: {message}")
+        raise failure
+
+    def _execute(self, method: str, request: Any) -> bytes:
+        record = self._describe(method, request)
+        self.calls += 1
+        replayed = self._from_log(record, request)
+        if replayed is not None:
+            return replayed
+        try:
+            result = _RUN[method](self, request, record)
+        except RabitError as exc:
+            self._fail(grpc.StatusCode.ABORTED, f"{type(exc).__name__}: {exc}", exc)
+        except (TypeError, ValueError) as exc:
+            self._fail(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        done = dataclasses.replace(record, result=result)
+        with self._cond:
+            if self._recording is not None:
+                self._recording.append(done)
+            elif self._first_round is not None and method == "Broadcast":
+                self._first_round.append(done)
+        return result
+
+    def _describe(self, method: str, request: Any) -> Record:
+        size = len(request.send_buffer)
+        if method == "Allreduce":
+            dtype, op = int(request.data_type), int(request.reduce_operation)
+            if dtype not in _DTYPES:
+                name = DATA_TYPES[dtype] if 0 <= dtype < len(DATA_TYPES) else f"#{dtype}"
+                self._fail(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"Allreduce: data type {name} is not supported")
+            if op not in _OPS:
+                self._fail(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"Allreduce: reduce operation #{op} is not supported")
+            if size % _DTYPES[dtype].itemsize:
+                self._fail(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"Allreduce: {size} B is not a whole number of "
+                           f"{DATA_TYPES[dtype]} elements")
+            return Record(method, dtype=dtype, op=op, size=size)
+        if method == "Broadcast":
+            root = int(request.root)
+            if not 0 <= root < self.world:
+                self._fail(grpc.StatusCode.INVALID_ARGUMENT,
+                           f"Broadcast: root {root} is not a rank of this job (world "
+                           f"{self.world})")
+            return Record(method, root=root)
+        if method == "Allgather":
+            return Record(method, size=size)
+        return Record(method)
+
+    def _from_log(self, record: Record, request: Any) -> bytes | None:
+        """The result of a call a restarted worker makes again, or None to run it."""
+        with self._cond:
+            if self._replay is not None:
+                if not self._replay:
+                    self._fail(grpc.StatusCode.FAILED_PRECONDITION,
+                               f"the restarted worker made more calls before training than "
+                               f"the original run ({self._replayed}); the next is "
+                               f"{record.describe()}", MismatchError("prelude diverged"))
+                expected = self._replay.popleft()
+                self._replayed += 1
+                if not _same_call(expected, record, request, self.rank, self.world):
+                    message = (f"call {self._replayed} before training is "
+                               f"{record.describe()} on the restarted worker but was "
+                               f"{expected.describe()} in the original run")
+                    self._fail(grpc.StatusCode.FAILED_PRECONDITION, message,
+                               MismatchError(message))
+                return expected.result
+            if self._prologue is None:
+                return None
+            if record.method != "Broadcast":
+                self._prologue = None  # the round's own calls have begun
+                return None
+            for i, candidate in enumerate(self._prologue):
+                if candidate.root == record.root:
+                    del self._prologue[i]
+                    return candidate.result
+            self._prologue = None
+            return None
+
+    # ------------------------------------------------------------------ the collectives
+
+    def _allreduce(self, request: Any, record: Record) -> bytes:
+        data = bytearray(request.send_buffer)
+        rabit2.allreduce(np.frombuffer(data, dtype=_DTYPES[record.dtype]), _OPS[record.op])
+        return bytes(data)
+
+    def _allgather(self, request: Any, record: Record) -> bytes:
+        out = rabit2.allgather(np.frombuffer(request.send_buffer, dtype=np.uint8))
+        if out.nbytes != record.size * self.world:
+            raise MismatchError(f"Allgather: ranks sent segments of different sizes "
+                                f"({record.size} B here, {out.nbytes} B in all)")
+        return out.tobytes()
+
+    def _allgatherv(self, request: Any, record: Record) -> bytes:
+        return rabit2.allgather(np.frombuffer(request.send_buffer, dtype=np.uint8)).tobytes()
+
+    def _broadcast(self, request: Any, record: Record) -> bytes:
+        mine = record.root == self.rank
+        data = np.frombuffer(request.send_buffer, dtype=np.uint8) if mine else None
+        out = rabit2.broadcast(data, record.root)
+        if not isinstance(out, np.ndarray):
+            raise MismatchError(f"Broadcast: the root sent {type(out).__name__}, not bytes")
+        return bytes(request.send_buffer) if mine else out.tobytes()
+
+    # ------------------------------------------------------------------ the server
+
+    def start(self) -> int:
+        """Listen on 127.0.0.1 (an ephemeral port); returns the port."""
+        handlers = {
+            method: grpc.unary_unary_rpc_method_handler(
+                _bind(self, method),
+                request_deserializer=MESSAGES[f"{method}Request"].FromString,
+                response_serializer=MESSAGES[f"{method}Reply"].SerializeToString)
+            for method in METHODS
+        }
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4,
+                                                        thread_name_prefix="rabit2-fed"),
+                             options=[("grpc.max_receive_message_length", -1),
+                                      ("grpc.max_send_message_length", -1),
+                                      ("grpc.so_reuseport", 0)])
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE,
+                                                                              handlers),))
+        self.port = server.add_insecure_port("127.0.0.1:0")
+        if not self.port:
+            raise OSError("the federated endpoint could not bind a loopback port")
+        server.start()
+        self.server = server
+        return self.port
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop(grace=None)
+            self.server = None
+
+
+_RUN: dict[str, Callable[[Endpoint, Any, Record], bytes]] = {
+    "Allreduce": Endpoint._allreduce,
+    "Allgather": Endpoint._allgather,
+    "AllgatherV": Endpoint._allgatherv,
+    "Broadcast": Endpoint._broadcast,
+}
+
+
+def _bind(endpoint: Endpoint, method: str) -> Callable[[Any, grpc.ServicerContext], Any]:
+    def handler(request: Any, context: grpc.ServicerContext) -> Any:
+        return endpoint.handle(method, request, context)
+    return handler
+
+
+def _same_call(expected: Record, record: Record, request: Any, rank: int, world: int) -> bool:
+    """Does a restarted worker's call match the recorded one?  Kind, type, op, root and size
+    where every rank sends the same; this rank's own part where the result holds it."""
+    if (expected.method, expected.dtype, expected.op, expected.root) != (
+            record.method, record.dtype, record.op, record.root):
+        return False
+    if expected.size != record.size:
+        return False
+    mine = bytes(request.send_buffer)
+    if record.method == "Allgather":
+        return expected.result[rank * record.size:(rank + 1) * record.size] == mine
+    if record.method == "Broadcast" and record.root == rank:
+        return expected.result == mine
+    return True
+
+
+def _is_own_connection(peer: str, port: int) -> bool:
+    """Is ``peer`` (gRPC's ``ipv4:127.0.0.1:PORT``) a TCP connection this process made to
+    ``port``?  Looked up in the kernel's socket tables (a client may use an IPv6 socket with
+    a v4-mapped address); where there are none (not Linux) every loopback peer is taken."""
+    if not peer.startswith("ipv4:127.0.0.1:"):
+        return False
+    try:
+        peer_port = int(peer.rsplit(":", 1)[1])
+    except ValueError:
+        return False
+    if not os.path.exists("/proc/net/tcp"):
+        return True
+    wanted = {(f"0100007F:{peer_port:04X}", f"0100007F:{port:04X}"),
+              (f"0000000000000000FFFF00000100007F:{peer_port:04X}",
+               f"0000000000000000FFFF00000100007F:{port:04X}")}
+    inode = None
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        inode = next((fields[9] for fields in (line.split() for line in lines)
+                      if (fields[1], fields[2]) in wanted), inode)
+    if inode is None:
+        return False
+    target = f"socket:[{inode}]"
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}") == target:
+                return True
+        except OSError:
+            continue
+    return False

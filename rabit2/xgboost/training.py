@@ -1,0 +1,205 @@
+"""``rx.train``: ``xgboost.train`` with a rabit2 checkpoint every K rounds.
+
+What a restarted worker needs to rejoin (``docs/xgboost.md``, "Recovery"):
+
+* the booster after the last checkpoint (``save_raw("ubj")``, loaded bit for bit), the round
+  to go on from, the evaluation history and the callbacks' state;
+* the results of the calls XGBoost made before training: building the DMatrix (the number of
+  columns, the data split checks) and, for ``hist``, the quantile sketch.  The sketch happens
+  in a booster's first update; ``train`` makes it happen before training with a one-level
+  *probe* booster on the same DMatrix, whose gradient index the real booster then reuses, so
+  that it belongs to the prelude on every worker;
+* the broadcasts a booster makes once, in its first update (XGBoost 3: the column sampler's
+  seed from rank 0).  A restarted worker's loaded booster makes them again where the others
+  do not; they are answered from the copies recorded in the first round.
+
+All of it is global (the same on every rank), so it is one ``lazy_checkpoint`` object,
+serialised only if a restarted neighbour asks for it.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import xgboost
+from xgboost.callback import (
+    CallbackContainer,
+    EarlyStopping,
+    EvaluationMonitor,
+    TrainingCallback,
+)
+
+import rabit2
+from rabit2.api import current_config
+from rabit2.xgboost.service import Endpoint, Record
+
+FORMAT = 1
+_SAMPLING = ("subsample", "colsample_bytree", "colsample_bylevel", "colsample_bynode")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TrainingState:
+    """What ``train`` checkpoints: everything a restarted worker needs to go on."""
+
+    format: int
+    prelude: tuple[Record, ...]
+    first_round: tuple[Record, ...]
+    model: bytes
+    next_round: int
+    stopped: bool
+    history: dict[str, Any]
+    callbacks: tuple[dict[str, Any], ...]
+
+
+def train(
+    params: dict[str, Any],
+    dtrain: xgboost.DMatrix,
+    num_boost_round: int = 10,
+    *,
+    evals: Sequence[tuple[xgboost.DMatrix, str]] | None = None,
+    obj: Any = None,
+    maximize: bool | None = None,
+    early_stopping_rounds: int | None = None,
+    evals_result: dict[str, Any] | None = None,
+    verbose_eval: bool | int | None = True,
+    xgb_model: Any = None,
+    callbacks: Sequence[TrainingCallback] | None = None,
+    custom_metric: Any = None,
+    checkpoint_every: int = 1,
+) -> xgboost.Booster:
+    """``xgboost.train`` (same arguments, same result) that survives a lost worker.
+
+    Inside :class:`rabit2.xgboost.CommunicatorContext` with recovery on (``rabit2-submit``
+    with ``--max-attempts`` above 1), the training state is checkpointed every
+    ``checkpoint_every`` rounds; a worker restarted by the launcher takes it from its
+    neighbours and rejoins where the others are, and the final model is bit-identical to
+    the one a run without the fault trains.  Outside a context, or alone, this is
+    ``xgboost.train``.
+
+    Raises ``ValueError`` before training for ``checkpoint_every < 1`` and, with recovery
+    on, for row or column sampling (``subsample``/``colsample_*`` below 1: XGBoost keeps
+    sampler state that no saved model carries, so a restarted worker would sample
+    differently); ``TypeError`` if a callback's state cannot be copied into a checkpoint;
+    ``RuntimeError`` for a second call in the same context.  A rabit2 failure during
+    training is raised as its typed :class:`~rabit2.errors.RabitError` (XGBoost's error is
+    its ``__cause__``).
+    """
+    from rabit2.xgboost import context  # noqa: PLC0415 - the module imports this one
+
+    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) \
+            or checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every must be a positive integer, got "
+                         f"{checkpoint_every!r}")
+    active = context.active()
+    if active is None or active.endpoint is None:
+        return xgboost.train(params, dtrain, num_boost_round, evals=evals, obj=obj,
+                             maximize=maximize, early_stopping_rounds=early_stopping_rounds,
+                             evals_result=evals_result, verbose_eval=verbose_eval,
+                             xgb_model=xgb_model, callbacks=callbacks,
+                             custom_metric=custom_metric)
+    if active.trained:
+        raise RuntimeError("rabit2.xgboost.train runs once per CommunicatorContext (its "
+                           "recovery replays what came before it); open a new context")
+    active.trained = True
+    config = current_config()
+    recover = bool(config is not None and config.recover)
+    params = dict(params)
+    if recover:
+        sampled = [k for k in _SAMPLING if float(params.get(k, 1.0)) < 1.0]
+        if sampled:
+            raise ValueError(
+                f"{', '.join(sampled)} below 1 cannot be recovered bit-exactly: XGBoost keeps "
+                "sampler state that no saved model carries. Train without sampling, or run "
+                "without recovery (rabit2-submit --max-attempts 1)")
+    callbacks = [] if callbacks is None else list(callbacks)
+    evals = list(evals) if evals else []
+    if verbose_eval:
+        period = 1 if verbose_eval is True else int(verbose_eval)
+        callbacks.append(EvaluationMonitor(period=period))
+    if early_stopping_rounds:
+        callbacks.append(EarlyStopping(rounds=early_stopping_rounds, maximize=maximize))
+    if recover:
+        _snapshot(callbacks)  # a TypeError now, not at the first checkpoint
+    endpoint = active.endpoint
+    try:
+        return _train(active.restored, endpoint, recover, params, dtrain, num_boost_round,
+                      evals, obj, evals_result, xgb_model, callbacks, custom_metric,
+                      checkpoint_every)
+    except xgboost.core.XGBoostError as exc:
+        failure = endpoint.failure
+        if failure is not None and failure.error is not None:
+            raise failure.error from exc
+        raise
+
+
+def _train(restored: TrainingState | None, endpoint: Endpoint, recover: bool,
+           params: dict[str, Any], dtrain: xgboost.DMatrix, num_boost_round: int,
+           evals: list[tuple[xgboost.DMatrix, str]], obj: Any,
+           evals_result: dict[str, Any] | None, xgb_model: Any,
+           callbacks: list[TrainingCallback], custom_metric: Any,
+           checkpoint_every: int) -> xgboost.Booster:
+    cache = [dtrain] + [d for d, _ in evals]
+    if recover and params.get("tree_method", "hist") in ("hist", "auto"):
+        # the quantile sketch now, in the prelude, on every worker (see the module's text)
+        probe = xgboost.Booster({**params, "max_depth": 1, "num_parallel_tree": 1}, [dtrain])
+        probe.update(dtrain, 0)
+        del probe
+    prelude = endpoint.end_prelude()
+    if restored is not None:
+        bst = xgboost.Booster(params, cache, model_file=bytearray(restored.model))
+        start, stopped, first_round = restored.next_round, restored.stopped, restored.first_round
+        endpoint.expect_prologue(first_round)
+        prelude = restored.prelude
+    else:
+        bst = xgboost.Booster(params, cache, model_file=xgb_model)
+        start, stopped, first_round = 0, False, ()
+    container = CallbackContainer(callbacks, metric=custom_metric, output_margin=callable(obj))
+    bst = container.before_training(bst)
+    if restored is not None:
+        container.history = copy.deepcopy(restored.history)  # type: ignore[assignment]
+        for callback, state in zip(callbacks, restored.callbacks, strict=True):
+            callback.__dict__.update(copy.deepcopy(state))
+    for i in range(start, num_boost_round):
+        if stopped or container.before_iteration(bst, i, dtrain, evals):
+            break
+        bst.update(dtrain, iteration=i, fobj=obj)
+        stopped = container.after_iteration(bst, i, dtrain, evals)
+        if restored is None and i == start:
+            first_round = endpoint.first_round_broadcasts()
+        if recover and ((i + 1) % checkpoint_every == 0 or stopped
+                        or i + 1 == num_boost_round):
+            rabit2.lazy_checkpoint(TrainingState(
+                FORMAT, prelude, first_round, bytes(bst.save_raw("ubj")), i + 1, stopped,
+                copy.deepcopy(dict(container.history)), _snapshot(callbacks)))
+    bst = container.after_training(bst)
+    if evals_result is not None:
+        evals_result.update(container.history)
+    return bst.reset()
+
+
+def _snapshot(callbacks: list[TrainingCallback]) -> tuple[dict[str, Any], ...]:
+    states = []
+    for callback in callbacks:
+        try:
+            states.append(copy.deepcopy(callback.__dict__))
+        except Exception as exc:  # deepcopy raises many unrelated types
+            raise TypeError(f"callback {type(callback).__name__} cannot be checkpointed: its "
+                            f"state does not copy ({exc})") from exc
+    return tuple(states)
+
+
+def restored_state(version: int, model: Any) -> TrainingState | None:
+    """The training state a restarted worker fetched, checked; None on a fresh start."""
+    if version == 0:
+        return None
+    if not isinstance(model, TrainingState) or model.format != FORMAT:
+        raise rabit2.errors.UnrecoverableError(
+            f"checkpoint {version} is not one rabit2.xgboost.train wrote (got "
+            f"{type(model).__name__}); a program that checkpoints itself cannot use it")
+    return model
+
+
+__all__ = ["TrainingState", "train"]
