@@ -18,12 +18,12 @@ from rabit2.xgboost.training import TrainingState, restored_state
 logger = logging.getLogger("rabit2.xgboost")
 
 _lock = threading.Lock()
-_active: CommunicatorContext | None = None
+_active: list[CommunicatorContext] = []  # the open context (one per process at most)
 
 
 def active() -> CommunicatorContext | None:
     """The context this process is in, if any."""
-    return _active
+    return _active[0] if _active else None
 
 
 class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext"]):
@@ -46,12 +46,11 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
         self.trained = False
 
     def __enter__(self) -> CommunicatorContext:
-        global _active
         with _lock:
-            if _active is not None:
+            if _active:
                 raise RuntimeError("a rabit2.xgboost.CommunicatorContext is already open "
                                    "in this process")
-            _active = self
+            _active.append(self)
         try:
             rabit2.init(self.args, **self.kwargs)
             if rabit2.is_distributed():
@@ -80,7 +79,6 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
         self._close(failed=exc is not None, error=exc)
 
     def _close(self, failed: bool, error: BaseException | None = None) -> None:
-        global _active
         try:
             if getattr(self, "_xgb", False):
                 self._xgb = False
@@ -98,4 +96,4 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
             if self.endpoint is not None:
                 self.endpoint.stop()
             with _lock:
-                _active = None
+                _active.clear()

@@ -16,11 +16,12 @@ are already boosting.
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -98,7 +99,9 @@ class Endpoint:
         # the broadcasts of training's first round, which a booster makes once (e.g. its
         # column sampler's seed) and a restarted worker's loaded booster makes again
         self._first_round: list[Record] | None = None
-        self._prologue: list[Record] | None = None
+        self._prologue: list[tuple[int, int]] | None = None  # (root, size) still expected
+        self._prologue_answers: list[Record] = []
+        self._captured: list[Record] | None = None
         self._allowed_peers: set[str] = set()
         self.server: grpc.Server | None = None
         self.port = 0
@@ -137,11 +140,26 @@ class Endpoint:
             self._first_round = None
             return records
 
-    def expect_prologue(self, records: tuple[Record, ...]) -> None:
-        """A restarted worker's first round: broadcasts it makes before the round's first
-        other call are answered from ``records`` (same root and size, in order)."""
+    def expect_prologue(self, extras: tuple[tuple[int, int], ...],
+                        records: tuple[Record, ...]) -> None:
+        """A restarted worker's first round: the broadcasts a loaded booster makes once
+        (``extras``, as (root, size) in order, learned in the prelude) are answered from the
+        first round's ``records`` of the same root and size (the last such)."""
         with self._cond:
-            self._prologue = list(records)
+            self._prologue = list(extras)
+            self._prologue_answers = list(records)
+
+    @contextlib.contextmanager
+    def capture(self) -> Iterator[list[Record]]:
+        """Collect the calls made inside the block (results included)."""
+        calls: list[Record] = []
+        with self._cond:
+            self._captured = calls
+        try:
+            yield calls
+        finally:
+            with self._cond:
+                self._captured = None
 
     # ------------------------------------------------------------------ requests
 
@@ -210,7 +228,11 @@ class Endpoint:
         self.calls += 1
         replayed = self._from_log(record, request)
         if replayed is not None:
+            logger.debug("call %d: %s answered from the checkpoint", self.calls,
+                         record.describe())
+            self._capture(dataclasses.replace(record, result=replayed))
             return replayed
+        logger.debug("call %d: %s", self.calls, record.describe())
         try:
             result = _RUN[method](self, request, record)
         except RabitError as exc:
@@ -218,12 +240,18 @@ class Endpoint:
         except (TypeError, ValueError) as exc:
             self._fail(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         done = dataclasses.replace(record, result=result)
+        self._capture(done)
         with self._cond:
             if self._recording is not None:
                 self._recording.append(done)
             elif self._first_round is not None and method == "Broadcast":
                 self._first_round.append(done)
         return result
+
+    def _capture(self, record: Record) -> None:
+        with self._cond:
+            if self._captured is not None:
+                self._captured.append(record)
 
     def _describe(self, method: str, request: Any) -> Record:
         size = len(request.send_buffer)
@@ -270,14 +298,14 @@ class Endpoint:
                     self._fail(grpc.StatusCode.FAILED_PRECONDITION, message,
                                MismatchError(message))
                 return expected.result
-            if self._prologue is None:
+            if not self._prologue:
                 return None
-            if record.method != "Broadcast":
-                self._prologue = None  # the round's own calls have begun
+            root, size = self._prologue.pop(0)
+            if record.method != "Broadcast" or record.root != root:
+                self._prologue = None  # not what a loaded booster makes once: run it
                 return None
-            for i, candidate in enumerate(self._prologue):
-                if candidate.root == record.root:
-                    del self._prologue[i]
+            for candidate in reversed(self._prologue_answers):
+                if candidate.root == root and len(candidate.result) == size:
                     return candidate.result
             self._prologue = None
             return None

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +36,8 @@ from xgboost.callback import (
 import rabit2
 from rabit2.api import current_config
 from rabit2.xgboost.service import Endpoint, Record
+
+logger = logging.getLogger("rabit2.xgboost")
 
 FORMAT = 1
 _SAMPLING = ("subsample", "colsample_bytree", "colsample_bylevel", "colsample_bynode")
@@ -142,16 +145,14 @@ def _train(restored: TrainingState | None, endpoint: Endpoint, recover: bool,
            callbacks: list[TrainingCallback], custom_metric: Any,
            checkpoint_every: int) -> xgboost.Booster:
     cache = [dtrain] + [d for d, _ in evals]
-    if recover and params.get("tree_method", "hist") in ("hist", "auto"):
-        # the quantile sketch now, in the prelude, on every worker (see the module's text)
-        probe = xgboost.Booster({**params, "max_depth": 1, "num_parallel_tree": 1}, [dtrain])
-        probe.update(dtrain, 0)
-        del probe
+    extras: tuple[tuple[int, int], ...] = ()
+    if recover:
+        extras = _probe(endpoint, params, dtrain)
     prelude = endpoint.end_prelude()
     if restored is not None:
         bst = xgboost.Booster(params, cache, model_file=bytearray(restored.model))
         start, stopped, first_round = restored.next_round, restored.stopped, restored.first_round
-        endpoint.expect_prologue(first_round)
+        endpoint.expect_prologue(extras, first_round)
         prelude = restored.prelude
     else:
         bst = xgboost.Booster(params, cache, model_file=xgb_model)
@@ -159,7 +160,7 @@ def _train(restored: TrainingState | None, endpoint: Endpoint, recover: bool,
     container = CallbackContainer(callbacks, metric=custom_metric, output_margin=callable(obj))
     bst = container.before_training(bst)
     if restored is not None:
-        container.history = copy.deepcopy(restored.history)  # type: ignore[assignment]
+        container.history = copy.deepcopy(restored.history)
         for callback, state in zip(callbacks, restored.callbacks, strict=True):
             callback.__dict__.update(copy.deepcopy(state))
     for i in range(start, num_boost_round):
@@ -177,7 +178,37 @@ def _train(restored: TrainingState | None, endpoint: Endpoint, recover: bool,
     bst = container.after_training(bst)
     if evals_result is not None:
         evals_result.update(container.history)
-    return bst.reset()
+    booster: xgboost.Booster = bst.reset()
+    return booster
+
+
+def _probe(endpoint: Endpoint, params: dict[str, Any],
+           dtrain: xgboost.DMatrix) -> tuple[tuple[int, int], ...]:
+    """Two one-level boosters on ``dtrain``, before training, on every worker.
+
+    The first builds the quantile sketch (``hist``), which the real booster then reuses, so
+    that it is part of the prelude.  The second is loaded from the first, as a restarted
+    worker's booster is, and updated twice: what its first update makes beyond its second
+    is what a loaded booster does once (XGBoost 3: broadcast the column sampler's seed).
+    Returns those calls as (root, size) of broadcasts; () if they are anything else, and a
+    restarted worker then makes them over the network (where the others do not: a typed
+    MismatchError, never a wrong model)."""
+    probe_params = {**params, "max_depth": 1, "num_parallel_tree": 1}
+    first = xgboost.Booster(probe_params, [dtrain])
+    first.update(dtrain, 0)
+    loaded = xgboost.Booster(probe_params, [dtrain], model_file=first.save_raw("ubj"))
+    with endpoint.capture() as once:
+        loaded.update(dtrain, 1)
+    with endpoint.capture() as again:
+        loaded.update(dtrain, 2)
+    shape = [(r.method, r.dtype, r.op, r.root, len(r.result)) for r in once]
+    tail = [(r.method, r.dtype, r.op, r.root, len(r.result)) for r in again]
+    extra = shape[:len(shape) - len(tail)]
+    if shape[len(extra):] != tail or any(m != "Broadcast" for m, *_ in extra):
+        logger.warning("a loaded booster's first update makes calls rabit2 does not know "
+                       "(%s): a worker restarted in training will fail typed", extra)
+        return ()
+    return tuple((root, size) for _, _, _, root, size in extra)
 
 
 def _snapshot(callbacks: list[TrainingCallback]) -> tuple[dict[str, Any], ...]:

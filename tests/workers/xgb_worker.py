@@ -15,7 +15,6 @@ import hashlib
 import json
 import os
 import signal
-import sys
 
 import numpy as np
 import xgboost
@@ -44,7 +43,7 @@ class Kill(xgboost.callback.TrainingCallback):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.when == "mid" and epoch == self.round:
             # mid-round: in the round's second collective (rabit2's own fault hook)
-            state = rabit2.api._state  # noqa: SLF001 - a test worker may reach in
+            state = rabit2.api._state
             cfg = state.config
             assert cfg is not None
             spec = rabit2.config.MockSpec(state.rank, state.version, state.seqno + 1, 0)
@@ -58,6 +57,9 @@ class Kill(xgboost.callback.TrainingCallback):
 
 
 def main() -> None:
+    if os.environ.get("XGB_WORKER_DEBUG"):
+        import logging  # noqa: PLC0415
+        logging.basicConfig(level=logging.DEBUG, format="%(name)s %(message)s")
     parser = argparse.ArgumentParser()
     parser.add_argument("--rows", type=int, default=6000)
     parser.add_argument("--features", type=int, default=8)
@@ -111,9 +113,8 @@ def report(rank: int, world: int, booster: xgboost.Booster, dtrain: xgboost.DMat
     pred = booster.inplace_predict(x)
     digest = hashlib.sha256(np.ascontiguousarray(pred).tobytes()).hexdigest()
     print(f"xgb rank={rank} world={world} model={model} pred={digest}", flush=True)
-    np.save(os.environ.get("XGB_PRED_OUT", os.devnull) if rank == 0 and
-            os.environ.get("XGB_PRED_OUT") else os.devnull, pred)
-    sys.stdout.flush()
+    if rank == 0 and os.environ.get("XGB_PRED_OUT"):
+        np.save(os.environ["XGB_PRED_OUT"], pred)
 
 
 if __name__ == "__main__":
