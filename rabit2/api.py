@@ -411,15 +411,20 @@ def checkpoint(global_model: Any, local_model: Any = None) -> None:
     _advance_version(state, state.global_model, state.local_model)
 
 
-def lazy_checkpoint(global_model: Any) -> None:
-    """Like :func:`checkpoint` without pickling now: the model must not change until the
-    next checkpoint (it is serialised only if a restarted peer needs it)."""
+def lazy_checkpoint(global_model: Any, local_model: Any = None) -> None:
+    """Like :func:`checkpoint` without pickling the global model now: it must not change
+    until the next checkpoint (it is serialised only if a restarted peer needs it).  A
+    ``local_model`` (beyond rabit, whose lazy checkpoint has none) is pickled now and
+    replicated as with :func:`checkpoint`."""
     state = _require()
     state.lazy_model = global_model
     state.global_model = None
-    state.local_model = None
+    state.local_model = (
+        None if local_model is None else pickle.dumps(local_model, pickle.HIGHEST_PROTOCOL)
+    )
     # pickled on the loop thread only if a restarted neighbour asks for it
-    _advance_version(state, lambda: pickle.dumps(global_model, pickle.HIGHEST_PROTOCOL))
+    _advance_version(state, lambda: pickle.dumps(global_model, pickle.HIGHEST_PROTOCOL),
+                     state.local_model)
 
 
 def _advance_version(state: _State, blob: bytes | Callable[[], bytes],

@@ -207,15 +207,20 @@ def test_every_rank_holds_the_same_model_at_4_workers(tmp_path: Path) -> None:
 @pytest.mark.parametrize("args", [
     ("--kill", "1,2,mid"),  # SIGKILL in the middle of boosting round 2
     ("--kill", "1,2,before"),  # after round 2's last call, before its checkpoint
+    ("--kill", "1,2,during"),  # inside round 2's checkpoint
     ("--kill", "0,2,after"),  # right after the checkpoint (rank 0, the broadcasts' root)
     ("--kill", "1,0,mid"),  # before the first checkpoint: replayed from the neighbours
-], ids=["mid-round", "before-checkpoint", "after-checkpoint-rank0", "round0"])
+    ("--kill", "1,1,during", "--kill", "0,4,mid"),  # both workers, in different rounds
+], ids=["mid-round", "before-checkpoint", "during-checkpoint", "after-checkpoint-rank0",
+        "round0", "both-workers"])
 def test_lost_worker_recovers_with_a_bit_identical_model_at_2(args: tuple[str, ...]) -> None:
     result = submit(2, *args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert models(result.stdout, 2) == clean(2)
-    summary = result.stdout + result.stderr  # a task that needed a second attempt
-    assert re.search(r"^\d+\s+\d+\s+2\s+0\s+ok", summary, re.M), summary[-3000:]
+    summary = result.stdout + result.stderr  # each victim needed a second attempt
+    victims = {spec.split(",")[0] for spec in args[1::2]}
+    for rank in victims:
+        assert re.search(rf"^\d+\s+{rank}\s+2\s+0\s+ok", summary, re.M), summary[-3000:]
 
 
 @pytest.mark.parametrize(("base", "faults"), [
@@ -228,6 +233,37 @@ def test_lost_workers_recover_with_a_bit_identical_model_at_4(
     result = submit(4, *base, *faults)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert models(result.stdout, 4) == clean(4, *base)
+
+
+@pytest.mark.parametrize("extra", [
+    {"objective": "reg:squarederror", "eval_metric": "rmse"},
+    {"objective": "multi:softprob", "num_class": 3, "eval_metric": "mlogloss"},
+], ids=["regression", "multiclass"])
+def test_other_boosters_and_objectives_recover_bit_identically(extra: dict[str, object]) -> None:
+    base = ("--extra", json.dumps(extra))
+    result = submit(2, *base, "--kill", "1,2,mid")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert models(result.stdout, 2) == clean(2, *base)
+
+
+@pytest.mark.parametrize(("extra", "reason"), [
+    ({"subsample": 0.8}, "subsample below 1 cannot be recovered bit-exactly"),
+    ({"colsample_bynode": 0.5}, "colsample_bynode below 1 cannot be recovered"),
+    ({"booster": "dart"}, "booster dart (random dropout) cannot be recovered"),
+])
+def test_random_training_is_refused_before_training_when_recovery_is_on(
+        extra: dict[str, object], reason: str) -> None:
+    result = submit(2, "--extra", json.dumps(extra), attempts=2)
+    assert result.returncode != 0
+    out = result.stdout + result.stderr
+    for rank in (0, 1):
+        assert f"[rank {rank}] ValueError: {reason}" in out, out[-3000:]
+
+
+def test_random_training_runs_without_recovery() -> None:
+    result = submit(2, "--extra", json.dumps({"subsample": 0.8}), attempts=1)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    models(result.stdout, 2)
 
 
 def test_classifier_fit_runs_through_rabit2() -> None:

@@ -64,8 +64,8 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
         rank, world = rabit2.get_rank(), rabit2.get_world_size()
         self.endpoint = Endpoint(rank, world)
         port = self.endpoint.start()
-        version, state = rabit2.load_checkpoint()
-        self.restored = restored_state(version, state)
+        version, state, local = rabit2.load_checkpoint(with_local=True)
+        self.restored = restored_state(version, state, local)
         if self.restored is not None:
             self.endpoint.replay_prelude(self.restored.prelude)
             logger.info("rank %d restarted: training goes on from round %d (checkpoint %d)",

@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
@@ -92,6 +93,9 @@ class Endpoint:
         self._busy = False
         self.failure: EndpointError | None = None
         self.calls = 0
+        self._bytes = 0
+        self._collective_s = 0.0  # inside rabit2's collectives
+        self._handler_s = 0.0  # inside the gRPC handler, checks and copies included
         # prelude: recorded as it runs (fresh start), or replayed from a checkpoint
         self._recording: list[Record] | None = []
         self._replay: collections.deque[Record] | None = None
@@ -164,6 +168,7 @@ class Endpoint:
     # ------------------------------------------------------------------ requests
 
     def handle(self, method: str, request: Any, context: grpc.ServicerContext) -> Any:
+        started = time.perf_counter()
         try:
             self._admit(context)
             seq = int(request.sequence_number)
@@ -174,7 +179,9 @@ class Endpoint:
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
-            return MESSAGES[f"{method}Reply"](receive_buffer=result)
+            reply = MESSAGES[f"{method}Reply"](receive_buffer=result)
+            self._handler_s += time.perf_counter() - started
+            return reply
         except EndpointError as exc:
             context.abort(exc.code, str(exc))
             raise  # (abort raises; this keeps type checkers content)
@@ -233,12 +240,15 @@ class Endpoint:
             self._capture(dataclasses.replace(record, result=replayed))
             return replayed
         logger.debug("call %d: %s", self.calls, record.describe())
+        started = time.perf_counter()
         try:
             result = _RUN[method](self, request, record)
         except RabitError as exc:
             self._fail(grpc.StatusCode.ABORTED, f"{type(exc).__name__}: {exc}", exc)
         except (TypeError, ValueError) as exc:
             self._fail(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self._collective_s += time.perf_counter() - started
+        self._bytes += len(request.send_buffer)
         done = dataclasses.replace(record, result=result)
         self._capture(done)
         with self._cond:
@@ -247,6 +257,14 @@ class Endpoint:
             elif self._first_round is not None and method == "Broadcast":
                 self._first_round.append(done)
         return result
+
+    def statistics(self) -> dict[str, float]:
+        """Counters since the start: ``calls`` (XGBoost's requests), ``bytes`` (sent by this
+        worker's XGBoost in the calls that ran), ``collective_s`` (seconds inside rabit2's
+        collectives), ``handler_s`` (seconds inside the gRPC handler, checks and copies
+        included; the gRPC transport and XGBoost's client are outside it)."""
+        return {"calls": self.calls, "bytes": self._bytes, "collective_s": self._collective_s,
+                "handler_s": self._handler_s}
 
     def _capture(self, record: Record) -> None:
         with self._cond:

@@ -35,6 +35,7 @@ from xgboost.callback import (
 
 import rabit2
 from rabit2.api import current_config
+from rabit2.errors import MismatchError
 from rabit2.xgboost.service import Endpoint, Record
 
 logger = logging.getLogger("rabit2.xgboost")
@@ -54,7 +55,7 @@ class TrainingState:
     next_round: int
     stopped: bool
     history: dict[str, Any]
-    callbacks: tuple[dict[str, Any], ...]
+    callbacks: tuple[dict[str, Any], ...] = ()  # this rank's own: the local checkpoint
 
 
 def train(
@@ -111,12 +112,17 @@ def train(
     recover = bool(config is not None and config.recover)
     params = dict(params)
     if recover:
-        sampled = [k for k in _SAMPLING if float(params.get(k, 1.0)) < 1.0]
-        if sampled:
+        random = [f"{k} below 1" for k in _SAMPLING if float(params.get(k, 1.0)) < 1.0]
+        if params.get("booster") == "dart":
+            random.append("booster dart (random dropout)")
+        if params.get("feature_selector") in ("random", "shuffle"):
+            random.append(f"feature_selector {params['feature_selector']}")
+        if random:
             raise ValueError(
-                f"{', '.join(sampled)} below 1 cannot be recovered bit-exactly: XGBoost keeps "
-                "sampler state that no saved model carries. Train without sampling, or run "
-                "without recovery (rabit2-submit --max-attempts 1)")
+                f"{', '.join(random)} cannot be recovered bit-exactly: XGBoost keeps random "
+                "state that no saved model carries, so a restarted worker would draw "
+                "differently. Train without it, or run without recovery (rabit2-submit "
+                "--max-attempts 1)")
     callbacks = [] if callbacks is None else list(callbacks)
     evals = list(evals) if evals else []
     if verbose_eval:
@@ -161,6 +167,11 @@ def _train(restored: TrainingState | None, endpoint: Endpoint, recover: bool,
     bst = container.before_training(bst)
     if restored is not None:
         container.history = copy.deepcopy(restored.history)
+        if len(callbacks) != len(restored.callbacks):
+            raise MismatchError(
+                f"the restarted worker trains with {len(callbacks)} callbacks where the "
+                f"checkpoint has the state of {len(restored.callbacks)}: the program must "
+                "pass the same callbacks on a restart")
         for callback, state in zip(callbacks, restored.callbacks, strict=True):
             callback.__dict__.update(copy.deepcopy(state))
     for i in range(start, num_boost_round):
@@ -172,9 +183,10 @@ def _train(restored: TrainingState | None, endpoint: Endpoint, recover: bool,
             first_round = endpoint.first_round_broadcasts()
         if recover and ((i + 1) % checkpoint_every == 0 or stopped
                         or i + 1 == num_boost_round):
+            # the callbacks' state is this rank's own (a callback may act on one rank only)
             rabit2.lazy_checkpoint(TrainingState(
                 FORMAT, prelude, first_round, bytes(bst.save_raw("ubj")), i + 1, stopped,
-                copy.deepcopy(dict(container.history)), _snapshot(callbacks)))
+                copy.deepcopy(dict(container.history))), local_model=_snapshot(callbacks))
     bst = container.after_training(bst)
     if evals_result is not None:
         evals_result.update(container.history)
@@ -222,15 +234,20 @@ def _snapshot(callbacks: list[TrainingCallback]) -> tuple[dict[str, Any], ...]:
     return tuple(states)
 
 
-def restored_state(version: int, model: Any) -> TrainingState | None:
-    """The training state a restarted worker fetched, checked; None on a fresh start."""
+def restored_state(version: int, model: Any, local: Any) -> TrainingState | None:
+    """The training state a restarted worker fetched (the global part from a neighbour,
+    this rank's callbacks from its replica), checked; None on a fresh start."""
     if version == 0:
         return None
     if not isinstance(model, TrainingState) or model.format != FORMAT:
         raise rabit2.errors.UnrecoverableError(
             f"checkpoint {version} is not one rabit2.xgboost.train wrote (got "
             f"{type(model).__name__}); a program that checkpoints itself cannot use it")
-    return model
+    if not isinstance(local, tuple):
+        raise rabit2.errors.UnrecoverableError(
+            f"checkpoint {version} has no callback state for this rank (got "
+            f"{type(local).__name__})")
+    return dataclasses.replace(model, callbacks=local)
 
 
 __all__ = ["TrainingState", "train"]

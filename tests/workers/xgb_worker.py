@@ -4,13 +4,14 @@ on the same data.  Prints one line per rank: the model's and the predictions' di
 
 Options (``--key value``): rows, features, rounds, depth, method, world (for the data split;
 defaults to the job's), kill ``rank,round,when`` (``when``: ``before`` the round's checkpoint,
-``after`` it, ``mid`` in the round's first update), checkpoint-every, classifier (fit with
+``during`` it, ``after`` it, ``mid`` in the round's update), checkpoint-every, classifier (fit with
 ``XGBClassifier`` instead of ``train``).  Other ``k=v`` arguments go to rabit2 (``mock=...``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -38,22 +39,34 @@ class Kill(xgboost.callback.TrainingCallback):
     def __init__(self, round_: int, when: str) -> None:
         self.round, self.when = round_, when
 
+    def __getattribute__(self, name: str) -> object:
+        # (its state travels in the checkpoints: only the first attempt ever kills)
+        if name == "when" and os.environ.get("DMLC_NUM_ATTEMPT", "0") != "0":
+            return ""
+        return object.__getattribute__(self, name)
+
     def before_iteration(self, model, epoch, evals_log):  # type: ignore[no-untyped-def]
         if self.when == "after" and epoch == self.round + 1:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.when == "mid" and epoch == self.round:
-            # mid-round: in the round's second collective (rabit2's own fault hook)
-            state = rabit2.api._state
-            cfg = state.config
-            assert cfg is not None
-            spec = rabit2.config.MockSpec(state.rank, state.version, state.seqno + 1, 0)
-            state.config = __import__("dataclasses").replace(cfg, mock=(spec,))
+            self._mock(1)  # mid-round: in the round's second collective
         return False
 
     def after_iteration(self, model, epoch, evals_log):  # type: ignore[no-untyped-def]
         if self.when == "before" and epoch == self.round:
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.when == "during" and epoch == self.round:
+            self._mock(0)  # the round's calls are done: the next hit is its checkpoint
         return False
+
+    @staticmethod
+    def _mock(ahead: int) -> None:
+        """Arm rabit2's own fault hook (``mock=``) for a call ``ahead`` of the current one."""
+        state = rabit2.api._state
+        cfg = state.config
+        assert cfg is not None
+        spec = rabit2.config.MockSpec(state.rank, state.version, state.seqno + ahead, 0)
+        state.config = dataclasses.replace(cfg, mock=(spec,))
 
 
 def main() -> None:
@@ -85,10 +98,9 @@ def main() -> None:
     with rx.CommunicatorContext(rest):
         rank, world = rabit2.get_rank(), rabit2.get_world_size()
         callbacks = []
-        for spec in opts.kill:
+        for spec in opts.kill:  # (the same callbacks on a restart, inert there)
             r, round_, when = spec.split(",")
-            if int(r) == rank and int(os.environ.get("DMLC_NUM_ATTEMPT", "0")) == 0:
-                callbacks.append(Kill(int(round_), when))
+            callbacks.append(Kill(int(round_), when if int(r) == rank else ""))
         booster, dtrain = run(opts, params, rank, world, rx.train, callbacks)
         report(rank, world, booster, dtrain)
 
@@ -110,7 +122,7 @@ def run(opts, params, rank, world, train, callbacks=()):  # type: ignore[no-unty
 def report(rank: int, world: int, booster: xgboost.Booster, dtrain: xgboost.DMatrix) -> None:
     model = hashlib.sha256(bytes(booster.save_raw("json"))).hexdigest()
     x, _ = data(0, 1, 2000, booster.num_features())
-    pred = booster.inplace_predict(x)
+    pred = booster.predict(xgboost.DMatrix(x))
     digest = hashlib.sha256(np.ascontiguousarray(pred).tobytes()).hexdigest()
     print(f"xgb rank={rank} world={world} model={model} pred={digest}", flush=True)
     if rank == 0 and os.environ.get("XGB_PRED_OUT"):
