@@ -221,3 +221,22 @@ def test_a_paused_worker_is_killed_by_its_slot_and_replaced(
     assert done.stdout.count("sums ok") == 4
     assert "[rabit2 slot 1] the tracker declared it lost" in done.stderr
     assert re.search(r"^1\s+1\s+2\s+-\s+done$", done.stderr, re.M), done.stderr
+
+
+def test_xgboost_training_recovers_under_the_cluster_launchers(
+    cluster: tuple[str, dict[str, str]],
+) -> None:
+    """Real XGBoost through rabit2.xgboost, rank 2 killed mid-round: its slot restarts it,
+    it takes the training state from its neighbours, and every rank ends with one model."""
+    xgboost = pytest.importorskip("xgboost")
+    if not xgboost.build_info().get("USE_FEDERATED"):
+        pytest.skip("this XGBoost build has no federated communicator")
+    kind, env = cluster
+    worker = str(Path(__file__).parent / "workers" / "xgb_worker.py")
+    done = subprocess.run(submit(kind, worker, "--kill", "2,2,mid"), env=env,
+                          capture_output=True, text=True, timeout=170, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    found = re.findall(r"xgb rank=(\d) world=4 model=([0-9a-f]{64})", done.stdout)
+    assert sorted(int(rank) for rank, _ in found) == [0, 1, 2, 3], done.stdout
+    assert len({model for _, model in found}) == 1, found
+    assert "[rabit2 slot 2] exited with 137 (attempt 1/3); restarting" in done.stderr
