@@ -42,3 +42,19 @@ def assert_one_model(stdout: str, world: int) -> None:
                          stdout)
     assert sorted(int(rank) for rank, _ in digests) == list(range(world)), stdout
     assert len({digest for _, digest in digests}) == 1, stdout
+
+
+def need_federated_xgboost() -> None:
+    """Skip (with the reason) where XGBoost with its federated communicator is missing."""
+    import pytest  # noqa: PLC0415
+
+    xgboost = pytest.importorskip("xgboost")
+    if not xgboost.build_info().get("USE_FEDERATED"):
+        pytest.skip("this XGBoost build has no federated communicator (xgboost-cpu?)")
+
+
+def assert_one_xgboost_model(stdout: str, world: int) -> None:
+    """Every rank of a ``tests/workers/xgb_worker.py`` job printed the same model digest."""
+    found = re.findall(rf"xgb rank=(\d+) world={world} model=([0-9a-f]{{64}})", stdout)
+    assert sorted(int(rank) for rank, _ in found) == list(range(world)), stdout
+    assert len({model for _, model in found}) == 1, found

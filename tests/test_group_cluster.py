@@ -20,7 +20,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from jobs import assert_gone, assert_one_model, wait_until
+from jobs import (
+    assert_gone,
+    assert_one_model,
+    assert_one_xgboost_model,
+    need_federated_xgboost,
+    wait_until,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -228,15 +234,11 @@ def test_xgboost_training_recovers_under_the_cluster_launchers(
 ) -> None:
     """Real XGBoost through rabit2.xgboost, rank 2 killed mid-round: its slot restarts it,
     it takes the training state from its neighbours, and every rank ends with one model."""
-    xgboost = pytest.importorskip("xgboost")
-    if not xgboost.build_info().get("USE_FEDERATED"):
-        pytest.skip("this XGBoost build has no federated communicator")
+    need_federated_xgboost()
     kind, env = cluster
     worker = str(Path(__file__).parent / "workers" / "xgb_worker.py")
     done = subprocess.run(submit(kind, worker, "--kill", "2,2,mid"), env=env,
                           capture_output=True, text=True, timeout=170, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
-    found = re.findall(r"xgb rank=(\d) world=4 model=([0-9a-f]{64})", done.stdout)
-    assert sorted(int(rank) for rank, _ in found) == [0, 1, 2, 3], done.stdout
-    assert len({model for _, model in found}) == 1, found
+    assert_one_xgboost_model(done.stdout, 4)
     assert "[rabit2 slot 2] exited with 137 (attempt 1/3); restarting" in done.stderr

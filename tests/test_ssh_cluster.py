@@ -22,7 +22,7 @@ from pathlib import Path
 
 import netns
 import pytest
-from jobs import assert_one_model
+from jobs import assert_one_model, assert_one_xgboost_model, need_federated_xgboost
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -220,16 +220,12 @@ def test_xgboost_training_across_hosts_recovers_a_remote_worker(
 ) -> None:
     """Real XGBoost through rabit2.xgboost on two ssh hosts, rank 2 killed mid-round: it is
     restarted on its host and every rank ends with one model."""
-    xgboost = pytest.importorskip("xgboost")
-    if not xgboost.build_info().get("USE_FEDERATED"):
-        pytest.skip("this XGBoost build has no federated communicator")
+    need_federated_xgboost()
     bed, keys = cluster
     worker = str(Path(__file__).parent / "workers" / "xgb_worker.py")
     done = subprocess.run(submit(bed, keys, worker, "--kill", "2,2,mid"), check=False,
                           capture_output=True, text=True, timeout=170, cwd=keys)
     assert done.returncode == 0, done.stdout + done.stderr
-    found = re.findall(r"xgb rank=(\d) world=4 model=([0-9a-f]{64})", done.stdout)
-    assert sorted(int(rank) for rank, _ in found) == [0, 1, 2, 3], done.stdout
-    assert len({model for _, model in found}) == 1, found
+    assert_one_xgboost_model(done.stdout, 4)
     assert re.search(r"^2\s+2\s+2\s+0\s+ok$", done.stderr, re.M), done.stderr
     assert workers_left(bed) == []
