@@ -15,6 +15,7 @@ import pickle
 import signal
 import socket
 import struct
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -25,7 +26,7 @@ from rabit2.config import Config, load_config
 from rabit2.core.agent import Call
 from rabit2.core.framing import CollectiveKind
 from rabit2.core.ops import Op, check_op_dtype, dtype_code, dtype_from_code
-from rabit2.errors import MismatchError, NotInitializedError
+from rabit2.errors import MismatchError, NotInitializedError, RabitError
 
 logger = logging.getLogger("rabit2")
 
@@ -96,6 +97,43 @@ def init(args: Iterable[str | bytes] | None = None, **kwargs: Any) -> None:
             _state.engine = None
             _state.rank, _state.world = 0, 1
         _state.config = config
+        if config.distributed:
+            _install_excepthook()
+
+
+def abort_for(error: BaseException) -> None:
+    """A program error on this rank ends the job: tell the tracker (every other rank raises
+    :class:`~rabit2.errors.JobAbortedError` naming this rank and ``error`` at once, instead
+    of waiting for it) and leave; the launcher does not restart a worker that left so.  A
+    :class:`~rabit2.errors.RabitError` is already the job's: this only leaves.  Safe to call
+    when not initialised; never raises a RabitError."""
+    with _state.lock:
+        if _state.engine is not None and not isinstance(error, RabitError):
+            text = " ".join(str(error).split())
+            _state.engine.signal_error(
+                f"rank {_state.rank} raised {type(error).__name__}"
+                + (f": {text}" if text else ""))
+        with contextlib.suppress(RabitError):
+            finalize()
+
+
+_previous_excepthook: list[Callable[..., Any]] = []
+
+
+def _install_excepthook() -> None:
+    """An uncaught exception in a distributed program aborts the job before Python prints
+    it (the previous hook runs after)."""
+    if _previous_excepthook:
+        return
+    _previous_excepthook.append(sys.excepthook)
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if _state.config is not None and not isinstance(value, KeyboardInterrupt):
+            with contextlib.suppress(Exception):
+                abort_for(value)
+        _previous_excepthook[0](kind, value, tb)
+
+    sys.excepthook = hook
 
 
 def finalize() -> None:
@@ -496,7 +534,8 @@ def communicator_print(msg: Any) -> None:
 
 
 class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext"]):
-    """``with CommunicatorContext(**args):`` = ``init(**args)`` ... ``finalize()``."""
+    """``with CommunicatorContext(**args):`` = ``init(**args)`` ... ``finalize()``; an
+    exception inside the block aborts the job (:func:`abort_for`) and propagates."""
 
     def __init__(self, **args: Any) -> None:
         self.args = args
@@ -505,8 +544,11 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
         init(**self.args)
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        finalize()
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is None:
+            finalize()
+        else:  # the others must not wait for this rank: abort the job, naming the error
+            abort_for(exc)
 
 
 __all__ = [

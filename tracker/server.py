@@ -410,7 +410,8 @@ class Tracker:
             return True
         if kind == "shutdown":
             task.finished = True
-            if not msg["hold"]:
+            if not msg["hold"] or self._result is not None:
+                # (after an abort nothing is held: the task is done for good either way)
                 _call_hook(self.on_task_finished, task.task_id)
             logger.info("%s shut down", _describe(task))
             everyone = bool(self._by_rank) and all(t.finished for t in self._by_rank.values())
@@ -426,7 +427,8 @@ class Tracker:
                     if other.held and other.conn is not None:
                         other.conn.send({"t": "bye"})
                     other.held = False
-                self._finish(True, "every rank shut down")
+                if self._result is None:  # (an aborted job stays aborted)
+                    self._finish(True, "every rank shut down")
             return False
         raise ProtocolError(f"unexpected {kind} from a registered worker")
 

@@ -11,6 +11,7 @@ from typing import Any
 import xgboost
 
 import rabit2
+from rabit2.api import abort_for
 from rabit2.errors import RabitError
 from rabit2.xgboost.service import Endpoint
 from rabit2.xgboost.training import TrainingState, restored_state
@@ -55,8 +56,8 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
             rabit2.init(self.args, **self.kwargs)
             if rabit2.is_distributed():
                 self._join()
-        except BaseException:
-            self._close(failed=True)
+        except BaseException as exc:
+            self._close(failed=True, error=exc if self.endpoint is not None else None)
             raise
         return self
 
@@ -84,10 +85,9 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
                 self._xgb = False
                 with contextlib.suppress(xgboost.core.XGBoostError):
                     xgboost.collective.finalize()
-            if failed and rabit2.is_distributed() and not isinstance(error, RabitError):
-                reason = "failed" if error is None else f"{type(error).__name__}: {error}"
-                rabit2.signal_error(f"rank {rabit2.get_rank()} left the job: {reason}")
-            if failed:
+            if error is not None:
+                abort_for(error)  # the others fail now, naming it; no restart
+            elif failed:
                 with contextlib.suppress(RabitError):
                     rabit2.finalize()
             else:
