@@ -97,6 +97,19 @@ def test_descriptor_is_the_one_compiled_into_xgboost() -> None:
     assert [m.name for m in parsed.service[0].method] == list(_proto.METHODS)
 
 
+def test_an_xgboost_without_the_federated_communicator_is_refused_at_entry(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from rabit2.xgboost import context  # noqa: PLC0415
+
+    context.check_xgboost()  # the wheel the tests run with is fine
+    monkeypatch.setattr(xgboost, "build_info", lambda: {"USE_FEDERATED": False})
+    with pytest.raises(RuntimeError, match="no federated communicator.*xgboost-cpu"):
+        context.check_xgboost()
+    monkeypatch.setattr(xgboost, "__version__", "2.1.4")
+    with pytest.raises(RuntimeError, match="needs XGBoost 3.x, found 2.1.4"):
+        context.check_xgboost()
+
+
 @pytest.fixture
 def alone() -> object:
     """rabit2 alone (world 1) with an endpoint, and a client for it."""

@@ -27,6 +27,20 @@ def active() -> CommunicatorContext | None:
     return _active[0] if _active else None
 
 
+def check_xgboost() -> None:
+    """Raise ``RuntimeError`` (before the job is touched) for an XGBoost that cannot use the
+    endpoint: older than 3.0, or built without its federated communicator (``xgboost-cpu``,
+    the macOS and Windows wheels)."""
+    major = int(xgboost.__version__.split(".", 1)[0])
+    if major < 3:
+        raise RuntimeError(f"rabit2.xgboost needs XGBoost 3.x, found {xgboost.__version__}")
+    if not xgboost.build_info().get("USE_FEDERATED"):
+        raise RuntimeError(
+            f"this XGBoost build ({xgboost.__version__}) has no federated communicator, which "
+            "rabit2.xgboost serves: install the 'xgboost' wheel for Linux (the 'xgboost-cpu' "
+            "wheel is built without it)")
+
+
 class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext"]):
     """Join the rabit2 job and route XGBoost's collectives through it.
 
@@ -62,6 +76,7 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
         return self
 
     def _join(self) -> None:
+        check_xgboost()
         rank, world = rabit2.get_rank(), rabit2.get_world_size()
         self.endpoint = Endpoint(rank, world)
         port = self.endpoint.start()
