@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import socket
 import struct
@@ -236,6 +237,47 @@ def test_a_stale_or_duplicate_incarnation_is_refused_at_a_worker_port(loop_kind:
 
     assert on_all(engines, work) == [None, None, None]
     assert all(e.recovery_statistics()["links_up"] == 0 for e in engines)
+    finish(tracker, engines)
+
+
+def test_a_flood_of_idle_connections_on_a_peer_port_is_bounded(
+        loop_kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    """150 silent connections to a worker's peer port: it keeps at most 64 unfinished
+    handshakes (the oldest are dropped to admit newer ones, so a restarted neighbour still
+    gets in), logs a few lines rather than one per connection, and the job goes on."""
+    caplog.set_level(logging.WARNING, logger="rabit2")
+    tracker, engines = start_job(2, loop_kind, RABIT2_RECOVER="1")
+    target = engines[0]
+    assert target._server is not None
+    address = target._server.getsockname()[:2]
+    flood = [socket.create_connection(address, timeout=5) for _ in range(150)]
+    try:
+        dropped = 0
+        deadline = time.monotonic() + 10
+        while dropped < 150 - 64 and time.monotonic() < deadline:
+            dropped = 0
+            for sock in flood:
+                sock.setblocking(False)
+                try:
+                    if sock.recv(4096, socket.MSG_PEEK) == b"":
+                        dropped += 1  # EOF: the worker closed it
+                except BlockingIOError:
+                    pass  # still open (it may hold the challenge)
+                except OSError:
+                    dropped += 1
+            time.sleep(0.05)
+        assert dropped >= 150 - 64
+
+        def work(rank: int, engine: Engine) -> None:
+            a = np.full(5, rank + 1, dtype=np.int64)
+            engine.run_call(allreduce_call(a, engine))
+            assert (a == 3).all()
+
+        assert on_all(engines, work) == [None, None]
+    finally:
+        for sock in flood:
+            sock.close()
+    assert caplog.text.count("dropped the oldest of") <= 10, caplog.text
     finish(tracker, engines)
 
 

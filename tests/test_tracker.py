@@ -35,6 +35,7 @@ from rabit2.errors import (
     TrackerError,
 )
 from rabit2.io.handshake import (
+    RateLimitedLog,
     client_handshake,
     connect_authenticated,
     server_handshake,
@@ -396,6 +397,49 @@ async def test_bad_connections_do_not_disturb_the_job(
     for reason in ("wrong magic", "exceeds", "undecodable", "failed authentication",
                    "deadline", "may only send status"):
         assert reason in log, reason
+
+
+@pytest.mark.asyncio
+async def test_a_registration_gets_in_under_a_flood_of_idle_connections(
+    make_tracker: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """100 silent connections (more than the tracker's 4n+64 handshakes in flight) held
+    open: the workers still register (the oldest unfinished handshake makes room for each
+    newcomer), and the refusals are logged a few lines at a time, not once each."""
+    caplog.set_level(logging.WARNING, logger="rabit2.tracker")
+    tracker = await make_tracker(2, handshake_timeout=60)
+    flood = [await asyncio.open_connection(HOST, tracker.port) for _ in range(100)]
+    try:
+        clients = await join_job(tracker, ["0", "1"])
+        assignments = await asyncio.gather(*(c.wait_assignment(5) for c in clients))
+        assert sorted(a.rank for a in assignments) == [0, 1]
+        await asyncio.gather(*(c.shutdown(5) for c in clients))
+        assert (await tracker.wait_done(5)).success
+    finally:
+        for _, writer in flood:
+            writer.close()
+    dropped = caplog.text.count("dropped the oldest of")
+    assert 1 <= dropped <= 10, caplog.text  # 28+ drops, at most 10 lines per 10 s
+
+
+def test_refusal_warnings_are_rate_limited() -> None:
+    lines: list[str] = []
+
+    class Sink(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    log = logging.getLogger("rabit2.tracker.test-rate")
+    log.addHandler(Sink())
+    log.propagate = False
+    now = [0.0]
+    limited = RateLimitedLog(log, burst=3, period=10.0, clock=lambda: now[0])
+    for i in range(50):
+        limited.warning("refused %d", i)
+    assert lines == ["refused 0", "refused 1", "refused 2"]
+    now[0] = 10.5
+    limited.warning("refused %d", 50)
+    assert lines[3:] == ["47 more refused connections like the above in 10 s", "refused 50"]
 
 
 @pytest.mark.asyncio

@@ -103,10 +103,10 @@ def test_an_xgboost_without_the_federated_communicator_is_refused_at_entry(
 
     context.check_xgboost()  # the wheel the tests run with is fine
     monkeypatch.setattr(xgboost, "build_info", lambda: {"USE_FEDERATED": False})
-    with pytest.raises(RuntimeError, match="no federated communicator.*xgboost-cpu"):
+    with pytest.raises(RuntimeError, match=r"no federated communicator.*xgboost-cpu"):
         context.check_xgboost()
     monkeypatch.setattr(xgboost, "__version__", "2.1.4")
-    with pytest.raises(RuntimeError, match="needs XGBoost 3.x, found 2.1.4"):
+    with pytest.raises(RuntimeError, match=r"needs XGBoost 3\.x, found 2\.1\.4"):
         context.check_xgboost()
 
 

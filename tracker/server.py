@@ -33,7 +33,7 @@ from typing import Any
 from rabit2.core.control import REFUSE_HELLO, FrameDecoder, encode_frame
 from rabit2.core.topology import topology
 from rabit2.errors import CollectiveTimeoutError, ProtocolError, RabitError
-from rabit2.io.handshake import server_handshake, tune_socket
+from rabit2.io.handshake import RateLimitedLog, server_handshake, tune_socket
 
 logger = logging.getLogger("rabit2.tracker")
 SILENCE_REASON = "no message for"  # how a heartbeat timeout is reported
@@ -147,6 +147,8 @@ class Tracker:
         # exhaust file descriptors; each one also ends at handshake_timeout.
         self._max_handshakes = 4 * n_workers + 64
         self._handshakes = 0
+        self._in_handshake: dict[asyncio.Task[Any], float] = {}  # -> when it was accepted
+        self._refusals = RateLimitedLog(logger)
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._result: JobResult | None = None
@@ -287,14 +289,20 @@ class Tracker:
                 await asyncio.sleep(_ACCEPT_ERROR_PAUSE_SEC)
                 continue
             peer = f"{address[0]}:{address[1]}"
-            if self._handshakes >= self._max_handshakes:
-                logger.warning("closing connection from %s: %d handshakes already in flight",
-                               peer, self._handshakes)
-                sock.close()
-                continue
+            if self._handshakes >= self._max_handshakes and self._in_handshake:
+                # fair admission: the oldest unfinished handshake makes room.  A worker
+                # finishes its handshake in milliseconds, so under a flood of idle or slow
+                # connections it is the flood that is dropped, and a registration gets in
+                oldest = min(self._in_handshake, key=self._in_handshake.__getitem__)
+                del self._in_handshake[oldest]
+                oldest.cancel()
+                self._refusals.warning(
+                    "dropped the oldest of %d unfinished handshakes to admit %s",
+                    self._handshakes, peer)
             self._handshakes += 1  # counted here: a burst of accepts must see the count
             handler = asyncio.create_task(self._handle(sock, str(address[0]), peer))
             self._handlers.add(handler)
+            self._in_handshake[handler] = loop.time()
             handler.add_done_callback(self._handlers.discard)
 
     async def _handle(self, sock: socket.socket, host: str, peer: str) -> None:
@@ -306,10 +314,16 @@ class Tracker:
             hello = await server_handshake(loop, sock, self._secret, deadline, self._check_hello)
         except (RabitError, OSError) as exc:
             sock.close()
-            logger.warning("connection from %s closed during handshake: %s", peer, exc)
+            self._refusals.warning("connection from %s closed during handshake: %s", peer, exc)
             return
+        except asyncio.CancelledError:
+            sock.close()  # dropped to admit a newer connection, or the tracker closes
+            raise
         finally:
             self._handshakes -= 1
+            task = asyncio.current_task()
+            if task is not None:
+                self._in_handshake.pop(task, None)
         try:
             reader, writer = await asyncio.open_connection(sock=sock)
         except OSError as exc:

@@ -50,6 +50,7 @@ from rabit2.errors import (
     UnrecoverableError,
 )
 from rabit2.io.handshake import (
+    RateLimitedLog,
     connect_authenticated,
     resolve_congestion,
     server_handshake,
@@ -142,6 +143,8 @@ _yield_cpu: Callable[[], Any] = getattr(os, "sched_yield", lambda: time.sleep(0)
 _SLICE = 1e-3
 """While a caller polls: other threads of its CPU ran this long between two of its turns
 (not the loop thread, which is doing the call's work) = the CPU is contended."""
+_MAX_PEER_HANDSHAKES = 64  # unfinished handshakes on the peer port (a worker has <= 4 dialers)
+_ACCEPT_ERROR_PAUSE_SEC = 0.1  # e.g. EMFILE: back off instead of spinning on accept
 
 
 class _Poller:
@@ -308,6 +311,9 @@ class Engine:
         self._server: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._handshakes: set[asyncio.Task[None]] = set()
+        # accepted, not yet authenticated -> when (the oldest is dropped past the cap)
+        self._unauthenticated: dict[asyncio.Task[Any], float] = {}
+        self._refusals = RateLimitedLog(logger)
         self._tick_handle: asyncio.TimerHandle | None = None
         self._writelines = self.loop_thread.is_uvloop
         self._kill_at = -1  # failure injection: SIGKILL once bytes_received reaches it
@@ -518,11 +524,29 @@ class Engine:
     async def _accept_loop(self, server: socket.socket) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            sock, addr = await loop.sock_accept(server)
+            try:
+                sock, addr = await loop.sock_accept(server)
+            except OSError as exc:  # e.g. EMFILE: back off instead of spinning
+                self._refusals.warning("peer port: accept failed: %s", exc)
+                await asyncio.sleep(_ACCEPT_ERROR_PAUSE_SEC)
+                continue
             sock.setblocking(False)
+            if len(self._unauthenticated) >= _MAX_PEER_HANDSHAKES:
+                # fair admission, as at the tracker: the oldest unfinished handshake makes
+                # room (a neighbour finishes its handshake in milliseconds)
+                oldest = min(self._unauthenticated, key=self._unauthenticated.__getitem__)
+                del self._unauthenticated[oldest]
+                oldest.cancel()
+                self._refusals.warning("peer port: dropped the oldest of %d unfinished "
+                                       "handshakes to admit %s", _MAX_PEER_HANDSHAKES, addr)
             task = loop.create_task(self._accept_one(sock, addr))
             self._handshakes.add(task)  # keep a reference until it finishes
+            self._unauthenticated[task] = loop.time()
             task.add_done_callback(self._handshakes.discard)
+            task.add_done_callback(self._forget_handshake)
+
+    def _forget_handshake(self, task: asyncio.Task[Any]) -> None:
+        self._unauthenticated.pop(task, None)
 
     async def _accept_one(self, sock: socket.socket, addr: Any) -> None:
         loop = asyncio.get_running_loop()
@@ -562,8 +586,14 @@ class Engine:
             deadline = loop.time() + self.config.connect_timeout_sec
             await server_handshake(loop, sock, self.config.secret, deadline, check)
         except RabitError as exc:
-            logger.warning("refused a peer connection from %s: %s", addr, exc)
+            self._refusals.warning("refused a peer connection from %s: %s", addr, exc)
             return
+        except asyncio.CancelledError:
+            sock.close()  # dropped for a newer connection, or the engine closes
+            raise
+        task = asyncio.current_task()
+        if task is not None:
+            self._forget_handshake(task)  # authenticated: no longer one to drop
         peer, incarnation = claimed[0]
         self._accepted[peer] = await self._adopt(sock, peer, incarnation)
         if set(self._accepted) >= self._expect_accept and self._all_accepted is not None:

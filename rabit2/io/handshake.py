@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -358,3 +360,28 @@ __all__ = [
     "sock_write_frame",
     "tune_socket",
 ]
+
+
+class RateLimitedLog:
+    """Warnings about refused connections, at most ``burst`` per ``period`` seconds; the
+    rest are counted and said in one line when the next period starts.  A flood of bad
+    connections must not become a flood of log lines."""
+
+    def __init__(self, log: logging.Logger, burst: int = 10, period: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._log, self._burst, self._period, self._clock = log, burst, period, clock
+        self._start = -period
+        self._count = self._suppressed = 0
+
+    def warning(self, message: str, *args: Any) -> None:
+        now = self._clock()
+        if now - self._start >= self._period:
+            if self._suppressed:
+                self._log.warning("%d more refused connections like the above in %.0f s",
+                                  self._suppressed, self._period)
+            self._start, self._count, self._suppressed = now, 0, 0
+        self._count += 1
+        if self._count <= self._burst:
+            self._log.warning(message, *args)
+        else:
+            self._suppressed += 1
