@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -125,9 +127,31 @@ def test_no_restart_once_the_job_is_over_or_the_tracker_is_gone() -> None:
         assert "not restarting: the job is over" in err and "restarting\n" not in err
     finally:
         tracker.stop()
-    why = restart_refused(env, "1")
+    started = time.monotonic()
+    why = restart_refused(env, "1", patience=1.0)
     assert why is not None and "cannot be asked" in why
+    assert time.monotonic() - started < 5  # asked again for about a second, then refused
     assert restart_refused(base_env(), "1") is None  # no tracker at all: nothing to ask
+
+
+def test_a_tracker_blip_does_not_refuse_a_restart() -> None:
+    """The tracker cannot be reached for a second (here: it is not up yet): the slot asks
+    again with backoff and, once it answers, restarts the worker."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    tracker = TrackerThread(2, host="127.0.0.1", port=port, secret=SECRET)
+    env = base_env(DMLC_TASK_ID="1", DMLC_TRACKER_URI="127.0.0.1",
+                   DMLC_TRACKER_PORT=str(port), RABIT2_SECRET=SECRET.hex())
+    timer = threading.Timer(1.0, tracker.start)
+    timer.start()
+    try:
+        started = time.monotonic()
+        assert restart_refused(env, "1", patience=10.0) is None
+        assert time.monotonic() - started >= 0.9
+    finally:
+        timer.join()
+        tracker.stop()
 
 
 MPIRUN = shutil.which("mpirun")

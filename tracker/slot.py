@@ -36,6 +36,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from types import FrameType
 from typing import Any
@@ -46,6 +47,7 @@ from rabit2.io.tracker_client import query_tracker_status
 from tracker.remote import ChildGroup, command_after, exit_status
 
 QUERY_TIMEOUT = 10.0
+RESTART_QUERY_PATIENCE = 10.0  # asking again, with backoff, before a restart is refused
 _EXIT_GRACE = 2.0  # a worker seen disconnected gets this long to be exiting on its own
 
 
@@ -67,9 +69,19 @@ def _ask_tracker(env: Mapping[str, str], task: str,
         return f"the tracker cannot be asked ({exc})"
 
 
-def restart_refused(env: Mapping[str, str], task: str) -> str | None:
-    """Why the tracker says a new run of ``task`` would be no use, or None if it would."""
+def restart_refused(env: Mapping[str, str], task: str,
+                    patience: float = RESTART_QUERY_PATIENCE) -> str | None:
+    """Why the tracker says a new run of ``task`` would be no use, or None if it would.
+
+    A tracker that cannot be reached is asked again, with backoff, for ``patience`` seconds:
+    a blip on the tracker's path must not cost the job a worker."""
+    deadline = time.monotonic() + patience
+    delay = 0.2
     status = _ask_tracker(env, task)
+    while isinstance(status, str) and time.monotonic() + delay <= deadline:
+        time.sleep(delay)
+        delay = min(delay * 2, 2.0)
+        status = _ask_tracker(env, task)
     if status is None or isinstance(status, str):
         return status
     if status.get("done"):
