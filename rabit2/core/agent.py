@@ -923,6 +923,13 @@ class Agent(RecoveryMixin):
             return peer not in active.started_empty
         return active.sent.get(peer, 0) < out.length
 
+    def on_send_progress(self, now: float) -> None:
+        """The I/O layer saw bytes of this rank leave on a link (the kernel took some of
+        what was queued): that is progress too, for a rank that only sends for a while (a
+        broadcast's root, a leaf sending its input up a slow link)."""
+        if self.active is not None:
+            self.last_progress = max(self.last_progress, now)
+
     def on_tick(self, now: float) -> list[Command]:
         """Check the deadlines: no byte moved for ``timeout`` seconds, or a lost input not
         back within ``recover_timeout``, fails the call."""

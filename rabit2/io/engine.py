@@ -313,6 +313,8 @@ class Engine:
         self._handshakes: set[asyncio.Task[None]] = set()
         # accepted, not yet authenticated -> when (the oldest is dropped past the cap)
         self._unauthenticated: dict[asyncio.Task[Any], float] = {}
+        self._unsent: dict[int, int] = {}  # per link: bytes queued at the last tick
+        self._sent_at = 0.0  # when bytes last left on a link, or a drain wait began
         self._refusals = RateLimitedLog(logger)
         self._tick_handle: asyncio.TimerHandle | None = None
         self._writelines = self.loop_thread.is_uvloop
@@ -658,6 +660,7 @@ class Engine:
                     # the last bytes are queued on a link whose peer stopped reading: that
                     # wait has the same progress deadline as the call itself
                     waiting = self._pending
+                    self._sent_at = max(self._sent_at, self.loop.time())
                     self.loop.call_later(self.config.timeout_sec, self._drain_deadline, waiting)
             elif isinstance(cmd, CallFailed):
                 waiter, self._pending = self._pending, None
@@ -742,6 +745,11 @@ class Engine:
         waiter.finish(None)
 
     def _drain_deadline(self, waiter: _Waiter) -> None:
+        quiet = self.loop.time() - self._sent_at
+        if self._pending is waiter and quiet < self.config.timeout_sec:
+            # bytes are still leaving (a slow link): a progress deadline, not a total one
+            self.loop.call_later(self.config.timeout_sec - quiet, self._drain_deadline, waiter)
+            return
         if self._pending is waiter:
             self._pending, self._completed = None, False
             blocked = [p for p, link in self.links.items() if link.write_blocked]
@@ -814,8 +822,25 @@ class Engine:
         self._tick_handle = self.loop.call_later(interval, self._tick)
 
     def _tick(self) -> None:
-        self._execute(self.agent.on_tick(self.loop.time()))
+        now = self.loop.time()
+        if self._sending_progressed():
+            self._sent_at = now
+            self.agent.on_send_progress(now)
+        self._execute(self.agent.on_tick(now))
         self._schedule_tick()
+
+    def _sending_progressed(self) -> bool:
+        """Did some link's queue of unsent bytes shrink since the last tick (the kernel took
+        bytes from it)?  Progress deadlines count those bytes, not only received ones."""
+        progressed = False
+        for peer, link in self.links.items():
+            transport = link.transport
+            size = (0 if transport is None or transport.is_closing()
+                    else transport.get_write_buffer_size())
+            if size < self._unsent.get(peer, 0):
+                progressed = True
+            self._unsent[peer] = size
+        return progressed
 
     # ------------------------------------------------------------------ tracker services
 
