@@ -214,8 +214,9 @@ def test_hostile_connections_at_a_worker_port(loop_kind: str) -> None:
 
 def test_a_stale_or_duplicate_incarnation_is_refused_at_a_worker_port(loop_kind: str) -> None:
     """Fencing: with recovery on a worker keeps listening, but only a newer incarnation of a
-    neighbour (or the same one whose link is down) may replace a link; a zombie that presents
-    an old or the current incarnation is refused, and the job goes on unharmed."""
+    neighbour (or the same one whose link is down) may replace a link, and only one the
+    tracker issued; a zombie that presents an old or the current incarnation, or a stranger
+    with the secret that claims a newer one, is refused, and the job goes on unharmed."""
     import asyncio  # noqa: PLC0415 - only this test drives the handshake by hand
 
     from rabit2.io.handshake import connect_authenticated  # noqa: PLC0415
@@ -229,6 +230,10 @@ def test_a_stale_or_duplicate_incarnation_is_refused_at_a_worker_port(loop_kind:
         hello = {"rank": higher, "world": 3, "incarnation": incarnation}
         with pytest.raises(RabitError, match="already connected or stale"):
             asyncio.run(connect_authenticated(host, port, bytes.fromhex(SECRET), hello, 5))
+    # a holder of the secret claiming an incarnation the tracker never issued
+    hello = {"rank": higher, "world": 3, "incarnation": 99}
+    with pytest.raises(RabitError, match="incarnation 99 was not issued by the tracker"):
+        asyncio.run(connect_authenticated(host, port, bytes.fromhex(SECRET), hello, 5))
 
     def work(rank: int, engine: Engine) -> None:
         a = np.full(5, rank + 1, dtype=np.int64)

@@ -530,6 +530,8 @@ class Tracker:
             "ring_next": links.ring_next,
             "peers": peers,
             "incarnation": task.incarnation,
+            # what each neighbour may present when it dials (fencing: no other incarnation)
+            "incarnations": {str(r): self._by_rank[r].incarnation for r in links.neighbors},
         }
 
     def _notify_neighbors(self, task: _Task, notice: dict[str, Any]) -> None:

@@ -145,6 +145,7 @@ _SLICE = 1e-3
 (not the loop thread, which is doing the call's work) = the CPU is contended."""
 _MAX_PEER_HANDSHAKES = 64  # unfinished handshakes on the peer port (a worker has <= 4 dialers)
 _ACCEPT_ERROR_PAUSE_SEC = 0.1  # e.g. EMFILE: back off instead of spinning on accept
+NOT_ISSUED = "was not issued by the tracker"
 
 
 class _Poller:
@@ -314,6 +315,7 @@ class Engine:
         # accepted, not yet authenticated -> when (the oldest is dropped past the cap)
         self._unauthenticated: dict[asyncio.Task[Any], float] = {}
         self._unsent: dict[int, int] = {}  # per link: bytes queued at the last tick
+        self._issued: dict[int, int] = {}  # neighbour -> newest incarnation peer_recovered named
         self._sent_at = 0.0  # when bytes last left on a link, or a drain wait began
         self._refusals = RateLimitedLog(logger)
         self._tick_handle: asyncio.TimerHandle | None = None
@@ -477,8 +479,12 @@ class Engine:
             try:
                 address = self._recovered_at.get(peer, assignment.peers[peer])
                 return await self._dial(peer, *address)
-            except PeerLostError:
-                if not self.agent.restarted or self._failed.is_set():
+            except (PeerLostError, ProtocolError) as exc:
+                # a restarted worker may also dial before the neighbour heard from the
+                # tracker that its incarnation exists: it asks again
+                not_yet = isinstance(exc, ProtocolError) and NOT_ISSUED in str(exc)
+                if (not self.agent.restarted or self._failed.is_set()
+                        or not (not_yet or isinstance(exc, PeerLostError))):
                     raise  # (aborted: a cancellation of this loop can be lost, see below)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
@@ -568,6 +574,12 @@ class Engine:
             incarnation = hello.get("incarnation")
             if not isinstance(incarnation, int) or isinstance(incarnation, bool):
                 raise ProtocolError("hello.incarnation is not an int")
+            issued = max(assignment.peer_incarnations.get(rank, -1), self._issued.get(rank, -1))
+            if incarnation > issued >= 0:
+                # only incarnations the tracker issued: a holder of the secret who claims a
+                # newer one does not take over a live link
+                raise ProtocolError(f"rank {rank} incarnation {incarnation} {NOT_ISSUED} "
+                                    f"(latest {issued})")
             if rank in self.links:
                 known = self.agent.links[rank]
                 # fencing: only a newer incarnation may replace a link, or the same process
@@ -778,6 +790,7 @@ class Engine:
         if not self.config.recover:
             return
         self._recovered_at[rank] = address  # (the dial at init may be trying the old one)
+        self._issued[rank] = max(self._issued.get(rank, -1), incarnation)
         assignment = self.assignment
         if assignment is None or rank not in self.agent.links:
             return

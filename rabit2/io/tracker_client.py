@@ -18,7 +18,7 @@ import random
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from rabit2.config import Config
@@ -58,6 +58,9 @@ class Assignment:
     """(host, listen port) of every neighbour: tree parent/children and ring prev/next."""
     incarnation: int
     """0 on the first start of this rank; the tracker adds 1 per re-registration."""
+    peer_incarnations: dict[int, int] = field(default_factory=dict)
+    """The incarnation the tracker issued to each neighbour (empty from a tracker that does
+    not say): a neighbour may present no newer one when it dials."""
 
 
 def _bad(what: str) -> ProtocolError:
@@ -97,6 +100,18 @@ def parse_assignment(msg: dict[str, Any]) -> Assignment:
         peers[peer] = (address[0], address[1])
     if msg["incarnation"] < 0:
         raise _bad(f"incarnation {msg['incarnation']}")
+    incarnations: dict[int, int] = {}
+    raw = msg.get("incarnations", {})
+    if not isinstance(raw, dict):
+        raise _bad("incarnations is not a map")
+    for key, value in raw.items():
+        try:
+            peer = rank_field(int(key), "peer rank")
+        except ValueError:
+            raise _bad(f"incarnations key {key!r} is not a rank") from None
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise _bad(f"incarnation {value!r} of peer {peer}")
+        incarnations[peer] = value
     return Assignment(
         rank=rank,
         world_size=world_size,
@@ -106,6 +121,7 @@ def parse_assignment(msg: dict[str, Any]) -> Assignment:
         ring_next=rank_field(msg["ring_next"], "ring_next"),
         peers=peers,
         incarnation=msg["incarnation"],
+        peer_incarnations=incarnations,
     )
 
 
