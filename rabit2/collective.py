@@ -1,0 +1,178 @@
+"""``xgboost.collective`` exactly, on rabit2: ``import rabit2.collective as collective``.
+
+The rabit-style API (:mod:`rabit2`) reduces in place and returns the same array; code written
+against ``xgboost.collective`` (3.x) expects what that module does, and this module does it:
+
+* ``allreduce(data, op)`` returns a **new, flattened** array and leaves ``data`` untouched
+  (XGBoost: ``data.ravel().copy()``), so a program that reuses its input gets the same numbers;
+* ``Op`` has XGBoost 3's values: ``MAX=0, MIN=1, SUM=2, BITWISE_AND=3, BITWISE_OR=4,
+  BITWISE_XOR=5`` (rabit's ``BITOR`` is 3: do not mix the two enums' integers), with rabit
+  1.x's ``Op.OR`` as an alias of ``BITWISE_OR``;
+* ``communicator_print`` strips the message; ``CommunicatorContext(**args)`` returns its
+  arguments from ``__enter__``; ``is_distributed`` is a ``bool`` and ``get_processor_name`` a
+  ``str``; ``RabitContext(rabit_args)`` is rabit 1.x's (XGBoost 1.x ``xgboost.rabit``).
+
+What still differs from XGBoost is in ``docs/user-guide.md`` ("xgboost.collective on
+rabit2").
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+from enum import IntEnum
+from typing import Any, TypeVar
+
+import numpy as np
+
+from rabit2 import api
+from rabit2.core.ops import Op as _RabitOp
+
+_T = TypeVar("_T")
+
+
+class Op(IntEnum):
+    """XGBoost 3's reduction operators (its integer values)."""
+
+    MAX = 0
+    MIN = 1
+    SUM = 2
+    BITWISE_AND = 3
+    BITWISE_OR = 4
+    BITWISE_XOR = 5
+    OR = 4  # rabit 1.x's spelling of BITWISE_OR (an alias: Op.OR is Op.BITWISE_OR)
+
+
+_TO_RABIT = {
+    Op.MAX: _RabitOp.MAX, Op.MIN: _RabitOp.MIN, Op.SUM: _RabitOp.SUM,
+    Op.BITWISE_AND: _RabitOp.BITAND, Op.BITWISE_OR: _RabitOp.BITOR,
+    Op.BITWISE_XOR: _RabitOp.BITXOR,
+}
+
+
+def init(**args: Any) -> None:
+    """Join the job (``rabit2.init(**args)``; ``dmlc_*`` keys as in XGBoost)."""
+    api.init(**args)
+
+
+def finalize() -> None:
+    """Leave the job (``rabit2.finalize()``)."""
+    api.finalize()
+
+
+def get_rank() -> int:
+    """This worker's rank (0 when not initialised)."""
+    return api.get_rank()
+
+
+def get_world_size() -> int:
+    """The number of workers (1 when not initialised)."""
+    return api.get_world_size()
+
+
+def is_distributed() -> bool:
+    """Whether this worker is part of a job (a ``bool``, as in XGBoost)."""
+    return bool(api.is_distributed())
+
+
+def get_processor_name() -> str:
+    """This host's name (a ``str``)."""
+    return str(api.get_processor_name())
+
+
+def communicator_print(msg: Any) -> None:
+    """Print ``str(msg)``, stripped, on the tracker's console (locally when alone)."""
+    api.tracker_print(str(msg).strip())
+
+
+def broadcast(data: _T, root: int) -> _T:
+    """Send ``data`` from ``root`` to every rank and return it (non-roots may pass None).
+
+    XGBoost pickles every object; rabit2 sends numpy arrays as raw bytes and pickles the rest:
+    the result is equal either way.  Raises ``ValueError`` if the root passes None (XGBoost
+    asserts) or ``root`` is not a rank."""
+    if api.get_rank() == root and data is None:
+        raise ValueError("broadcast: the root must pass the data")
+    result: _T = api.broadcast(data, root)
+    return result
+
+
+def allreduce(data: np.ndarray, op: Op) -> np.ndarray:
+    """Reduce ``data`` across all ranks and return the result as a new 1-D array of the same
+    dtype; ``data`` itself is not changed.
+
+    Raises ``TypeError`` for anything but a numpy array, a dtype XGBoost does not reduce, or
+    a ``rabit2.Op`` (whose integers differ); ``ValueError`` for an integer that is not an
+    :class:`Op` value."""
+    if not isinstance(data, np.ndarray):
+        raise TypeError("allreduce only takes in numpy.ndarray")
+    if isinstance(op, (_RabitOp, bool)):
+        # rabit2.Op.BITOR is 3, which here is BITWISE_AND: refuse rather than guess
+        raise TypeError(f"allreduce: pass a rabit2.collective.Op, not {op!r} (the integers "
+                        "of rabit2.Op and XGBoost's Op differ)")
+    try:
+        rabit_op = _TO_RABIT[Op(op)]
+    except ValueError:
+        raise ValueError(f"allreduce: {op!r} is not an operator of rabit2.collective.Op "
+                         f"({', '.join(f'{o.name}={o.value}' for o in Op)})") from None
+    buf = data.ravel().copy()
+    return np.asarray(api.allreduce(buf, rabit_op))
+
+
+def signal_error(msg: str = "signal_error() called") -> None:
+    """Abort the job: every other rank raises ``JobAbortedError`` (XGBoost kills the
+    process instead)."""
+    api.signal_error(msg)
+
+
+class CommunicatorContext(contextlib.AbstractContextManager[dict[str, Any]]):
+    """``with CommunicatorContext(**args) as args:`` = ``init(**args)`` ... ``finalize()``;
+    an exception inside the block aborts the job, naming it (``rabit2.api.abort_for``)."""
+
+    def __init__(self, **args: Any) -> None:
+        self.args = args
+
+    def __enter__(self) -> dict[str, Any]:
+        init(**self.args)
+        return self.args
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is None:
+            finalize()
+        else:
+            api.abort_for(exc)
+
+
+class RabitContext(contextlib.AbstractContextManager["RabitContext"]):
+    """rabit 1.x's context (XGBoost 1.x ``xgboost.rabit.RabitContext``): ``rabit_args`` are
+    ``k=v`` strings or bytes."""
+
+    def __init__(self, rabit_args: Iterable[str | bytes] | None = None) -> None:
+        self.args = list(rabit_args or [])
+
+    def __enter__(self) -> RabitContext:
+        api.init(self.args)
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is None:
+            finalize()
+        else:
+            api.abort_for(exc)
+
+
+__all__ = [
+    "CommunicatorContext",
+    "Op",
+    "RabitContext",
+    "allreduce",
+    "broadcast",
+    "communicator_print",
+    "finalize",
+    "get_processor_name",
+    "get_rank",
+    "get_world_size",
+    "init",
+    "is_distributed",
+    "signal_error",
+]

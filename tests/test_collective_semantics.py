@@ -1,0 +1,99 @@
+"""``rabit2.collective`` against ``xgboost.collective`` (XGBoost 3, its own tracker) in the
+same test run: the same program gives the same numbers, shapes and dtypes, and leaves its
+inputs as XGBoost does."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import rabit2
+from rabit2 import collective
+
+WORKER = Path(__file__).parent / "workers" / "collective_semantics.py"
+
+
+def _reports(out: str) -> dict[int, dict[str, object]]:
+    lines = [json.loads(line.split("SEMANTICS ", 1)[1]) for line in out.splitlines()
+             if "SEMANTICS " in line]
+    return {entry["rank"]: entry["report"] for entry in lines}
+
+
+@pytest.mark.integration
+def test_the_same_program_gives_what_xgboost_collective_gives() -> None:
+    xgboost = pytest.importorskip("xgboost")
+    from xgboost.tracker import RabitTracker  # noqa: PLC0415
+
+    world = 3
+    tracker = RabitTracker(n_workers=world, host_ip="127.0.0.1", timeout=60)
+    tracker.start()
+    env = dict(os.environ, XGB_TRACKER_ARGS=json.dumps(tracker.worker_args()))
+    procs = [subprocess.Popen([sys.executable, str(WORKER), "xgboost"], env=env, text=True,
+                              stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
+             for _ in range(world)]
+    theirs_out = "".join(p.communicate(timeout=60)[0] for p in procs)
+    tracker.wait_for(30)
+    assert all(p.returncode == 0 for p in procs), theirs_out
+    ours = subprocess.run(["rabit2-submit", "--cluster", "local", "-n", str(world), "--",
+                           sys.executable, str(WORKER), "rabit2"], capture_output=True,
+                          text=True, timeout=90, check=False, stdin=subprocess.DEVNULL)
+    assert ours.returncode == 0, ours.stdout + ours.stderr
+    theirs, mine = _reports(theirs_out), _reports(ours.stdout)
+    assert sorted(theirs) == sorted(mine) == list(range(world))
+    for rank in range(world):
+        assert mine[rank] == theirs[rank], (rank, mine[rank], theirs[rank])
+    assert xgboost.__version__.startswith("3.")
+
+
+def test_allreduce_returns_a_new_flat_array_and_leaves_the_input() -> None:
+    rabit2.init()
+    try:
+        a = np.arange(6, dtype=np.int64).reshape(2, 3)
+        before = a.copy()
+        result = collective.allreduce(a, collective.Op.SUM)
+        assert result.shape == (6,) and result.dtype == np.int64
+        assert not np.shares_memory(result, a)
+        assert np.array_equal(a, before)
+    finally:
+        rabit2.finalize()
+
+
+def test_ops_have_xgboost_values_and_rabit_spellings() -> None:
+    assert [(op.name, op.value) for op in collective.Op] == [
+        ("MAX", 0), ("MIN", 1), ("SUM", 2), ("BITWISE_AND", 3), ("BITWISE_OR", 4),
+        ("BITWISE_XOR", 5)]
+    assert collective.Op.OR is collective.Op.BITWISE_OR
+
+
+@pytest.mark.parametrize(("data", "op", "error", "message"), [
+    ([1, 2], collective.Op.SUM, TypeError, "only takes in numpy.ndarray"),
+    (np.ones(2), 9, ValueError, "9 is not an operator"),
+    (np.ones(2, dtype=np.int32), rabit2.Op.BITOR, TypeError, "integers of rabit2.Op"),
+    (np.ones(2, dtype=np.int32), True, TypeError, "not True"),
+])
+def test_bad_arguments_are_refused_before_anything_is_sent(
+        data: object, op: object, error: type[Exception], message: str) -> None:
+    rabit2.init()
+    try:
+        with pytest.raises(error, match=message):
+            collective.allreduce(data, op)  # type: ignore[arg-type]
+    finally:
+        rabit2.finalize()
+
+
+def test_print_strips_and_the_context_returns_its_arguments(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with collective.CommunicatorContext(dmlc_communicator="rabit") as args:
+        assert args == {"dmlc_communicator": "rabit"}
+        collective.communicator_print("  progress 3/10 \n")
+        assert collective.is_distributed() is False
+        assert isinstance(collective.get_processor_name(), str)
+    assert capsys.readouterr().out == "progress 3/10\n"
+    with collective.RabitContext([b"rabit_timeout_sec=60"]):
+        assert collective.get_world_size() == 1
