@@ -59,6 +59,7 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
         self.endpoint: Endpoint | None = None
         self.restored: TrainingState | None = None
         self.trained = False
+        self._xgb = False  # xgboost.collective initialised by this context
 
     def __enter__(self) -> CommunicatorContext:
         with _lock:
@@ -71,7 +72,9 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
             if rabit2.is_distributed():
                 self._join()
         except BaseException as exc:
-            self._close(failed=True, error=exc if self.endpoint is not None else None)
+            # (e.g. an XGBoost without the federated communicator on one host: the job is
+            # aborted, naming it, rather than the others waiting for this rank)
+            self._close(failed=True, error=exc)
             raise
         return self
 
@@ -96,7 +99,7 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
 
     def _close(self, failed: bool, error: BaseException | None = None) -> None:
         try:
-            if getattr(self, "_xgb", False):
+            if self._xgb:
                 self._xgb = False
                 with contextlib.suppress(xgboost.core.XGBoostError):
                     xgboost.collective.finalize()
