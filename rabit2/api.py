@@ -117,6 +117,15 @@ def abort_for(error: BaseException) -> None:
             finalize()
 
 
+def leave(error: BaseException | None) -> None:
+    """How a context ends: :func:`finalize`, or :func:`abort_for` the exception that ended
+    it."""
+    if error is None:
+        finalize()
+    else:
+        abort_for(error)
+
+
 _previous_excepthook: list[Callable[..., Any]] = []
 
 
@@ -545,10 +554,7 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        if exc is None:
-            finalize()
-        else:  # the others must not wait for this rank: abort the job, naming the error
-            abort_for(exc)
+        leave(exc)  # after an exception the others must not wait for this rank
 
 
 __all__ = [

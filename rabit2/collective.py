@@ -137,10 +137,7 @@ class CommunicatorContext(contextlib.AbstractContextManager[dict[str, Any]]):
         return self.args
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        if exc is None:
-            finalize()
-        else:
-            api.abort_for(exc)
+        api.leave(exc)
 
 
 class RabitContext(contextlib.AbstractContextManager["RabitContext"]):
@@ -155,10 +152,7 @@ class RabitContext(contextlib.AbstractContextManager["RabitContext"]):
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        if exc is None:
-            finalize()
-        else:
-            api.abort_for(exc)
+        api.leave(exc)
 
 
 __all__ = [
