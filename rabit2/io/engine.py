@@ -480,11 +480,10 @@ class Engine:
                 address = self._recovered_at.get(peer, assignment.peers[peer])
                 return await self._dial(peer, *address)
             except (PeerLostError, ProtocolError) as exc:
-                # a restarted worker may also dial before the neighbour heard from the
-                # tracker that its incarnation exists: it asks again
-                not_yet = isinstance(exc, ProtocolError) and NOT_ISSUED in str(exc)
-                if (not self.agent.restarted or self._failed.is_set()
-                        or not (not_yet or isinstance(exc, PeerLostError))):
+                # (a restarted worker may also dial before the neighbour heard from the
+                # tracker that its incarnation exists: it asks again)
+                again = isinstance(exc, PeerLostError) or NOT_ISSUED in str(exc)
+                if not again or not self.agent.restarted or self._failed.is_set():
                     raise  # (aborted: a cancellation of this loop can be lost, see below)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)

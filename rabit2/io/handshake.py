@@ -349,19 +349,6 @@ async def connect_authenticated(
     raise PeerLostError(f"cannot connect to {host}:{port}: {'; '.join(errors) or 'no address'}")
 
 
-__all__ = [
-    "client_handshake",
-    "connect_authenticated",
-    "resolve_congestion",
-    "server_handshake",
-    "set_congestion",
-    "sock_read_exact",
-    "sock_read_frame",
-    "sock_write_frame",
-    "tune_socket",
-]
-
-
 class RateLimitedLog:
     """Warnings about refused connections, at most ``burst`` per ``period`` seconds; the
     rest are counted and said in one line when the next period starts.  A flood of bad
@@ -385,3 +372,18 @@ class RateLimitedLog:
             self._log.warning(message, *args)
         else:
             self._suppressed += 1
+
+
+__all__ = [
+    "RateLimitedLog",
+    "client_handshake",
+    "connect_authenticated",
+    "resolve_congestion",
+    "server_handshake",
+    "set_congestion",
+    "sock_read_exact",
+    "sock_read_frame",
+    "sock_write_frame",
+    "tune_socket",
+]
+
