@@ -26,7 +26,7 @@ from rabit2.config import Config, load_config
 from rabit2.core.agent import Call
 from rabit2.core.framing import CollectiveKind
 from rabit2.core.ops import Op, check_op_dtype, dtype_code, dtype_from_code
-from rabit2.errors import MismatchError, NotInitializedError, RabitError
+from rabit2.errors import JobAbortedError, MismatchError, NotInitializedError, RabitError
 
 logger = logging.getLogger("rabit2")
 
@@ -105,10 +105,11 @@ def abort_for(error: BaseException) -> None:
     """A program error on this rank ends the job: tell the tracker (every other rank raises
     :class:`~rabit2.errors.JobAbortedError` naming this rank and ``error`` at once, instead
     of waiting for it) and leave; the launcher does not restart a worker that left so.  A
-    :class:`~rabit2.errors.RabitError` is already the job's: this only leaves.  Safe to call
-    when not initialised; never raises a RabitError."""
+    :class:`~rabit2.errors.JobAbortedError` is the job's already: this only leaves (a
+    RabitError that every rank saw is said again, which the tracker ignores after the first).
+    Safe to call when not initialised; never raises a RabitError."""
     with _state.lock:
-        if _state.engine is not None and not isinstance(error, RabitError):
+        if _state.engine is not None and not isinstance(error, JobAbortedError):
             text = " ".join(str(error).split())
             _state.engine.signal_error(
                 f"rank {_state.rank} raised {type(error).__name__}"

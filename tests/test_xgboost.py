@@ -279,6 +279,22 @@ def test_random_training_runs_without_recovery() -> None:
     models(result.stdout, 2)
 
 
+def test_a_restarted_worker_that_builds_other_data_fails_every_rank_typed() -> None:
+    """The restarted rank 1 builds its DMatrix from other data (one more column): its first
+    call before training sends other bytes than the original run's, which is refused before
+    XGBoost sees the recorded answer, and every rank fails naming it, in seconds."""
+    started = time.monotonic()
+    result = submit(3, "--kill", "1,2,mid", "--diverge")
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert time.monotonic() - started < 60
+    reason = "this rank's input differs from the original run's"
+    for rank in (0, 2):
+        assert re.search(rf"\[rank {rank}\] rabit2.errors.JobAbortedError: .*{reason}", out), (
+            out[-3000:])
+    assert "job: rank 1 (task 1) signalled an error: rank 1: call 1 before training" in out
+
+
 def test_classifier_fit_runs_through_rabit2() -> None:
     pytest.importorskip("sklearn")
     result = submit(2, "--classifier", attempts=1)

@@ -86,7 +86,7 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
         version, state, local = rabit2.load_checkpoint(with_local=True)
         self.restored = restored_state(version, state, local)
         if self.restored is not None:
-            self.endpoint.replay_prelude(self.restored.prelude)
+            self.endpoint.replay_prelude(self.restored.prelude, self.restored.prelude_digests)
             logger.info("rank %d restarted: training goes on from round %d (checkpoint %d)",
                         rank, self.restored.next_round, version)
         xgboost.collective.init(dmlc_communicator="federated",

@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import os
 import threading
@@ -98,7 +99,9 @@ class Endpoint:
         self._handler_s = 0.0  # inside the gRPC handler, checks and copies included
         # prelude: recorded as it runs (fresh start), or replayed from a checkpoint
         self._recording: list[Record] | None = []
+        self._digests: list[bytes] = []  # of what this rank sent in each prelude call
         self._replay: collections.deque[Record] | None = None
+        self._replay_digests: collections.deque[bytes] = collections.deque()
         self._replayed = 0
         # the broadcasts of training's first round, which a booster makes once (e.g. its
         # column sampler's seed) and a restarted worker's loaded booster makes again
@@ -112,15 +115,18 @@ class Endpoint:
 
     # ------------------------------------------------------------------ phases
 
-    def replay_prelude(self, records: tuple[Record, ...]) -> None:
-        """A restarted worker: answer the prelude's calls from ``records``."""
+    def replay_prelude(self, records: tuple[Record, ...], digests: tuple[bytes, ...]) -> None:
+        """A restarted worker: answer the prelude's calls from ``records`` (the global
+        results), each once this rank's input is found to be what it was: ``digests``."""
         with self._cond:
             self._recording = None
             self._replay = collections.deque(records)
+            self._replay_digests = collections.deque(digests)
 
-    def end_prelude(self) -> tuple[Record, ...]:
-        """Training starts: the prelude is complete.  Returns it (for the checkpoints) on a
-        fresh start; on a restart checks that every recorded call was made again."""
+    def end_prelude(self) -> tuple[tuple[Record, ...], tuple[bytes, ...]]:
+        """Training starts: the prelude is complete.  Returns it (for the checkpoints: the
+        results, and the digests of this rank's inputs) on a fresh start; on a restart
+        checks that every recorded call was made again."""
         with self._cond:
             if self._replay is not None:
                 if self._replay:
@@ -130,11 +136,11 @@ class Endpoint:
                         f"(the next one was {self._replay[0].describe()}): the program must "
                         "make the same calls before training on a restart")
                 self._replay = None
-                return ()
+                return (), ()
             records = tuple(self._recording or ())
             self._recording = None
             self._first_round = []
-            return records
+            return records, tuple(self._digests)
 
     def first_round_broadcasts(self) -> tuple[Record, ...]:
         """The broadcasts of training's first round, recorded since :meth:`end_prelude`;
@@ -219,15 +225,16 @@ class Endpoint:
                    f"sequence number {seq} out of order (expected {expected})")
 
     def _fail(self, code: grpc.StatusCode, message: str,
-              error: RabitError | None = None) -> None:
-        """Refuse this call and every later one; a bad request (not a job-wide rabit2 error)
-        also aborts the job, so that the other ranks fail now rather than at a deadline."""
+              error: RabitError | None = None, job_wide: bool = False) -> None:
+        """Refuse this call and every later one.  What only this rank saw (a bad request, a
+        restarted worker's diverging prelude) also aborts the job, so that the other ranks
+        fail now rather than at a deadline; a ``job_wide`` rabit2 error is theirs already."""
         failure = EndpointError(code, f"rabit2: {message}", error)
         with self._cond:
             if self.failure is None:
                 self.failure = failure
-        if error is None and rabit2.is_distributed():
-            rabit2.signal_error(f"rank {self.rank}: XGBoost's request refused: {message}")
+        if not job_wide and rabit2.is_distributed():
+            rabit2.signal_error(f"rank {self.rank}: {message}")
         raise failure
 
     def _execute(self, method: str, request: Any) -> bytes:
@@ -244,7 +251,8 @@ class Endpoint:
         try:
             result = _RUN[method](self, request, record)
         except RabitError as exc:
-            self._fail(grpc.StatusCode.ABORTED, f"{type(exc).__name__}: {exc}", exc)
+            self._fail(grpc.StatusCode.ABORTED, f"{type(exc).__name__}: {exc}", exc,
+                       job_wide=True)
         except (TypeError, ValueError) as exc:
             self._fail(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self._collective_s += time.perf_counter() - started
@@ -254,6 +262,7 @@ class Endpoint:
         with self._cond:
             if self._recording is not None:
                 self._recording.append(done)
+                self._digests.append(_digest(request.send_buffer))
             elif self._first_round is not None and method == "Broadcast":
                 self._first_round.append(done)
         return result
@@ -308,11 +317,19 @@ class Endpoint:
                                f"the original run ({self._replayed}); the next is "
                                f"{record.describe()}", MismatchError("prelude diverged"))
                 expected = self._replay.popleft()
+                sent = self._replay_digests.popleft() if self._replay_digests else b""
                 self._replayed += 1
-                if not _same_call(expected, record, request, self.rank, self.world):
+                if not _same_call(expected, record):
                     message = (f"call {self._replayed} before training is "
                                f"{record.describe()} on the restarted worker but was "
                                f"{expected.describe()} in the original run")
+                    self._fail(grpc.StatusCode.FAILED_PRECONDITION, message,
+                               MismatchError(message))
+                if sent != _digest(request.send_buffer):
+                    message = (f"call {self._replayed} before training, "
+                               f"{record.describe()}: this rank's input differs from the "
+                               "original run's (the program must build the same data on a "
+                               "restart)")
                     self._fail(grpc.StatusCode.FAILED_PRECONDITION, message,
                                MismatchError(message))
                 return expected.result
@@ -398,20 +415,15 @@ def _bind(endpoint: Endpoint, method: str) -> Callable[[Any, grpc.ServicerContex
     return handler
 
 
-def _same_call(expected: Record, record: Record, request: Any, rank: int, world: int) -> bool:
-    """Does a restarted worker's call match the recorded one?  Kind, type, op, root and size
-    where every rank sends the same; this rank's own part where the result holds it."""
-    if (expected.method, expected.dtype, expected.op, expected.root) != (
-            record.method, record.dtype, record.op, record.root):
-        return False
-    if expected.size != record.size:
-        return False
-    mine = bytes(request.send_buffer)
-    if record.method == "Allgather":
-        return expected.result[rank * record.size:(rank + 1) * record.size] == mine
-    if record.method == "Broadcast" and record.root == rank:
-        return expected.result == mine
-    return True
+def _same_call(expected: Record, record: Record) -> bool:
+    """Is a restarted worker's call the recorded one: kind, type, op, root, and the size
+    where every rank sends the same?  (Its contents are checked by digest.)"""
+    return (expected.method, expected.dtype, expected.op, expected.root, expected.size) == (
+        record.method, record.dtype, record.op, record.root, record.size)
+
+
+def _digest(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 def _is_own_connection(peer: str, port: int) -> bool:

@@ -55,7 +55,10 @@ class TrainingState:
     next_round: int
     stopped: bool
     history: dict[str, Any]
-    callbacks: tuple[dict[str, Any], ...] = ()  # this rank's own: the local checkpoint
+    # this rank's own, in its local checkpoint: its callbacks' state, and the digests of
+    # what it sent in each call of the prelude
+    callbacks: tuple[dict[str, Any], ...] = ()
+    prelude_digests: tuple[bytes, ...] = ()
 
 
 def train(
@@ -154,12 +157,12 @@ def _train(restored: TrainingState | None, endpoint: Endpoint, recover: bool,
     extras: tuple[tuple[int, int], ...] = ()
     if recover:
         extras = _probe(endpoint, params, dtrain)
-    prelude = endpoint.end_prelude()
+    prelude, digests = endpoint.end_prelude()
     if restored is not None:
         bst = xgboost.Booster(params, cache, model_file=bytearray(restored.model))
         start, stopped, first_round = restored.next_round, restored.stopped, restored.first_round
         endpoint.expect_prologue(extras, first_round)
-        prelude = restored.prelude
+        prelude, digests = restored.prelude, restored.prelude_digests
     else:
         bst = xgboost.Booster(params, cache, model_file=xgb_model)
         start, stopped, first_round = 0, False, ()
@@ -186,7 +189,8 @@ def _train(restored: TrainingState | None, endpoint: Endpoint, recover: bool,
             # the callbacks' state is this rank's own (a callback may act on one rank only)
             rabit2.lazy_checkpoint(TrainingState(
                 FORMAT, prelude, first_round, bytes(bst.save_raw("ubj")), i + 1, stopped,
-                copy.deepcopy(dict(container.history))), local_model=_snapshot(callbacks))
+                copy.deepcopy(dict(container.history))),
+                local_model={"callbacks": _snapshot(callbacks), "prelude": digests})
     bst = container.after_training(bst)
     if evals_result is not None:
         evals_result.update(container.history)
@@ -236,18 +240,20 @@ def _snapshot(callbacks: list[TrainingCallback]) -> tuple[dict[str, Any], ...]:
 
 def restored_state(version: int, model: Any, local: Any) -> TrainingState | None:
     """The training state a restarted worker fetched (the global part from a neighbour,
-    this rank's callbacks from its replica), checked; None on a fresh start."""
+    this rank's own from its replica), checked; None on a fresh start."""
     if version == 0:
         return None
     if not isinstance(model, TrainingState) or model.format != FORMAT:
         raise rabit2.errors.UnrecoverableError(
             f"checkpoint {version} is not one rabit2.xgboost.train wrote (got "
             f"{type(model).__name__}); a program that checkpoints itself cannot use it")
-    if not isinstance(local, tuple):
+    if (not isinstance(local, dict) or not isinstance(local.get("callbacks"), tuple)
+            or not isinstance(local.get("prelude"), tuple)):
         raise rabit2.errors.UnrecoverableError(
-            f"checkpoint {version} has no callback state for this rank (got "
+            f"checkpoint {version} has no state of this rank's own (got "
             f"{type(local).__name__})")
-    return dataclasses.replace(model, callbacks=local)
+    return dataclasses.replace(model, callbacks=local["callbacks"],
+                               prelude_digests=local["prelude"])
 
 
 __all__ = ["TrainingState", "train"]

@@ -84,6 +84,8 @@ def main() -> None:
     parser.add_argument("--backend", default="rabit2")
     parser.add_argument("--classifier", action="store_true")
     parser.add_argument("--extra", default="{}")
+    parser.add_argument("--diverge", action="store_true",
+                        help="a restarted run builds its DMatrix from other data")
     opts, rest = parser.parse_known_args()
     params = {"tree_method": opts.method, "max_depth": opts.depth, "eta": 0.3,
               "objective": "binary:logistic", "eval_metric": "logloss",
@@ -106,7 +108,8 @@ def main() -> None:
 
 
 def run(opts, params, rank, world, train, callbacks=()):  # type: ignore[no-untyped-def]
-    x, y = data(rank, world, opts.rows, opts.features)
+    restarted = os.environ.get("DMLC_NUM_ATTEMPT", "0") != "0"
+    x, y = data(rank, world, opts.rows, opts.features + (opts.diverge and restarted))
     dtrain = xgboost.DMatrix(x, y)
     if opts.classifier:
         clf = xgboost.XGBClassifier(n_estimators=opts.rounds, **{
