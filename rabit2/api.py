@@ -201,25 +201,26 @@ def signal_error(msg: str = "signal_error() called") -> None:
 # ----------------------------------------------------------------------------- fault hooks
 
 
-def _mock_hit(kind: str) -> tuple[int, int]:
+def _mock_hit(kind: str) -> tuple[int, int, bool]:
     """rabit's mock engine: ``mock=rank,version,seqno,trial`` kills us at that call.
 
     With a fifth field (``after_bytes``) the kill happens inside the call, once that many
     payload bytes of it have arrived; the byte count is returned for the engine (-1: none),
-    with the rank whose link to reset instead of dying (-1: die).
+    with the rank whose link to reset instead of dying (-1: die), and whether to damage a
+    byte from that rank instead of resetting.
     """
     cfg = _state.config
     if cfg is None or not cfg.mock:
-        return -1, -1
+        return -1, -1, False
     key = (_state.rank, _state.version, _state.seqno, cfg.num_attempt)
     for spec in cfg.mock:
         if (spec.rank, spec.version, spec.seqno, spec.trial) != key:
             continue
         if spec.after_bytes >= 0 and kind != "checkpoint":
-            return spec.after_bytes, spec.reset_peer
+            return spec.after_bytes, spec.reset_peer, bool(spec.damage)
         logger.error("[%d]@@@Hit Mock Error:%s at %s", _state.rank, kind, key)
         os.kill(os.getpid(), signal.SIGKILL)
-    return -1, -1
+    return -1, -1, False
 
 
 def _run(call: Call) -> None:
@@ -525,12 +526,14 @@ def recovery_statistics() -> dict[str, int]:
     ``links_up`` (links re-established after a loss or a reset), ``fetched_bytes`` (results,
     checkpoints and local models copied from neighbours), ``resent_bytes`` (bytes sent again
     because a replacement asked for them), ``replayed_calls`` and ``resumed_calls`` (calls a
-    restarted worker fetched, or resumed at byte offsets).  All 0 in single-process mode or
-    with recovery off."""
+    restarted worker fetched, or resumed at byte offsets), ``corrupt_frames`` (frames from a
+    neighbour that failed their checksum, each followed by a reset of that link: see
+    ``docs/protocol.md``, "Checksums").  All 0 in single-process mode; with recovery off only
+    ``corrupt_frames`` can count."""
     state = _require()
     if state.engine is None:
         return dict.fromkeys(("links_up", "fetched_bytes", "resent_bytes", "replayed_calls",
-                              "resumed_calls"), 0)
+                              "resumed_calls", "corrupt_frames"), 0)
     stats: dict[str, int] = state.engine.recovery_statistics()
     return stats
 

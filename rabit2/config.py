@@ -26,7 +26,10 @@ class MockSpec:
     ``after_bytes`` (the optional fifth field) delays the kill until that many payload bytes
     of the call have been received, to die in the middle of a transfer.  With a sixth field
     ``reset_peer`` the process does not die: it resets its link to that rank instead (both
-    processes live; with recovery on the link is dialed again and the call resumes).
+    processes live; with recovery on the link is dialed again and the call resumes).  With a
+    seventh field ``damage`` = 1 it neither dies nor resets: it flips the bits of one byte
+    that arrives from ``reset_peer`` there, as a faulty NIC, switch or memory can without
+    TCP noticing (``docs/protocol.md``, "Checksums").
     """
 
     rank: int
@@ -35,6 +38,7 @@ class MockSpec:
     trial: int
     after_bytes: int = -1
     reset_peer: int = -1
+    damage: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -67,6 +71,8 @@ class Config:
     # TCP congestion control of the peer links: None picks reno where the kernel allows it
     # (docs/design.md, "Congestion control"); "system" keeps the kernel's default
     tcp_congestion: str | None = None
+    # every frame carries a CRC32C of its payload (docs/protocol.md, "Checksums")
+    checksum: bool = True
 
     @property
     def distributed(self) -> bool:
@@ -104,6 +110,7 @@ _ALIASES: dict[str, str] = {
     "rabit2_replay_mb": "replay_mb",
     "rabit_local_replica": "local_replica",
     "rabit2_tcp_congestion": "tcp_congestion",
+    "rabit2_checksum": "checksum",
 }
 # accepted for compatibility, no effect in rabit2 (documented in docs/user-guide.md)
 _IGNORED = {
@@ -141,6 +148,7 @@ _ENV_KEYS = (
     "RABIT2_RECOVER_TIMEOUT_SEC",
     "RABIT2_REPLAY_MB",
     "RABIT2_TCP_CONGESTION",
+    "RABIT2_CHECKSUM",
 )
 _PREFIXES = ("rabit_", "dmlc_", "rabit2_")
 # Where other launchers put a worker's index (and restart count) when DMLC_TASK_ID (and
@@ -153,9 +161,9 @@ _ATTEMPT_FALLBACKS = ("SLURM_RESTART_COUNT",)
 
 def _parse_mock(value: str) -> MockSpec:
     parts = [p.strip() for p in value.split(",")]
-    if len(parts) not in (4, 5, 6):
+    if len(parts) not in (4, 5, 6, 7):
         raise ValueError(f"mock={value!r}: expected "
-                         "rank,version,seqno,trial[,after_bytes[,reset_peer]]")
+                         "rank,version,seqno,trial[,after_bytes[,reset_peer[,damage]]]")
     try:
         nums = [int(p) for p in parts]
     except ValueError:
@@ -172,13 +180,13 @@ def _convert(field: str, value: Any) -> Any:
             return bytes.fromhex(text)
         except ValueError:
             return text.encode()
-    if field == "recover":
+    if field in ("recover", "checksum"):
         text = str(value).strip().lower()
         if text in ("1", "true", "yes", "on"):
             return True
         if text in ("0", "false", "no", "off"):
             return False
-        raise ValueError(f"recover: expected a boolean (1/0, true/false), got {value!r}")
+        raise ValueError(f"{field}: expected a boolean (1/0, true/false), got {value!r}")
     if field in ("tracker_port", "num_attempt", "world_size", "connect_retry",
                  "reduce_ring_mincount", "tree_reduce_minsize", "replay_mb",
                  "local_replica", "spin_us"):

@@ -4,7 +4,9 @@ Every directed link is a byte queue.  Each step picks a random link with queued 
 delivers a random-sized piece into the receiver's :meth:`Agent.recv_buffer`, so frames are
 split at arbitrary points, exactly as TCP may split them.  Paused links are not delivered
 until resumed.  Used by the schedule and agent tests; fault plans (kill a rank at a byte
-count) are expressed as ``cut`` callbacks.
+count) are expressed as ``cut`` callbacks.  A byte damaged on a link (:meth:`SimNet.corrupt`)
+reaches the receiver as it is; a live rank with recovery on that closes a link for it has
+the link dialed again, as the I/O layer does.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class SimNet:
         self.agent_kw = agent_kw
         self.now = 0.0
         self.bytes_on_link: dict[tuple[int, int], int] = {}
+        self.relinks: list[tuple[int, int]] = []  # links a live rank closed and redials
         for rank in range(world):
             agent = Agent(**agent_kw)  # type: ignore[arg-type]
             agent.start()
@@ -73,6 +76,9 @@ class SimNet:
             elif isinstance(cmd, CloseLink):
                 self.closed.add((rank, cmd.peer))
                 self.closed.add((cmd.peer, rank))
+                agent = self.agents[rank]
+                if agent.recover and agent.error is None:
+                    self.relinks.append((rank, cmd.peer))  # (a reset, not a failure)
             elif isinstance(cmd, CheckpointLoaded):
                 self.loaded[rank] = (cmd.version, cmd.blob, cmd.local)
 
@@ -119,6 +125,29 @@ class SimNet:
         self.execute(a, self.agents[a].on_link_up(b, self.agents[b].incarnation, self.now))
         self.execute(b, self.agents[b].on_link_up(a, self.agents[a].incarnation, self.now))
 
+    def corrupt(self, src: int, dst: int, at: int) -> bool:
+        """Damage byte ``at`` (modulo what is queued) of what ``src`` has queued for ``dst``,
+        as a NIC, a switch or memory can without TCP noticing.  False if nothing is queued."""
+        q = self.queues[(src, dst)]
+        if not q or (src, dst) in self.closed:
+            return False
+        q[at % len(q)] ^= 0x5A
+        return True
+
+    def _relink(self, a: int, b: int) -> None:
+        """``a`` closed its link to ``b`` (a corrupt frame): what was in flight on that
+        connection is lost, ``b`` sees the reset, and the link is dialed again."""
+        for src, dst in ((a, b), (b, a)):
+            del self.queues[(src, dst)][:]
+            self.paused.discard((src, dst))
+        if a in self.dead or b in self.dead:
+            return
+        self.execute(b, self.agents[b].on_hangup(a, "reset by peer", self.now))
+        self.closed.discard((a, b))
+        self.closed.discard((b, a))
+        self.execute(a, self.agents[a].on_link_up(b, self.agents[b].incarnation, self.now))
+        self.execute(b, self.agents[b].on_link_up(a, self.agents[a].incarnation, self.now))
+
     def restart(self, rank: int, incarnation: int) -> Agent:
         """The launcher's restart: a fresh agent for ``rank``; links come up both ways."""
         # the victim's last bytes were either delivered or lost with the connection
@@ -160,6 +189,8 @@ class SimNet:
 
     def step(self) -> bool:
         """Deliver one random piece; False when nothing can move."""
+        while self.relinks:
+            self._relink(*self.relinks.pop(0))
         ready = [
             (src, dst)
             for (src, dst), q in self.queues.items()

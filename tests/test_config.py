@@ -155,7 +155,7 @@ def test_mock_from_kwargs_list_and_accumulation() -> None:
     assert load_config(kwargs={"MOCK": "0,0,0,0"}, environ={}).mock == (MockSpec(0, 0, 0, 0),)
 
 
-@pytest.mark.parametrize("spec", ["", "1", "1,2,3", "1,2,3,4,5,6,7", "a,b,c,d", "1,2,3,x",
+@pytest.mark.parametrize("spec", ["", "1", "1,2,3", "1,2,3,4,5,6,7,8", "a,b,c,d", "1,2,3,x",
                                   "1,,2,3", "1.5,2,3,4", "1;2;3;4"])
 def test_bad_mock_raises(spec: str) -> None:
     with pytest.raises(ValueError, match="mock"):

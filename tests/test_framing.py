@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from rabit2.core.framing import (
     ERROR_TYPES,
+    FLAG_CHECKED,
     FRAME_MAGIC,
     HEADER,
     HEADER_SIZE,
@@ -20,8 +21,10 @@ from rabit2.core.framing import (
     NONE_U16,
     CallDescriptor,
     CollectiveKind,
+    FrameCorruptError,
     FrameHeader,
     FrameKind,
+    checksum,
     decode_error,
     encode_error,
     pack_header,
@@ -45,14 +48,16 @@ def _header(kind: FrameKind = FrameKind.DATA, ckind: CollectiveKind = Collective
 def _raw(**fields: int) -> bytes:
     """A header with arbitrary raw field values (no enum validation on the packing side)."""
     values = {"magic": FRAME_MAGIC, "kind": 1, "ckind": 1, "dtype": 7, "op": 2, "root": 0,
-              "version": 0, "seqno": 0, "total": 8, "offset": 0, "length": 8, "inc": 0}
+              "version": 0, "seqno": 0, "total": 8, "offset": 0, "length": 8, "inc": 0,
+              "payload_crc": 0}
     values.update(fields)
-    return HEADER.pack(*values.values())
+    body = HEADER.pack(*values.values())
+    return body + struct.pack("<I", checksum(body))
 
 
-def test_header_size_is_40() -> None:
-    assert HEADER_SIZE == 40
-    assert len(_header().pack()) == 40
+def test_header_size_is_48() -> None:
+    assert HEADER_SIZE == 48
+    assert len(_header().pack()) == 48
     assert struct.unpack_from("<H", _header().pack())[0] == FRAME_MAGIC
     assert _header().pack()[:2] == b"R2"
 
@@ -95,11 +100,35 @@ def test_parse_accepts_every_buffer_type(container: type) -> None:
     assert parse_header(container(raw)) == _header()
 
 
-@pytest.mark.parametrize("size", [0, 1, 39, 41, 80])
+@pytest.mark.parametrize("size", [0, 1, 47, 49, 96])
 def test_parse_rejects_wrong_length(size: int) -> None:
     data = (_header().pack() * 2)[:size]
-    with pytest.raises(ProtocolError, match="40 bytes"):
+    with pytest.raises(ProtocolError, match="48 bytes"):
         parse_header(data)
+
+
+def test_payload_checksum_round_trip() -> None:
+    payload = bytes(range(200))
+    header = _header(length=len(payload), payload_crc=checksum(payload))
+    raw = header.pack()
+    assert raw[2] == FrameKind.DATA | FLAG_CHECKED  # the kind byte says it is checked
+    parsed = parse_header(raw)
+    assert parsed == header and parsed.payload_crc == checksum(payload)
+    # CRC32C (Castagnoli), the iSCSI check value
+    assert checksum(b"123456789") == 0xE3069283
+    assert checksum(b"56789", checksum(b"1234")) == 0xE3069283
+    unchecked = parse_header(_header().pack())
+    assert unchecked.payload_crc is None and _header().pack()[2] == FrameKind.DATA
+
+
+def test_every_single_bit_flip_of_a_header_is_caught() -> None:
+    raw = bytearray(_header(payload_crc=12345).pack())
+    for bit in range(8 * HEADER_SIZE):
+        damaged = bytearray(raw)
+        damaged[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(FrameCorruptError, match="checksum"):
+            parse_header(damaged)
+
 
 
 @pytest.mark.parametrize("magic", [0, 0x5232, 0x3253, 0xFFFF])
@@ -205,9 +234,10 @@ def test_fuzz_random_headers(data: bytes) -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.binary(min_size=HEADER_SIZE - 2, max_size=HEADER_SIZE - 2))
+@given(st.binary(min_size=HEADER_SIZE - 6, max_size=HEADER_SIZE - 6))
 def test_fuzz_headers_with_valid_magic(rest: bytes) -> None:
-    data = struct.pack("<H", FRAME_MAGIC) + rest
+    body = struct.pack("<H", FRAME_MAGIC) + rest  # and a valid header checksum
+    data = body + struct.pack("<I", checksum(body))
     header = _parse_or_protocol_error(data)
     if header is not None:
         assert header.pack() == data

@@ -45,7 +45,8 @@ CHECKPOINT_SLACK = 1024  # the pickled {"it": .., "digest": ..} model, with room
 MIB = 1 << 20
 RABIT_ERRORS = {name for name in errors.__all__
                 if issubclass(getattr(errors, name), errors.RabitError)}
-STAT_KEYS = ("links_up", "fetched_bytes", "resent_bytes", "replayed_calls", "resumed_calls")
+STAT_KEYS = ("links_up", "fetched_bytes", "resent_bytes", "replayed_calls", "resumed_calls",
+             "corrupt_frames")
 
 
 # ----------------------------------------------------------------------------- harness
@@ -560,6 +561,43 @@ def test_a_reset_link_between_live_workers_is_dialed_again(rank: int, seqno: int
         assert mine["replayed_calls"] == 0, (r, mine)
     print(f"rank {rank} links_up={stats[rank, 0]['links_up']}, resent in all: "
           f"{sum(v['resent_bytes'] for v in stats.values())} B")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize(("rank", "seqno", "after", "peer"), [
+    (1, R, MIB, 2),    # a ring allreduce's reduce-scatter (a payload byte)
+    (1, T, 4096, 0),   # a tree allreduce, the result coming down from the root
+    (2, B, 65536, 1),  # a broadcast, forwarded on by rank 1
+], ids=["ring", "tree", "broadcast"])
+def test_a_damaged_byte_between_live_workers_is_caught_and_the_link_resumes(
+        rank: int, seqno: int, after: int, peer: int) -> None:
+    """One byte that arrives from ``peer`` is damaged after TCP (as a NIC or memory can):
+    the frame fails its checksum, the link resets and resumes after the last verified frame,
+    and every rank's results are those of the run without the fault."""
+    assert peer in topology(rank, 4).neighbors
+    job = run_job(4, f"mock={rank},1,{seqno},0,{after},{peer},1")
+    assert_recovered(job, 4, {})  # nobody restarted, every digest the no-fault one
+    assert f"damages a byte from rank {peer}" in job.out, job.tail()
+    assert "failed its checksum" in job.out, job.tail()
+    stats = job.stats()
+    assert stats[rank, 0]["corrupt_frames"] == 1, stats
+    assert sum(v["corrupt_frames"] for v in stats.values()) == 1, stats
+    assert stats[rank, 0]["links_up"] >= 1 and stats[peer, 0]["links_up"] >= 1, stats
+    assert stats[rank, 0]["replayed_calls"] == 0, stats
+
+
+@pytest.mark.integration
+def test_without_recovery_a_damaged_byte_fails_every_rank_typed() -> None:
+    job = run_job(4, f"mock=1,1,{R},0,{MIB},2,1", max_attempts=1)
+    assert job.returncode != 0
+    assert not job.digests(), job.tail()  # no rank finished with a result
+    failures = {int(f["rank"]): f for f in job.failures()}
+    assert sorted(failures) == [0, 1, 2, 3], job.tail()
+    # the rank that caught it names it; the one whose link it dropped lost that link, and
+    # the tracker ends the job for the rest (docs/protocol.md, "Flooding failures")
+    assert failures[1]["type"] == "ProtocolError" and "checksum" in failures[1]["msg"]
+    assert {f["type"] for f in failures.values()} <= RABIT_ERRORS, failures
+    assert not job.leftovers()
 
 
 @pytest.mark.integration

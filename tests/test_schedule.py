@@ -272,11 +272,36 @@ def test_frames_are_split_at_the_u32_length_limit(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(agent_module, "MAX_PAYLOAD", 1000)
     src = np.arange(5500, dtype=np.uint8)
     bufs = [src.copy(), np.zeros(5500, np.uint8), np.zeros(5500, np.uint8)]
-    net = SimNet(3, seed=9, max_piece=1 << 16)
+    net = SimNet(3, seed=9, max_piece=1 << 16, checked=False)
     net.run({r: Call(CollectiveKind.BROADCAST, memoryview(bufs[r]), root=0) for r in range(3)})
     assert not net.failed and len(net.done) == 3
     assert all(b.tobytes() == src.tobytes() for b in bufs)
     assert net.agents[0].statistics().frames_sent >= 2 * 6  # 6 frames to each child
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_checked_frames_are_split_at_the_frame_limit(monkeypatch: pytest.MonkeyPatch,
+                                                     world: int) -> None:
+    """Checked frames are at most the frame limit long, and a receiver that takes them whole
+    before it uses them still pipelines every schedule (a ring that wraps included)."""
+    import rabit2.core.agent as agent_module  # noqa: PLC0415
+
+    monkeypatch.setattr(agent_module, "CHECKED_FRAME", 1000)
+    monkeypatch.setattr("rabit2.core.schedule.MIN_RING_REDUCE", 256)
+    monkeypatch.setattr("rabit2.core.schedule.LANDING_RING", 4096)
+    n = 30_000
+    net = SimNet(world, seed=world, max_piece=700, ring_mincount=1000)
+    bufs = [np.full(n, r + 1, dtype=np.int64) for r in range(world)]
+    calls = {}
+    for r in range(world):
+        raw = memoryview(bufs[r]).cast("B")
+        kind = net.agents[r].choose_allreduce(len(raw), 8)
+        calls[r] = Call(kind, raw, np.dtype(np.int64), Op.SUM)
+    net.run(calls)
+    assert not net.failed and len(net.done) == world
+    assert all((b == sum(range(1, world + 1))).all() for b in bufs)
+    sent = sum(a.statistics().frames_sent for a in net.agents.values())
+    assert sent >= world * (n * 8 // world) // 1000  # (far more than one frame a step)
 
 
 @pytest.mark.parametrize("world", [2, 3, 5, 8])

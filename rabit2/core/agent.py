@@ -25,6 +25,7 @@ from rabit2.core.agent_recovery import RecoveryMixin
 from rabit2.core.control import decode_body
 from rabit2.core.framing import (
     CALL_PREFIX_SIZE,
+    CHECKED_FRAME,
     HEADER_SIZE,
     MAX_BROADCAST,
     MAX_PAYLOAD,
@@ -33,8 +34,10 @@ from rabit2.core.framing import (
     UNKNOWN_TOTAL,
     CallDescriptor,
     CollectiveKind,
+    FrameCorruptError,
     FrameHeader,
     FrameKind,
+    checksum,
     data_prefix,
     decode_error,
     encode_error,
@@ -46,6 +49,7 @@ from rabit2.core.fsm import TRANSITIONS
 from rabit2.core.ops import dtype_code
 from rabit2.core.records import (
     CALL_EVENTS,
+    NO_VIEW,
     STAGE_SIZE,
     ActiveCall,
     Call,
@@ -140,6 +144,17 @@ AUTO_RING_MIN_BYTES = 512 * 1024
 tree's extra bytes at the root (or, at world size 2, than the pair exchange's copy) up to
 about here; measured in ``bench/README.md`` ("Tree or ring")."""
 SCRATCH_RESERVE_FROM = 1 << 20
+def checked_frame_limit() -> int:
+    """The largest checked DATA frame this rank sends or takes.  A checked frame lands whole
+    before the plan sees a byte of it, so in a ring allreduce it must fit in the landing ring
+    beside the bytes still waiting there to be reduced (``CHECKED_FRAME``, 512 KiB, with the
+    4 MiB ring; less where the ring is made smaller)."""
+    return min(CHECKED_FRAME, (schedule.LANDING_RING - schedule.MIN_RING_REDUCE) // 2)
+
+
+MAX_CORRUPT_STREAK = 8
+"""Corrupt frames in a row on one link after which the call fails instead of resetting the
+link once more (a link that damages every frame will not heal by being reset)."""
 """A link scratch this large or larger is allocated at the landing ring's size at least."""
 
 
@@ -156,10 +171,13 @@ class Agent(RecoveryMixin):
         recover_timeout: float = 300.0,
         retain_bytes: int = DEFAULT_RETAIN_BYTES,
         local_replica: int = 2,
+        checked: bool = True,
     ) -> None:
         """``recover``: a lost link the call needs makes the call wait (up to
         ``recover_timeout`` seconds) for the peer's replacement instead of failing, and
-        every finished call's result is kept for replay (``docs/recovery.md``)."""
+        every finished call's result is kept for replay (``docs/recovery.md``).
+        ``checked``: every frame this rank sends carries a CRC32C of its payload (frames
+        are received as their sender wrote them: checked or not)."""
         self.state = State.IDLE
         self._descriptors: dict[tuple[Any, ...], CallDescriptor] = {}
         self.rank = 0
@@ -167,6 +185,7 @@ class Agent(RecoveryMixin):
         self.ring_mincount = ring_mincount
         self.tree_chunk = tree_chunk
         self.timeout = timeout
+        self.checked = checked
         self.version = 0
         self.seqno = 0
         self.links: dict[int, Link] = {}
@@ -210,7 +229,7 @@ class Agent(RecoveryMixin):
         # some neighbour is replaying, or sent needs for calls not begun yet (begin looks)
         self._watch_replays = False
         self._recovery_stats = {"links_up": 0, "fetched_bytes": 0, "resent_bytes": 0,
-                                "replayed_calls": 0, "resumed_calls": 0}
+                                "replayed_calls": 0, "resumed_calls": 0, "corrupt_frames": 0}
 
     # ------------------------------------------------------------------ lifecycle events
 
@@ -261,7 +280,12 @@ class Agent(RecoveryMixin):
         if mode is Mode.PAYLOAD:
             active = self.active
             assert active is not None
-            return active.plan.in_streams[peer].view(link.pos, link.remaining)
+            view = active.plan.in_streams[peer].view(link.pos, link.remaining)
+            if link.expect >= 0:
+                link.landing = view  # (its checksum is taken as the bytes land)
+            return view
+        if not link.up:
+            return self._discard  # a link reset for corruption, until it closes
         if mode is Mode.BODY:
             return memoryview(link.error_buf)[link.filled :]
         if mode is Mode.BLOB:
@@ -290,19 +314,32 @@ class Agent(RecoveryMixin):
                 link.remaining -= nbytes
                 active = self.active
                 assert active is not None
-                self._received(active.plan, peer, link.pos)
-                if link.remaining == 0:
+                if link.expect < 0:
+                    self._received(active.plan, peer, link.pos)
+                    if link.remaining == 0:
+                        link.mode = Mode.HEADER
+                        link.filled = 0
+                else:
+                    # a checked frame: no byte of it is used before all of it is verified
+                    link.crc = checksum(link.landing[:nbytes], link.crc)
+                    if link.remaining:
+                        return cmds
                     link.mode = Mode.HEADER
                     link.filled = 0
+                    link.landing = NO_VIEW  # (no reference to the caller's array outlives it)
+                    self._verified(peer, link, active.plan)
                 self._pump(active, cmds)
                 self._maybe_complete(active, cmds)
             elif link.mode is Mode.HEADER:
+                if not link.up:
+                    return cmds  # (bytes read before a link reset for corruption took effect)
                 link.end += nbytes
                 self._drain(peer, link, now, cmds)
             elif link.mode is Mode.BODY:
                 link.filled += nbytes
                 if link.filled == len(link.error_buf):
                     link.mode, link.filled = Mode.HEADER, 0
+                    self._check_whole(link, link.error_buf)
                     self._on_body(peer, link, now, cmds)
                 else:
                     return cmds
@@ -312,10 +349,13 @@ class Agent(RecoveryMixin):
                 link.filled += nbytes
                 link.remaining -= nbytes
                 if not link.remaining:
+                    self._check_whole(link, link.blob)
                     self._blob_done(link, cmds)
                     self._drain(peer, link, now, cmds)
             else:
                 raise ProtocolError(f"bytes from rank {peer} while its link is held")
+        except FrameCorruptError as exc:
+            self._corrupted(peer, exc, now, cmds)
         except ProtocolError as exc:
             self._fail(exc, cmds, source=peer, close=peer)
         except (MismatchError, UnrecoverableError) as exc:
@@ -332,8 +372,9 @@ class Agent(RecoveryMixin):
             self._frames_received += 1
             if active is not None and stage[start : start + CALL_PREFIX_SIZE] == active.prefix:
                 # fast path: a DATA frame of the current call (the common case)
-                offset, length, _ = unpack_tail(stage, start)
-                self._accept_data(peer, link, offset, length, active, now, cmds)
+                offset, length, crc = unpack_tail(stage, start)
+                self._accept_data(peer, link, offset, length, crc if self.checked else None,
+                                  active, now, cmds)
             else:
                 frame = parse_header(stage[start : start + HEADER_SIZE])
                 self._dispatch_header(peer, link, frame, now, cmds)
@@ -366,20 +407,29 @@ class Agent(RecoveryMixin):
             plan = active.plan
             take = min(avail, link.remaining)
             left = take
+            checked = link.expect >= 0
             while left:
                 # the plan may lay out the rest of its stream once a piece is complete
                 dest = plan.in_streams[peer].view(link.pos, left)
                 n = len(dest)
+                if not n:  # (a checked frame is never used before it is whole: _accept_data)
+                    raise ProtocolError(f"rank {peer} sent bytes at offset {link.pos} that "
+                                        "have no place yet")
                 dest[:] = link.stage[link.start : link.start + n]
                 link.start += n
                 link.pos += n
                 left -= n
-                self._received(plan, peer, link.pos)
+                if checked:
+                    link.crc = checksum(dest, link.crc)
+                else:
+                    self._received(plan, peer, link.pos)
             link.remaining -= take
             self._bytes_received += take
             self.last_progress = now
             if not link.remaining:
                 link.mode = Mode.HEADER
+                if checked:
+                    self._verified(peer, link, plan)
         elif link.mode is Mode.BODY:
             take = min(avail, len(link.error_buf) - link.filled)
             link.error_buf[link.filled : link.filled + take] = link.stage[
@@ -389,6 +439,7 @@ class Agent(RecoveryMixin):
             link.filled += take
             if link.filled == len(link.error_buf):
                 link.mode, link.filled = Mode.HEADER, 0
+                self._check_whole(link, link.error_buf)
                 self._on_body(peer, link, now, cmds)
         elif link.mode is Mode.BLOB:
             take = min(avail, link.remaining)
@@ -399,6 +450,7 @@ class Agent(RecoveryMixin):
             link.filled += take
             link.remaining -= take
             if not link.remaining:
+                self._check_whole(link, link.blob)
                 self._blob_done(link, cmds)
 
     def _received(self, plan: Plan, peer: int, pos: int) -> None:
@@ -410,6 +462,38 @@ class Agent(RecoveryMixin):
         active = self.active
         if active is not None and active.mirror is not None and pos > active.mirrored:
             self._mirror(active, pos)
+
+    def _verified(self, peer: int, link: Link, plan: Plan) -> None:
+        """A checked DATA frame landed whole: its bytes count only if its checksum holds."""
+        if link.crc != link.expect:
+            raise FrameCorruptError(f"a data frame at stream offset {plan.received[peer]} "
+                                    "failed its checksum")
+        link.corrupt_streak = 0
+        self._received(plan, peer, link.pos)
+
+    @staticmethod
+    def _check_whole(link: Link, body: bytes | bytearray | memoryview) -> None:
+        """A checked CONTROL, ERROR or BLOB payload landed whole: verify it before use."""
+        if link.expect >= 0 and checksum(body) != link.expect:
+            raise FrameCorruptError("a control, error or blob frame failed its checksum")
+
+    def _corrupted(self, peer: int, exc: FrameCorruptError, now: float,
+                   cmds: list[Command]) -> None:
+        """A frame from ``peer`` failed its checksum: nothing of it was used.  With recovery
+        on, the link is reset like any other broken connection and the stream resumes after
+        the last verified frame; a link that fails again and again, or one without recovery,
+        fails the call (typed, never a wrong result)."""
+        self._recovery_stats["corrupt_frames"] += 1
+        link = self.links[peer]
+        link.corrupt_streak += 1
+        what = f"rank {self.rank}, link from rank {peer}: {exc}"
+        if not self.recover or link.corrupt_streak > MAX_CORRUPT_STREAK:
+            more = ("" if not self.recover else
+                    f" ({link.corrupt_streak} corrupt frames in a row on this link)")
+            self._fail(ProtocolError(what + more), cmds, source=peer, close=peer)
+            return
+        cmds.append(CloseLink(peer, f"{what}: the link is reset and resumes"))
+        cmds.extend(self.on_hangup(peer, f"reset after a corrupt frame: {exc}", now))
 
     def _mirror(self, active: ActiveCall, upto: int) -> None:
         """Copy a broadcast's received stream bytes ``[mirrored, upto)`` to the buffer that
@@ -440,6 +524,7 @@ class Agent(RecoveryMixin):
             link.error_buf = bytearray(frame.length)
             link.body_kind = frame.kind
             link.mode, link.filled = Mode.BODY, 0
+            link.expect = -1 if frame.payload_crc is None else frame.payload_crc
             return
         if frame.kind is FrameKind.BLOB:
             fetch = link.blob_fetch
@@ -447,6 +532,7 @@ class Agent(RecoveryMixin):
                 raise ProtocolError(f"rank {peer} sent a blob of {frame.length} B that no "
                                     "reply announced")
             link.mode, link.filled, link.remaining = Mode.BLOB, 0, frame.length
+            link.expect = -1 if frame.payload_crc is None else frame.payload_crc
             return
         active = self.active
         current = active.call_id if active is not None else (self.version, self.seqno)
@@ -520,7 +606,7 @@ class Agent(RecoveryMixin):
             raise ProtocolError(f"broadcast of {total} B: {exc}") from None
         desc = active.desc  # (dataclasses.replace costs several microseconds here)
         active.desc = CallDescriptor(desc.kind, desc.dtype_code, desc.op_code, desc.root, total)
-        active.prefix = data_prefix(active.desc, *active.call_id)
+        active.prefix = data_prefix(active.desc, *active.call_id, self.checked)
         if self.recover and plan.in_link >= 0:
             self._start_mirror(active, plan)
         for peer in plan.out_streams:
@@ -540,10 +626,11 @@ class Agent(RecoveryMixin):
                 f"collective mismatch at call {active.call_id}: rank {self.rank} called "
                 f"{active.desc.describe()} but rank {peer} called {frame.call.describe()}"
             )
-        self._accept_data(peer, link, frame.offset, frame.length, active, now, cmds)
+        self._accept_data(peer, link, frame.offset, frame.length, frame.payload_crc, active,
+                          now, cmds)
 
-    def _accept_data(self, peer: int, link: Link, offset: int, length: int, active: ActiveCall,
-                     now: float, cmds: list[Command]) -> None:
+    def _accept_data(self, peer: int, link: Link, offset: int, length: int, crc: int | None,
+                     active: ActiveCall, now: float, cmds: list[Command]) -> None:
         """A DATA frame of the current call: check where it goes before anything lands."""
         stream = active.plan.in_streams.get(peer)
         if stream is None:
@@ -556,10 +643,23 @@ class Agent(RecoveryMixin):
             raise ProtocolError(
                 f"rank {peer} sent {length} B at offset {offset} of a {stream.length} B stream"
             )
+        if crc is not None and length:
+            plan = active.plan
+            # a checked frame lands whole before the plan sees a byte of it: it must fit in
+            # what the plan has laid out (a landing ring, a broadcast's head)
+            if length > checked_frame_limit() or (
+                    isinstance(plan, TreeBroadcast) and not plan.resolved
+                    and offset < plan.head_size < offset + length):
+                raise ProtocolError(f"rank {peer} sent a checked frame of {length} B at "
+                                    f"offset {offset} that cannot land whole")
         active.frames_seen[peer] += 1
         self.last_progress = now
         if length:
             link.mode, link.remaining = Mode.PAYLOAD, length
+            if crc is None:
+                link.expect = -1
+            else:
+                link.expect, link.crc = crc, 0
         else:
             link.mode = Mode.HEADER
             self._maybe_complete(active, cmds)
@@ -616,7 +716,7 @@ class Agent(RecoveryMixin):
         self.state = nxt
         call_id = (self.version, self.seqno)
         self.seqno += 1
-        active = ActiveCall(call, call_id, desc, plan)
+        active = ActiveCall(call, call_id, desc, plan, self.checked)
         self.active = active
         if (self.recover and isinstance(plan, TreeBroadcast) and plan.in_link >= 0
                 and plan.sized):
@@ -677,6 +777,9 @@ class Agent(RecoveryMixin):
                     except (MismatchError, UnrecoverableError) as exc:
                         self._fail(exc, cmds)
                         return cmds
+                    except FrameCorruptError as exc:
+                        self._corrupted(peer, exc, now, cmds)
+                        continue
                     except ProtocolError as exc:
                         self._fail(exc, cmds, source=peer, close=peer)
                         return cmds
@@ -784,6 +887,7 @@ class Agent(RecoveryMixin):
         version, seqno = active.call_id
         final = active.final
         links = self.links
+        frame_limit = checked_frame_limit() if self.checked else 0
         for peer, stream in plan.out_streams.items():
             link = links[peer]
             if link.awaiting_need or link.awaiting_state or not link.up:
@@ -799,6 +903,18 @@ class Agent(RecoveryMixin):
                     self._frames_sent += 1
                 continue
             ready = stream.length if final else plan.out_ready(peer)
+            if self.checked:
+                # frames the receiver can verify before it uses them: one piece of the
+                # stream at most (a broadcast's head on its own) and CHECKED_FRAME bytes
+                while ready > sent:
+                    view = stream.view(sent, min(ready - sent, frame_limit))
+                    n = len(view)
+                    header = pack_header(FrameKind.DATA, desc, version, seqno, sent, n, 0,
+                                         checksum(view))
+                    cmds.append(Send(peer, [header, view]))
+                    self._bytes_sent += n
+                    self._frames_sent += 1
+                    sent += n
             while ready > sent:
                 end = min(ready, sent + MAX_PAYLOAD)  # a frame's length is a u32
                 header = pack_header(FrameKind.DATA, desc, version, seqno, sent, end - sent)
@@ -891,6 +1007,7 @@ class Agent(RecoveryMixin):
         link = self.links[peer]
         link.up = False
         link.awaiting_need = False
+        link.landing = NO_VIEW
         self.down_since[peer] = now
         self._drop_stand_in(link, peer)
         try:
@@ -988,6 +1105,8 @@ class Agent(RecoveryMixin):
     def _record_failure(self, error: RabitError, cmds: list[Command], *, source: int,
                         origin: int, reason: str, flood: bool = True) -> None:
         self.error = error
+        for link in self.links.values():
+            link.landing = NO_VIEW  # (what a frame cut short would still reference)
         call_id = self.active.call_id if self.active is not None else None
         if flood:
             self._flood_raw(_ERROR_NAMES.get(type(error), "protocol"), reason, origin, cmds,
@@ -1000,7 +1119,8 @@ class Agent(RecoveryMixin):
         """Tell every other neighbour, so that every rank fails with the same error type."""
         payload = encode_error(error_type, reason, origin)
         desc = CallDescriptor(CollectiveKind.BROADCAST, NONE_U8, NONE_U8, NONE_U16, 0)
-        header = pack_header(FrameKind.ERROR, desc, self.version, self.seqno, 0, len(payload))
+        header = pack_header(FrameKind.ERROR, desc, self.version, self.seqno, 0, len(payload), 0,
+                             checksum(payload) if self.checked else None)
         for peer in self.links:
             if peer != source:
                 cmds.append(Send(peer, [header, payload]))

@@ -20,6 +20,7 @@ from rabit2.core.framing import (
     CallDescriptor,
     CollectiveKind,
     FrameKind,
+    checksum,
     pack_header,
 )
 from rabit2.core.records import (
@@ -94,6 +95,7 @@ class RecoveryMixin:
         _watch_replays: bool
         _recovery_stats: dict[str, int]
         _frames_sent: int
+        checked: bool
 
         def _go(self, event: fsm.Event) -> None: ...
         def _pump(self, active: ActiveCall, cmds: list[Command]) -> None: ...
@@ -143,7 +145,7 @@ class RecoveryMixin:
                                   "hops": hops, "size": len(blob)}, cmds)
         if blob:
             header = pack_header(FrameKind.BLOB, NO_CALL, version, 0, 0, len(blob),
-                                 self.incarnation)
+                                 self.incarnation, self._payload_crc(blob))
             cmds.append(Send(peer, [header, blob]))
             self._frames_sent += 1
 
@@ -326,7 +328,7 @@ class RecoveryMixin:
             elif state.active and link.up_at < active.call_id and peer in active.plan.in_streams:
                 # we were behind when the link came up and began this call since: the peer
                 # still waits to hear how much of its stream we hold
-                self._send_need(peer, active.call_id, link.pos, cmds)
+                self._send_need(peer, active.call_id, active.plan.received[peer], cmds)
         elif state.at > active.call_id:
             link.awaiting_need = False  # it finished our call: it needs nothing more of it
             self._apply_need(active, peer, -1)
@@ -351,7 +353,7 @@ class RecoveryMixin:
               and peer in active.plan.in_streams and peer not in active.skip_in):
             # we began this call after the link came up: the peer, in it already, waits to
             # hear how much of its stream we hold
-            self._send_need(peer, active.call_id, link.pos, cmds)
+            self._send_need(peer, active.call_id, active.plan.received[peer], cmds)
 
     def _stand_in(self, peer: int, state: PeerState, cmds: list[Command]) -> bool:
         """``peer`` is still in a call this rank finished (it may be in a later one, or
@@ -827,7 +829,7 @@ class RecoveryMixin:
                                   "desc": descriptor_to_wire(desc), "reason": reason}, cmds)
         if data is not None and size:
             header = pack_header(FrameKind.BLOB, desc, call[0], call[1], 0, size,
-                                 self.incarnation)
+                                 self.incarnation, self._payload_crc(data))
             cmds.append(Send(peer, [header, data]))
             self._frames_sent += 1
 
@@ -1050,10 +1052,13 @@ class RecoveryMixin:
         self._fail(error, cmds)  # (no-op for a rank that failed already)
         return cmds
 
+    def _payload_crc(self, payload: bytes | memoryview) -> int | None:
+        return checksum(payload) if self.checked else None
+
     def _send_control(self, peer: int, msg: dict[str, Any], cmds: list[Command]) -> None:
         body = encode_body(msg)
         header = pack_header(FrameKind.CONTROL, NO_CALL, self.version, self.seqno, 0,
-                             len(body), self.incarnation)
+                             len(body), self.incarnation, self._payload_crc(body))
         cmds.append(Send(peer, [header, body]))
         self._frames_sent += 1
 

@@ -119,7 +119,7 @@ def _short(value: object, limit: int = 80) -> str:
 def encode_body(msg: Mapping[str, Any]) -> bytes:
     """Encode one control message as a bare msgpack body (no length prefix), adding ``"v"``.
 
-    Used inside peer CONTROL frames, whose 40-byte header already carries the length.
+    Used inside peer CONTROL frames, whose 48-byte header already carries the length.
     Raises ``ValueError`` as :func:`encode_frame` does.
     """
     return encode_frame(msg)[LENGTH_PREFIX_SIZE:]

@@ -1,4 +1,4 @@
-"""Peer data frames: a fixed 40-byte little-endian header followed by raw payload bytes.
+"""Peer data frames: a fixed 48-byte little-endian header followed by raw payload bytes.
 
 Every byte on a peer link after the handshake belongs to a frame.  The header names the call
 it belongs to (checkpoint ``version`` and ``seqno`` since that checkpoint), describes the call
@@ -6,6 +6,13 @@ it belongs to (checkpoint ``version`` and ``seqno`` since that checkpoint), desc
 detect it from the first frame they exchange, and says where the payload sits in the
 *stream* of that call on that directed link (``offset``), so that an interrupted transfer can
 resume at a byte offset.  See ``docs/protocol.md`` ("Peer data frames") for the byte table.
+
+Every header ends with a CRC32C of its other 44 bytes, and a frame whose ``kind`` byte has
+:data:`FLAG_CHECKED` set carries a CRC32C of its payload too (``docs/protocol.md``,
+"Checksums"): TCP's 16-bit sum misses corruption in a NIC, a switch or memory, and a flipped
+byte must never become a wrong result.  A frame that fails either check raises
+:class:`FrameCorruptError`; the agent resets the link and resumes after the last verified
+frame.
 
 Nothing here touches a socket: :class:`FrameHeader` packs and unpacks, :func:`parse_header`
 validates every field before anything is sized from it.
@@ -19,11 +26,18 @@ import struct
 from typing import Any
 
 import msgpack
+from crc32c import crc32c
 
 from rabit2.errors import ProtocolError
 
-HEADER = struct.Struct("<HBBBBHIIQQII")
-HEADER_SIZE = HEADER.size  # 40
+HEADER = struct.Struct("<HBBBBHIIQQIII")  # everything but the header's own CRC
+HEADER_SIZE = HEADER.size + 4  # 48
+_CRC = struct.Struct("<I")
+FLAG_CHECKED = 0x80  # in the kind byte: the payload_crc field holds the payload's CRC32C
+CHECKED_FRAME = 512 * 1024
+"""The largest payload of a checked DATA frame: a receiver uses no byte of a frame before the
+whole frame is verified, so a frame is also the step in which data is forwarded and reduced
+(a landing ring of ``schedule.LANDING_RING`` holds several)."""
 FRAME_MAGIC = 0x3252  # b"R2" little-endian
 NONE_U8 = 0xFF
 NONE_U16 = 0xFFFF
@@ -32,6 +46,11 @@ MAX_ERROR_PAYLOAD = 64 * 1024  # an ERROR frame carries a short msgpack map
 UNKNOWN_TOTAL = (1 << 64) - 1  # a broadcast receiver that learns the size from the root
 MAX_BROADCAST = 1 << 40  # a size learned from the wire is bounded before anything is sized
 MAX_CONTROL_PAYLOAD = 1 << 20  # a recovery control message is a small msgpack map
+
+
+class FrameCorruptError(ProtocolError):
+    """A frame failed its checksum: bytes were damaged on the way (the link is reset and the
+    stream resumes after the last verified frame where recovery is on)."""
 
 
 class FrameKind(enum.IntEnum):
@@ -88,26 +107,15 @@ class FrameHeader:
     offset: int
     length: int
     incarnation: int = 0
+    payload_crc: int | None = None  # None: the payload is not checked
 
     @property
     def call_id(self) -> tuple[int, int]:
         return (self.version, self.seqno)
 
     def pack(self) -> bytes:
-        return HEADER.pack(
-            FRAME_MAGIC,
-            self.kind,
-            self.call.kind,
-            self.call.dtype_code,
-            self.call.op_code,
-            self.call.root,
-            self.version,
-            self.seqno,
-            self.call.total_bytes,
-            self.offset,
-            self.length,
-            self.incarnation,
-        )
+        return pack_header(self.kind, self.call, self.version, self.seqno, self.offset,
+                           self.length, self.incarnation, self.payload_crc)
 
 
 def pack_header(
@@ -118,37 +126,58 @@ def pack_header(
     offset: int,
     length: int,
     incarnation: int = 0,
+    payload_crc: int | None = None,
 ) -> bytes:
-    """Hot-path packer: the same bytes as ``FrameHeader(...).pack()`` without the object."""
-    return HEADER.pack(
-        FRAME_MAGIC, kind, call.kind, call.dtype_code, call.op_code, call.root,
-        version, seqno, call.total_bytes, offset, length, incarnation,
+    """Hot-path packer: the same bytes as ``FrameHeader(...).pack()`` without the object.
+    ``payload_crc``: the payload's CRC32C (a checked frame), or None (not checked)."""
+    body = HEADER.pack(
+        FRAME_MAGIC, kind if payload_crc is None else kind | FLAG_CHECKED, call.kind,
+        call.dtype_code, call.op_code, call.root, version, seqno, call.total_bytes, offset,
+        length, incarnation, payload_crc or 0,
     )
+    return body + _CRC.pack(crc32c(body))
 
 
 CALL_PREFIX_SIZE = 24  # magic .. total_bytes: identical in every DATA frame of one call
-_TAIL = struct.Struct("<QII")  # offset, length, incarnation
+_TAIL = struct.Struct("<QIIII")  # offset, length, incarnation, payload crc, header crc
 
 
-def data_prefix(call: CallDescriptor, version: int, seqno: int) -> bytes:
-    """The first 24 bytes of every DATA frame of this call, to recognise them in one compare."""
-    return pack_header(FrameKind.DATA, call, version, seqno, 0, 0)[:CALL_PREFIX_SIZE]
+def data_prefix(call: CallDescriptor, version: int, seqno: int, checked: bool) -> bytes:
+    """The first 24 bytes of every DATA frame of this call, to recognise them in one compare
+    (``checked``: as a sender that checksums its payloads writes them)."""
+    return pack_header(FrameKind.DATA, call, version, seqno, 0, 0, 0,
+                       0 if checked else None)[:CALL_PREFIX_SIZE]
+
+
+def checksum(data: bytes | bytearray | memoryview, value: int = 0) -> int:
+    """CRC32C of ``data``, continuing from ``value`` (hardware-accelerated where the CPU has
+    an instruction for it)."""
+    result: int = crc32c(data, value)
+    return result
 
 
 def unpack_tail(data: bytes | bytearray | memoryview, at: int) -> tuple[int, int, int]:
-    """``(offset, length, incarnation)`` of the header that starts at ``at``."""
-    offset, length, incarnation = _TAIL.unpack_from(data, at + CALL_PREFIX_SIZE)
-    return offset, length, incarnation
+    """``(offset, length, payload crc)`` of the header that starts at ``at``, after checking
+    the header's own CRC (:class:`FrameCorruptError`)."""
+    offset, length, _, payload_crc, header_crc = _TAIL.unpack_from(data, at + CALL_PREFIX_SIZE)
+    if crc32c(data[at : at + HEADER_SIZE - 4]) != header_crc:
+        raise FrameCorruptError("frame header failed its checksum")
+    return offset, length, payload_crc
 
 
 def parse_header(data: bytes | bytearray | memoryview) -> FrameHeader:
-    """Decode and validate a 40-byte header.  Raises :class:`ProtocolError` on any bad field."""
+    """Decode and validate a 48-byte header.  Raises :class:`FrameCorruptError` if it fails
+    its checksum, :class:`ProtocolError` on any other bad field."""
     if len(data) != HEADER_SIZE:
         raise ProtocolError(f"frame header must be {HEADER_SIZE} bytes, got {len(data)}")
-    (magic, kind, ckind, dtype_code, op_code, root, version, seqno, total, offset, length,
-     incarnation) = HEADER.unpack(data)
+    (header_crc,) = _CRC.unpack_from(data, HEADER_SIZE - 4)
+    if crc32c(data[: HEADER_SIZE - 4]) != header_crc:
+        raise FrameCorruptError("frame header failed its checksum")
+    (magic, kind_byte, ckind, dtype_code, op_code, root, version, seqno, total, offset, length,
+     incarnation, payload_crc) = HEADER.unpack_from(data)
     if magic != FRAME_MAGIC:
         raise ProtocolError(f"bad frame magic 0x{magic:04x}")
+    kind = kind_byte & ~FLAG_CHECKED
     try:
         frame_kind = FrameKind(kind)
     except ValueError:
@@ -162,7 +191,8 @@ def parse_header(data: bytes | bytearray | memoryview) -> FrameHeader:
     if frame_kind is FrameKind.CONTROL and length > MAX_CONTROL_PAYLOAD:
         raise ProtocolError(f"control frame of {length} B exceeds {MAX_CONTROL_PAYLOAD} B")
     call = CallDescriptor(call_kind, dtype_code, op_code, root, total)
-    return FrameHeader(frame_kind, call, version, seqno, offset, length, incarnation)
+    return FrameHeader(frame_kind, call, version, seqno, offset, length, incarnation,
+                       payload_crc if kind_byte & FLAG_CHECKED else None)
 
 
 ERROR_TYPES = ("mismatch", "peer_lost", "protocol", "timeout", "aborted", "unrecoverable")

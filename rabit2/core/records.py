@@ -128,6 +128,9 @@ STAGE_SIZE = 16 * 1024  # holds a small call whole; larger payloads land zero-co
 """Per-link staging buffer for frame headers and the payload bytes that arrive with them."""
 
 
+NO_VIEW = memoryview(b"")
+
+
 class Mode(enum.Enum):
     HEADER = 1
     PAYLOAD = 2
@@ -139,10 +142,11 @@ class Mode(enum.Enum):
 class Link:
     """Receive-side framing state of one peer link."""
 
-    __slots__ = ("awaiting_need", "awaiting_state", "blob", "blob_fetch", "body_kind", "end",
-                 "error_buf", "filled", "frame", "incarnation", "mode", "need_sent",
-                 "pending", "pending_needs", "pos", "remaining", "scratch", "send_scratch",
-                 "stage", "start", "state", "up", "up_at", "up_call")
+    __slots__ = ("awaiting_need", "awaiting_state", "blob", "blob_fetch", "body_kind",
+                 "corrupt_streak", "crc", "end", "error_buf", "expect", "filled", "frame",
+                 "incarnation", "landing", "mode", "need_sent", "pending", "pending_needs",
+                 "pos", "remaining", "scratch", "send_scratch", "stage", "start", "state",
+                 "up", "up_at", "up_call")
 
     def __init__(self) -> None:
         # headers are read into this staging buffer together with whatever follows them, so
@@ -155,6 +159,12 @@ class Link:
         self.frame: FrameHeader | None = None
         self.pos = 0  # stream position of the next payload byte
         self.remaining = 0  # payload bytes left in the current frame
+        # checksums (docs/protocol.md, "Checksums"): the current frame's payload CRC32C, or
+        # -1 (not checked); the CRC of what of it landed so far, and where it last landed
+        self.expect = -1
+        self.crc = 0
+        self.landing = NO_VIEW
+        self.corrupt_streak = 0  # frames in a row that failed their checksum
         self.error_buf = bytearray()  # the body of an ERROR or CONTROL frame
         self.body_kind = FrameKind.ERROR
         self.blob = memoryview(b"")  # where the BLOB frame announced by a reply lands
@@ -184,6 +194,8 @@ class Link:
         """A new connection: nothing of the old one's partial frames carries over."""
         self.mode = Mode.HEADER
         self.start = self.end = self.filled = self.remaining = 0
+        self.expect = -1
+        self.landing = NO_VIEW
         self.frame = None
         self.pos = pos
         self.blob_fetch = None
@@ -222,11 +234,12 @@ class ActiveCall:
                  "skip_in", "started_empty")
 
     def __init__(self, call: Call, call_id: tuple[int, int], desc: CallDescriptor,
-                 plan: Plan) -> None:
+                 plan: Plan, checked: bool) -> None:
         self.call, self.call_id, self.desc, self.plan = call, call_id, desc, plan
-        # what every DATA frame of this call starts with (unknown-size broadcasts never
-        # match it, and take the full parse)
-        self.prefix = data_prefix(desc, *call_id)
+        # what every DATA frame of this call starts with, from a sender that checks its
+        # frames as this rank does (unknown-size broadcasts never match it, nor frames
+        # from a sender with the other setting: they take the full parse)
+        self.prefix = data_prefix(desc, *call_id, checked)
         self.sent = dict.fromkeys(plan.out_streams, 0)
         self.frames_seen = dict.fromkeys(plan.in_streams, 0)
         self.started_empty: set[int] = set()

@@ -140,6 +140,7 @@ _POLICIES: tuple[int, int, Any] | None = (
 
 
 _yield_cpu: Callable[[], Any] = getattr(os, "sched_yield", lambda: time.sleep(0))
+_NO_BYTES = memoryview(b"")
 _SLICE = 1e-3
 """While a caller polls: other threads of its CPU ran this long between two of its turns
 (not the loop thread, which is doing the call's work) = the CPU is contended."""
@@ -242,6 +243,7 @@ class PeerLink(asyncio.BufferedProtocol):
         self.transport: asyncio.Transport | None = None
         self.write_blocked = False
         self.current = True  # False once a newer connection to the same peer replaced it
+        self.landing = _NO_BYTES  # where the last read went (failure injection only)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement the interface without subclassing asyncio.Transport
@@ -253,11 +255,18 @@ class PeerLink(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if not self.current:
             return self.engine.agent.discard_buffer()
-        return self.engine.agent.recv_buffer(self.peer)
+        buf = self.engine.agent.recv_buffer(self.peer)
+        if self.engine._damage:
+            self.landing = buf  # (failure injection only: no reference kept otherwise)
+        return buf
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.current:
-            self.engine.on_bytes(self.peer, nbytes)
+            engine = self.engine
+            if engine._damage:
+                engine.damage(self.peer, nbytes, self.landing)
+                self.landing = _NO_BYTES
+            engine.on_bytes(self.peer, nbytes)
 
     def eof_received(self) -> bool:
         if self.current:
@@ -296,6 +305,7 @@ class Engine:
             recover_timeout=config.recover_timeout_sec,
             retain_bytes=config.replay_mb << 20,
             local_replica=config.local_replica,
+            checked=config.checksum,
         )
         # the loop thread defers to a polling caller (both off with rabit2_spin_us=0)
         self.loop_thread = LoopThread(config.loop)
@@ -323,6 +333,7 @@ class Engine:
         self._kill_at = -1  # failure injection: SIGKILL once bytes_received reaches it
         self._overflow_told = False  # the replay store's first overflow was logged
         self._reset_peer = -1  # ... or reset the link to this rank instead
+        self._damage = False  # ... or damage a byte that arrives from it
         self._expect_accept: set[int] = set()
         self._ckpt_waiter: _Waiter | None = None
         self._ckpt_loaded: tuple[int, bytes | None, bytes | None] = (0, None, None)
@@ -614,16 +625,18 @@ class Engine:
 
     # ------------------------------------------------------------------ calls
 
-    def run_call(self, call: Call, kill_after_bytes: int = -1, reset_peer: int = -1) -> None:
+    def run_call(self, call: Call, kill_after_bytes: int = -1, reset_peer: int = -1,
+                 damage: bool = False) -> None:
         """Run one collective; blocks the calling thread until it finished or failed.
 
         ``kill_after_bytes >= 0`` is failure injection (``mock=...,after_bytes``): the
         process SIGKILLs itself once that many payload bytes of this call have arrived (or,
-        with ``reset_peer >= 0``, resets its link to that rank instead).
+        with ``reset_peer >= 0``, resets its link to that rank instead, or with ``damage``
+        flips the bits of one byte that arrives from that rank).
         """
         waiter = _Waiter()
         self.loop.call_soon_threadsafe(self._begin, call, waiter, kill_after_bytes,
-                                       reset_peer)
+                                       reset_peer, damage)
         # the agent's progress deadline fails a stuck call; this outer bound only guards
         # against a dead loop thread
         bound = self.config.timeout_sec * 2 + 60
@@ -633,12 +646,13 @@ class Engine:
             raise waiter.error
 
     def _begin(self, call: Call, waiter: _Waiter, kill_after_bytes: int = -1,
-               reset_peer: int = -1) -> None:
+               reset_peer: int = -1, damage: bool = False) -> None:
         self._kill_at = (
             -1 if kill_after_bytes < 0
             else self.agent.statistics().bytes_received + kill_after_bytes
         )
         self._reset_peer = reset_peer
+        self._damage = damage
         try:
             cmds = self.agent.begin(call, self.loop.time())
         except Exception as exc:  # the caller must see every failure, never wait it out
@@ -712,15 +726,31 @@ class Engine:
             "raise rabit2_replay_mb (said once)", self.agent.rank,
             self.agent.results.overflowed, self.config.replay_mb)
 
+    def damage(self, peer: int, nbytes: int, landed: memoryview) -> None:
+        """``mock=...,after_bytes,peer,1``: flip the bits of the last byte that just landed
+        from ``peer`` once the call has received that many bytes, before the agent looks."""
+        if (self._kill_at >= 0 and peer == self._reset_peer
+                and self.agent.statistics().bytes_received + nbytes >= self._kill_at):
+            self._kill_at = -1
+            self._damage = False
+            landed[nbytes - 1] ^= 0x10
+            logger.error("mock: rank %d damages a byte from rank %d", self.agent.rank, peer)
+
     def on_bytes(self, peer: int, nbytes: int) -> None:
         self._execute(self.agent.on_bytes(peer, nbytes, self.loop.time()))
-        if self._kill_at >= 0 and self.agent.statistics().bytes_received >= self._kill_at:
+        if (self._kill_at >= 0 and not self._damage
+                and self.agent.statistics().bytes_received >= self._kill_at):
             self._inject_fault()
 
     def _inject_fault(self) -> None:
         """``mock=...,after_bytes[,reset_peer]`` is due: reset that link, or die."""
         link = self.links.get(self._reset_peer)
         self._kill_at = -1
+        if self._damage:
+            self._damage = False
+            logger.error("mock: rank %d damaged nothing: no byte came from rank %d after %s",
+                         self.agent.rank, self._reset_peer, "the count it waited for")
+            return
         if link is not None and link.transport is not None:
             logger.error("mock: rank %d resets its link to rank %d mid-call",
                          self.agent.rank, self._reset_peer)
