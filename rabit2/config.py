@@ -71,8 +71,9 @@ class Config:
     # TCP congestion control of the peer links: None picks reno where the kernel allows it
     # (docs/design.md, "Congestion control"); "system" keeps the kernel's default
     tcp_congestion: str | None = None
-    # every frame carries a CRC32C of its payload (docs/protocol.md, "Checksums")
-    checksum: bool = True
+    # which peer links carry a CRC32C of every payload: "auto" (links between two hosts),
+    # "on" or "off"; headers are always checked (docs/protocol.md, "Checksums")
+    checksum: str = "auto"
 
     @property
     def distributed(self) -> bool:
@@ -180,13 +181,22 @@ def _convert(field: str, value: Any) -> Any:
             return bytes.fromhex(text)
         except ValueError:
             return text.encode()
-    if field in ("recover", "checksum"):
+    if field == "recover":
         text = str(value).strip().lower()
         if text in ("1", "true", "yes", "on"):
             return True
         if text in ("0", "false", "no", "off"):
             return False
-        raise ValueError(f"{field}: expected a boolean (1/0, true/false), got {value!r}")
+        raise ValueError(f"recover: expected a boolean (1/0, true/false), got {value!r}")
+    if field == "checksum":
+        text = str(value).strip().lower()
+        if text in ("1", "true", "yes", "on"):
+            return "on"
+        if text in ("0", "false", "no", "off"):
+            return "off"
+        if text == "auto":
+            return "auto"
+        raise ValueError(f"checksum: expected auto, on or off, got {value!r}")
     if field in ("tracker_port", "num_attempt", "world_size", "connect_retry",
                  "reduce_ring_mincount", "tree_reduce_minsize", "replay_mb",
                  "local_replica", "spin_us"):

@@ -97,6 +97,8 @@ class SimNet:
             self.closed.add((rank, peer))
             if peer not in self.dead:
                 self.execute(peer, self.agents[peer].on_hangup(rank, "killed", self.now))
+                # (and the tracker tells the neighbours that the process died)
+                self.execute(peer, self.agents[peer].on_peer_dead(rank, self.now))
 
     def reset(self, a: int, b: int) -> None:
         """The link between two live ranks breaks (a reset) and is dialed again at once."""

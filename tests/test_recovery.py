@@ -338,6 +338,34 @@ def test_survivors_block_only_on_the_lost_input() -> None:
     assert all(job.results[r][(0, 0)] == expected(world, 0, 0, program[0][0]) for r in others)
 
 
+@pytest.mark.parametrize("world", [4, 8])
+def test_survivors_run_ahead_of_a_lost_leaf_until_their_next_checkpoint(world: int) -> None:
+    """A leaf is lost in the middle of the first of several broadcasts and not restarted:
+    every other rank finishes all of that version's broadcasts (the leaf owes them nothing
+    but its announce frame), and waits at the first call after the next checkpoint, where
+    the leaf's replacement must be back (the run-ahead bound).  Restarted late, the leaf
+    replays what it missed from its parent's results, and every result is exact."""
+    bcasts = [Spec("broadcast", 4000, root=0), Spec("broadcast", 300, root=0),
+              Spec("object", 2000, root=0)]
+    program = [bcasts, [Spec("broadcast", 100, root=0), SMALL]]
+    victim = next(r for r in range(1, world) if not topology(r, world).children)  # a leaf
+    others = [r for r in range(world) if r != victim]
+    held = Job(world, program, kills=[Kill(victim, (0, 0), 1000, restart_after=10**9)], **KW)
+    with pytest.raises(AssertionError, match="did not finish"):
+        held.run(max_steps=200_000)
+    for r in others:
+        assert all(held.results[r].get((0, j)) == expected(world, 0, j, spec)
+                   for j, spec in enumerate(bcasts)), r
+        assert (1, 1) not in held.results[r]  # (an allreduce needs the leaf's input)
+    # past its checkpoint the leaf's parent waits for the replacement's announce
+    assert (1, 0) not in held.results[topology(victim, world).parent]
+    # the same job with the leaf restarted long after the others ran ahead
+    job = run_job(world, [Kill(victim, (0, 0), 1000, restart_after=150_000)], program=program)
+    assert job.resumed_from.get(victim, 0) == 0
+    parent = topology(victim, world).parent
+    assert job.net.agents[parent].recovery_statistics()["links_up"] == 1
+
+
 def test_no_survivor_resends_bytes_that_arrived() -> None:
     """Resumed mid-ring: survivors resend only what the dead rank held."""
     job = run_job(4, [Kill(2, (0, 1), 20000)], program=[[RING, RING]])
@@ -1359,7 +1387,8 @@ def test_a_link_that_damages_every_frame_fails_typed_instead_of_resetting_foreve
 
 def test_ranks_that_check_and_ranks_that_do_not_work_together() -> None:
     job = _corrupt_job(4, 0, count=0)
-    for rank in (1, 2):
-        job.net.agents[rank].checked = False
+    for rank in (1, 2):  # (their links to 0 and 3 are checked one way only)
+        for link in job.net.agents[rank].links.values():
+            link.checked = False
     job.run()
     job.check()

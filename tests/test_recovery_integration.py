@@ -308,6 +308,32 @@ def test_survivors_do_not_wait_for_a_leaf_killed_in_a_broadcast() -> None:
     check_survivor_stats(job, 4, {victim: 1}, max_resent=TREE_BYTES)
 
 
+RUN_AHEAD_ARGS = ("--calls=bbbts", "--bcast-count=4000000")  # three 16 MB broadcasts
+
+
+@pytest.mark.integration
+def test_survivors_run_ahead_of_a_lost_leaf_through_the_next_broadcasts() -> None:
+    """Rank 2 (a leaf) dies inside the first of three 16 MB broadcasts of version 1; its
+    replacement starts 3 s later.  Every other rank returns from all three before it starts
+    (the leaf's parent does not wait to deliver to it: what it owes the leaf waits in its
+    result store), then waits in the tree allreduce, which needs the leaf's input."""
+    victim = 2
+    assert not topology(victim, 4).children
+    job = run_job(4, *RUN_AHEAD_ARGS, f"mock={victim},1,0,0,{MIB}", restart_delay=3.0)
+    assert_recovered(job, 4, {victim: 1}, RUN_AHEAD_ARGS)
+    (restart,) = [t for r, a, t in job.times("START") if r == victim and a == 1]
+    for seqno in (0, 1, 2):
+        done = {r: t for r, a, t in job.times(rf"BCAST_DONE(?= .* v=1 s={seqno} )")
+                if r != victim and a == 0}
+        assert sorted(done) == [0, 1, 3], job.tail()
+        for rank, t in done.items():
+            assert t < restart, (seqno, rank, restart - t)
+        print(f"broadcast {seqno}: every survivor returned {restart - max(done.values()):.2f} "
+              "s before the restart")
+    mine = job.stats()[victim, 1]
+    assert mine["replayed_calls"] >= 3, mine  # the three broadcasts, copied from its parent
+
+
 # ----------------------------------------------------------------------------- 4. twice
 
 
@@ -575,7 +601,8 @@ def test_a_damaged_byte_between_live_workers_is_caught_and_the_link_resumes(
     the frame fails its checksum, the link resets and resumes after the last verified frame,
     and every rank's results are those of the run without the fault."""
     assert peer in topology(rank, 4).neighbors
-    job = run_job(4, f"mock={rank},1,{seqno},0,{after},{peer},1")
+    # (links within one host are not checked by default: rabit2_checksum=on)
+    job = run_job(4, f"mock={rank},1,{seqno},0,{after},{peer},1", "rabit2_checksum=on")
     assert_recovered(job, 4, {})  # nobody restarted, every digest the no-fault one
     assert f"damages a byte from rank {peer}" in job.out, job.tail()
     assert "failed its checksum" in job.out, job.tail()
@@ -588,7 +615,7 @@ def test_a_damaged_byte_between_live_workers_is_caught_and_the_link_resumes(
 
 @pytest.mark.integration
 def test_without_recovery_a_damaged_byte_fails_every_rank_typed() -> None:
-    job = run_job(4, f"mock=1,1,{R},0,{MIB},2,1", max_attempts=1)
+    job = run_job(4, f"mock=1,1,{R},0,{MIB},2,1", "rabit2_checksum=on", max_attempts=1)
     assert job.returncode != 0
     assert not job.digests(), job.tail()  # no rank finished with a result
     failures = {int(f["rank"]): f for f in job.failures()}

@@ -45,7 +45,8 @@ WORKER = textwrap.dedent(
                           * (world * (world + 1) // 2))
     model = rabit2.broadcast({"from": rank} if rank == 0 else None, 0)
     assert model == {"from": 0}
-    print(f"rank={rank} world={world} host={here} ok", flush=True)
+    corrupt = rabit2.recovery_statistics()["corrupt_frames"]
+    print(f"rank={rank} world={world} host={here} ok corrupt_frames={corrupt}", flush=True)
     rabit2.finalize()
     """
 )
@@ -141,6 +142,25 @@ def test_a_job_runs_across_hosts(cluster: tuple[netns.Testbed, Path]) -> None:
     # filled slot by slot: tasks 0-1 on host 2, tasks 2-3 on host 3 (ranks follow task ids)
     assert hosts == {"0": bed.addr(2), "1": bed.addr(2), "2": bed.addr(3), "3": bed.addr(3)}
     assert "every rank shut down" in done.stderr
+    assert workers_left(bed) == []
+
+
+def test_a_byte_damaged_between_hosts_is_caught_by_default_and_the_link_resumes(
+    cluster: tuple[netns.Testbed, Path],
+) -> None:
+    """Rank 1 (host 2) damages one byte that arrives from rank 2 (host 3) in the middle of
+    the ring allreduce.  Links between hosts carry payload checksums by default: the frame
+    is refused, the link resets and resumes, and every rank's result is the exact one (the
+    worker asserts it)."""
+    bed, keys = cluster
+    done = subprocess.run(submit(bed, keys, str(keys / "worker.py"), "mock=1,0,0,0,65536,2,1"),
+                          check=False, capture_output=True, text=True, timeout=120, cwd=keys)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "damages a byte from rank 2" in done.stdout + done.stderr
+    counts = dict(re.findall(r"rank=(\d) world=4 host=\S+ ok corrupt_frames=(\d+)",
+                             done.stdout))
+    assert counts == {"0": "0", "1": "1", "2": "0", "3": "0"}, done.stdout + done.stderr
+    assert re.search(r"^1\s+1\s+1\s+0\s+ok$", done.stderr, re.M), done.stderr  # no restart
     assert workers_left(bed) == []
 
 

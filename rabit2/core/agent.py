@@ -76,6 +76,7 @@ from rabit2.core.recovery import (
     fresh_buffer,
 )
 from rabit2.core.schedule import (
+    EMPTY,
     PairExchange,
     Plan,
     RingAllgather,
@@ -176,8 +177,9 @@ class Agent(RecoveryMixin):
         """``recover``: a lost link the call needs makes the call wait (up to
         ``recover_timeout`` seconds) for the peer's replacement instead of failing, and
         every finished call's result is kept for replay (``docs/recovery.md``).
-        ``checked``: every frame this rank sends carries a CRC32C of its payload (frames
-        are received as their sender wrote them: checked or not)."""
+        ``checked``: the frames this rank sends carry a CRC32C of their payload, on every
+        link unless :meth:`on_link_up` says otherwise for that link (frames are received as
+        their sender wrote them: checked or not)."""
         self.state = State.IDLE
         self._descriptors: dict[tuple[Any, ...], CallDescriptor] = {}
         self.rank = 0
@@ -219,6 +221,10 @@ class Agent(RecoveryMixin):
         # their incarnations then: a later state of the same process can show it was wrong
         self._no_live_incs: dict[int, int] = {}
         self.down_since: dict[int, float] = {}  # lost links the job waits to come back
+        # the version each of those neighbours was last seen in: until this rank is past it,
+        # it runs ahead of a lost neighbour through every call that needs no input from it
+        # (docs/recovery.md, "Running ahead of a lost neighbour")
+        self.lost_in_version: dict[int, int] = {}
         # a restarted rank: what each neighbour said when its link came up
         self.peer_states: dict[int, PeerState] = {}
         self.restarted = False
@@ -249,6 +255,8 @@ class Agent(RecoveryMixin):
         self._go(Event.CONNECT_TRACKER)
         self.rank, self.world = rank, world
         self.links = {p: Link() for p in topology(rank, world).neighbors}
+        for link in self.links.values():
+            link.checked = self.checked
 
     def connect_peers(self) -> None:
         self._go(Event.CONNECT_PEERS)
@@ -370,10 +378,11 @@ class Agent(RecoveryMixin):
             active = self.active
             link.start += HEADER_SIZE
             self._frames_received += 1
-            if active is not None and stage[start : start + CALL_PREFIX_SIZE] == active.prefix:
+            if active is not None and stage[start : start + CALL_PREFIX_SIZE] == (
+                    active.prefix_checked if link.checked else active.prefix):
                 # fast path: a DATA frame of the current call (the common case)
                 offset, length, crc = unpack_tail(stage, start)
-                self._accept_data(peer, link, offset, length, crc if self.checked else None,
+                self._accept_data(peer, link, offset, length, crc if link.checked else None,
                                   active, now, cmds)
             else:
                 frame = parse_header(stage[start : start + HEADER_SIZE])
@@ -606,7 +615,8 @@ class Agent(RecoveryMixin):
             raise ProtocolError(f"broadcast of {total} B: {exc}") from None
         desc = active.desc  # (dataclasses.replace costs several microseconds here)
         active.desc = CallDescriptor(desc.kind, desc.dtype_code, desc.op_code, desc.root, total)
-        active.prefix = data_prefix(active.desc, *active.call_id, self.checked)
+        active.prefix = data_prefix(active.desc, *active.call_id, False)
+        active.prefix_checked = data_prefix(active.desc, *active.call_id, True)
         if self.recover and plan.in_link >= 0:
             self._start_mirror(active, plan)
         for peer in plan.out_streams:
@@ -653,6 +663,7 @@ class Agent(RecoveryMixin):
                 raise ProtocolError(f"rank {peer} sent a checked frame of {length} B at "
                                     f"offset {offset} that cannot land whole")
         active.frames_seen[peer] += 1
+        link.seen_version = active.call_id[0]
         self.last_progress = now
         if length:
             link.mode, link.remaining = Mode.PAYLOAD, length
@@ -716,7 +727,7 @@ class Agent(RecoveryMixin):
         self.state = nxt
         call_id = (self.version, self.seqno)
         self.seqno += 1
-        active = ActiveCall(call, call_id, desc, plan, self.checked)
+        active = ActiveCall(call, call_id, desc, plan)
         self.active = active
         if (self.recover and isinstance(plan, TreeBroadcast) and plan.in_link >= 0
                 and plan.sized):
@@ -791,6 +802,10 @@ class Agent(RecoveryMixin):
                     return cmds
         if self.active is not active:
             return cmds
+        if self.recover and self.dead_links:
+            for p in plan.in_streams:
+                if not self.links[p].up:
+                    self._skip_announce(active, p)
         if self.dead_links and any(not self.links[p].up and self._needs_input(active, p)
                                    for p in plan.in_streams):
             self._go(Event.PEER_DOWN)  # a lost neighbour's input: wait for its replacement
@@ -887,7 +902,7 @@ class Agent(RecoveryMixin):
         version, seqno = active.call_id
         final = active.final
         links = self.links
-        frame_limit = checked_frame_limit() if self.checked else 0
+        frame_limit = checked_frame_limit()
         for peer, stream in plan.out_streams.items():
             link = links[peer]
             if link.awaiting_need or link.awaiting_state or not link.up:
@@ -903,7 +918,7 @@ class Agent(RecoveryMixin):
                     self._frames_sent += 1
                 continue
             ready = stream.length if final else plan.out_ready(peer)
-            if self.checked:
+            if link.checked:
                 # frames the receiver can verify before it uses them: one piece of the
                 # stream at most (a broadcast's head on its own) and CHECKED_FRAME bytes
                 while ready > sent:
@@ -1024,6 +1039,37 @@ class Agent(RecoveryMixin):
                 self._maybe_complete(active, cmds)  # its share is served later, if at all
         return cmds
 
+    def on_peer_dead(self, peer: int, now: float) -> list[Command]:
+        """The tracker says the process at the other end of the (lost) link to ``peer``
+        died: a replacement will replay what it missed, rather than the same process
+        reconnecting and going on (a reset).  From here this rank runs ahead of it."""
+        cmds: list[Command] = []
+        link = self.links.get(peer)
+        if not self.recover or link is None or link.up or self.state in (
+                State.FAILED, State.TASK_COMPLETE):
+            return cmds
+        # (the version of the last call it sent a frame of: it got that far at least)
+        self.lost_in_version.setdefault(peer, link.seen_version)
+        active = self.active
+        if active is not None:
+            self._skip_announce(active, peer)
+            self._maybe_complete(active, cmds)
+        del now
+        return cmds
+
+    def _skip_announce(self, active: ActiveCall, peer: int) -> None:
+        """A lost neighbour owes this call nothing but the empty frame that announces it (a
+        broadcast child towards the root): do not wait for it.  What this rank owes it waits
+        in the result store, and the replacement's call is checked against it when it
+        replays.  Only for a leaf of the tree (its replay of a broadcast is a copy of this
+        rank's result, with nobody to forward to), and only in the version it was last seen
+        in: beyond that, the call waits for the replacement (how far survivors run ahead,
+        docs/recovery.md)."""
+        if (active.plan.in_streams.get(peer) is EMPTY and not active.frames_seen.get(peer)
+                and active.call_id[0] <= self.lost_in_version.get(peer, -1)
+                and not topology(peer, self.world).children):
+            active.skip_in.add(peer)
+
     def _lost(self, peer: int) -> PeerLostError:
         return PeerLostError(
             f"rank {self.rank}: link to rank {peer} lost ({self.dead_links[peer]})"
@@ -1119,10 +1165,11 @@ class Agent(RecoveryMixin):
         """Tell every other neighbour, so that every rank fails with the same error type."""
         payload = encode_error(error_type, reason, origin)
         desc = CallDescriptor(CollectiveKind.BROADCAST, NONE_U8, NONE_U8, NONE_U16, 0)
-        header = pack_header(FrameKind.ERROR, desc, self.version, self.seqno, 0, len(payload), 0,
-                             checksum(payload) if self.checked else None)
-        for peer in self.links:
+        crc = checksum(payload)  # (an error frame is small: checked on any link that checks)
+        for peer, link in self.links.items():
             if peer != source:
+                header = pack_header(FrameKind.ERROR, desc, self.version, self.seqno, 0,
+                                     len(payload), 0, crc if link.checked else None)
                 cmds.append(Send(peer, [header, payload]))
                 self._frames_sent += 1
 

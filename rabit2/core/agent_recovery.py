@@ -84,6 +84,7 @@ class RecoveryMixin:
         local_replica: int
         local_models: dict[tuple[int, int], bytes]
         down_since: dict[int, float]
+        lost_in_version: dict[int, int]
         peer_states: dict[int, PeerState]
         restarted: bool
         _loading: dict[str, Any]
@@ -145,7 +146,7 @@ class RecoveryMixin:
                                   "hops": hops, "size": len(blob)}, cmds)
         if blob:
             header = pack_header(FrameKind.BLOB, NO_CALL, version, 0, 0, len(blob),
-                                 self.incarnation, self._payload_crc(blob))
+                                 self.incarnation, self._payload_crc(peer, blob))
             cmds.append(Send(peer, [header, blob]))
             self._frames_sent += 1
 
@@ -173,8 +174,11 @@ class RecoveryMixin:
 
     # ------------------------------------------------------------------ recovery
 
-    def on_link_up(self, peer: int, incarnation: int, now: float) -> list[Command]:
+    def on_link_up(self, peer: int, incarnation: int, now: float,
+                   checked: bool | None = None) -> list[Command]:
         """A (new) connection to ``peer`` is ready: tell it where this rank stands.
+        ``checked``: whether the frames sent on it carry payload checksums (None: this
+        agent's default).
 
         Called for every link at ``init`` and again whenever a lost neighbour's
         replacement (or the same process, after a reset) connects.  Framing starts afresh;
@@ -189,10 +193,12 @@ class RecoveryMixin:
         was_down = not link.up
         same_process = incarnation == link.incarnation
         link.incarnation = incarnation
+        link.checked = self.checked if checked is None else checked
         link.up = True
         link.state = link.pending = link.need_sent = None
         self.dead_links.pop(peer, None)
         self.down_since.pop(peer, None)
+        self.lost_in_version.pop(peer, None)
         active = self.active
         link.reset_framing(active.plan.received.get(peer, 0) if active is not None else 0)
         link.up_call = active.call_id if active is not None else None
@@ -829,7 +835,7 @@ class RecoveryMixin:
                                   "desc": descriptor_to_wire(desc), "reason": reason}, cmds)
         if data is not None and size:
             header = pack_header(FrameKind.BLOB, desc, call[0], call[1], 0, size,
-                                 self.incarnation, self._payload_crc(data))
+                                 self.incarnation, self._payload_crc(peer, data))
             cmds.append(Send(peer, [header, data]))
             self._frames_sent += 1
 
@@ -1052,13 +1058,13 @@ class RecoveryMixin:
         self._fail(error, cmds)  # (no-op for a rank that failed already)
         return cmds
 
-    def _payload_crc(self, payload: bytes | memoryview) -> int | None:
-        return checksum(payload) if self.checked else None
+    def _payload_crc(self, peer: int, payload: bytes | memoryview) -> int | None:
+        return checksum(payload) if self.links[peer].checked else None
 
     def _send_control(self, peer: int, msg: dict[str, Any], cmds: list[Command]) -> None:
         body = encode_body(msg)
         header = pack_header(FrameKind.CONTROL, NO_CALL, self.version, self.seqno, 0,
-                             len(body), self.incarnation, self._payload_crc(body))
+                             len(body), self.incarnation, self._payload_crc(peer, body))
         cmds.append(Send(peer, [header, body]))
         self._frames_sent += 1
 

@@ -143,10 +143,10 @@ class Link:
     """Receive-side framing state of one peer link."""
 
     __slots__ = ("awaiting_need", "awaiting_state", "blob", "blob_fetch", "body_kind",
-                 "corrupt_streak", "crc", "end", "error_buf", "expect", "filled", "frame",
-                 "incarnation", "landing", "mode", "need_sent", "pending", "pending_needs",
-                 "pos", "remaining", "scratch", "send_scratch", "stage", "start", "state",
-                 "up", "up_at", "up_call")
+                 "checked", "corrupt_streak", "crc", "end", "error_buf", "expect", "filled",
+                 "frame", "incarnation", "landing", "mode", "need_sent", "pending",
+                 "pending_needs", "pos", "remaining", "scratch", "seen_version",
+                 "send_scratch", "stage", "start", "state", "up", "up_at", "up_call")
 
     def __init__(self) -> None:
         # headers are read into this staging buffer together with whatever follows them, so
@@ -165,6 +165,8 @@ class Link:
         self.crc = 0
         self.landing = NO_VIEW
         self.corrupt_streak = 0  # frames in a row that failed their checksum
+        self.checked = True  # the frames this rank sends on this link carry payload CRCs
+        self.seen_version = -1  # the version of the last call the peer sent a DATA frame of
         self.error_buf = bytearray()  # the body of an ERROR or CONTROL frame
         self.body_kind = FrameKind.ERROR
         self.blob = memoryview(b"")  # where the BLOB frame announced by a reply lands
@@ -230,16 +232,16 @@ class ActiveCall:
     """Bookkeeping of the call in progress."""
 
     __slots__ = ("call", "call_id", "deferred", "desc", "fetching", "final", "frames_seen",
-                 "mirror", "mirrored", "plan", "prefix", "refill", "resume_wait", "sent",
-                 "skip_in", "started_empty")
+                 "mirror", "mirrored", "plan", "prefix", "prefix_checked", "refill",
+                 "resume_wait", "sent", "skip_in", "started_empty")
 
     def __init__(self, call: Call, call_id: tuple[int, int], desc: CallDescriptor,
-                 plan: Plan, checked: bool) -> None:
+                 plan: Plan) -> None:
         self.call, self.call_id, self.desc, self.plan = call, call_id, desc, plan
-        # what every DATA frame of this call starts with, from a sender that checks its
-        # frames as this rank does (unknown-size broadcasts never match it, nor frames
-        # from a sender with the other setting: they take the full parse)
-        self.prefix = data_prefix(desc, *call_id, checked)
+        # what every DATA frame of this call starts with, unchecked and checked (frames of
+        # unknown-size broadcasts never match them, and take the full parse)
+        self.prefix = data_prefix(desc, *call_id, False)
+        self.prefix_checked = data_prefix(desc, *call_id, True)
         self.sent = dict.fromkeys(plan.out_streams, 0)
         self.frames_seen = dict.fromkeys(plan.in_streams, 0)
         self.started_empty: set[int] = set()

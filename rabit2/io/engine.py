@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ipaddress
 import logging
 import os
 import signal
@@ -305,7 +306,7 @@ class Engine:
             recover_timeout=config.recover_timeout_sec,
             retain_bytes=config.replay_mb << 20,
             local_replica=config.local_replica,
-            checked=config.checksum,
+            checked=config.checksum != "off",
         )
         # the loop thread defers to a polling caller (both off with rabit2_spin_us=0)
         self.loop_thread = LoopThread(config.loop)
@@ -522,7 +523,8 @@ class Engine:
         learns about the new link before its first byte can be read."""
         loop = asyncio.get_running_loop()
         try:
-            cmds = self.agent.on_link_up(peer, incarnation, loop.time())
+            cmds = self.agent.on_link_up(peer, incarnation, loop.time(),
+                                         checked=self._checks_payloads(sock))
         except RabitError as exc:  # e.g. an older incarnation: the current link stays
             logger.warning("link to rank %d refused: %s", peer, exc)
             sock.close()
@@ -538,6 +540,24 @@ class Engine:
         await loop.create_connection(lambda: link, sock=sock)
         self._execute(cmds)
         return link
+
+    def _checks_payloads(self, sock: socket.socket) -> bool:
+        """Whether the frames sent on this link carry payload checksums: ``checksum=auto``
+        checks the links between two hosts, where NICs, switches and cables can damage a
+        byte that TCP's sum lets through, and not those within one host, whose bytes never
+        leave its memory (there the checks would cost 15-60 % on large calls: bench/README.md,
+        "Checksums")."""
+        mode = self.config.checksum
+        if mode != "auto":
+            return mode == "on"
+        try:
+            local, remote = sock.getsockname()[0], sock.getpeername()[0]
+            addr = ipaddress.ip_address(remote.split("%")[0])
+        except (OSError, ValueError):
+            return True
+        if isinstance(addr, ipaddress.IPv6Address) and addr.ipv4_mapped is not None:
+            addr = addr.ipv4_mapped
+        return local != remote and not addr.is_loopback
 
     async def _accept_loop(self, server: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -813,6 +833,7 @@ class Engine:
             # finished call stops waiting for them (connection_lost clears the flag)
             link.transport.abort()
         self.on_hangup(rank, f"the tracker lost rank {rank}: {reason}")
+        self._execute(self.agent.on_peer_dead(rank, self.loop.time()))
 
     def _on_peer_recovered(self, rank: int, incarnation: int, address: tuple[str, int]) -> None:
         """A lost neighbour was restarted: the higher rank of a link dials, as at init."""
