@@ -214,9 +214,11 @@ def test_hostile_connections_at_a_worker_port(loop_kind: str) -> None:
 
 def test_a_stale_or_duplicate_incarnation_is_refused_at_a_worker_port(loop_kind: str) -> None:
     """Fencing: with recovery on a worker keeps listening, but only a newer incarnation of a
-    neighbour (or the same one whose link is down) may replace a link, and only one the
-    tracker issued; a zombie that presents an old or the current incarnation, or a stranger
-    with the secret that claims a newer one, is refused, and the job goes on unharmed."""
+    neighbour (or the same one dialing again) may replace a link, and only one the tracker
+    issued; a zombie that presents an old incarnation, or a stranger with the secret that
+    claims a newer one, is refused.  One that presents the current incarnation is taken as
+    that process dialing again (its end of the link broke): the link is replaced, the real
+    process dials back in, and the job goes on with exact results."""
     import asyncio  # noqa: PLC0415 - only this test drives the handshake by hand
 
     from rabit2.io.handshake import connect_authenticated  # noqa: PLC0415
@@ -226,10 +228,9 @@ def test_a_stale_or_duplicate_incarnation_is_refused_at_a_worker_port(loop_kind:
     assert target._server is not None  # still listening after init
     host, port = target._server.getsockname()[:2]
     higher = next(p for p in target.agent.links if p > 0)
-    for incarnation in (0, -1):
-        hello = {"rank": higher, "world": 3, "incarnation": incarnation}
-        with pytest.raises(RabitError, match="already connected or stale"):
-            asyncio.run(connect_authenticated(host, port, bytes.fromhex(SECRET), hello, 5))
+    hello = {"rank": higher, "world": 3, "incarnation": -1}
+    with pytest.raises(RabitError, match="incarnation -1 is stale"):
+        asyncio.run(connect_authenticated(host, port, bytes.fromhex(SECRET), hello, 5))
     # a holder of the secret claiming an incarnation the tracker never issued
     hello = {"rank": higher, "world": 3, "incarnation": 99}
     with pytest.raises(RabitError, match="incarnation 99 was not issued by the tracker"):
@@ -242,6 +243,17 @@ def test_a_stale_or_duplicate_incarnation_is_refused_at_a_worker_port(loop_kind:
 
     assert on_all(engines, work) == [None, None, None]
     assert all(e.recovery_statistics()["links_up"] == 0 for e in engines)
+    # the current incarnation: taken as a re-dial; the impostor's connection is dropped
+    # when the real process dials back in
+    hello = {"rank": higher, "world": 3, "incarnation": 0}
+    sock, _ = asyncio.run(connect_authenticated(host, port, bytes.fromhex(SECRET), hello, 5))
+    sock.close()
+    assert on_all(engines, work) == [None, None, None]
+    deadline = time.monotonic() + 10
+    while engines[higher].recovery_statistics()["links_up"] < 1:
+        assert time.monotonic() < deadline, "the real process never dialed back in"
+        time.sleep(0.05)
+    assert on_all(engines, work) == [None, None, None]
     finish(tracker, engines)
 
 

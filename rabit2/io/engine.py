@@ -613,11 +613,11 @@ class Engine:
             if rank in self.links:
                 known = self.agent.links[rank]
                 # fencing: only a newer incarnation may replace a link, or the same process
-                # whose link broke (a reset); a zombie of an older one is refused
-                if incarnation < known.incarnation or (
-                        incarnation == known.incarnation and known.up):
-                    raise ProtocolError(f"rank {rank} incarnation {incarnation} is already "
-                                        f"connected or stale (known: {known.incarnation})")
+                # dialing again (its end of the link broke, even where ours did not see it);
+                # a zombie of an older one is refused
+                if incarnation < known.incarnation:
+                    raise ProtocolError(f"rank {rank} incarnation {incarnation} is stale "
+                                        f"(known: {known.incarnation})")
             claimed.append((rank, incarnation))
             return {"rank": assignment.rank, "incarnation": assignment.incarnation}
 
@@ -639,6 +639,17 @@ class Engine:
         if task is not None:
             self._forget_handshake(task)  # authenticated: no longer one to drop
         peer, incarnation = claimed[0]
+        known = self.agent.links.get(peer)
+        old = self.links.get(peer)
+        if known is not None and known.up and incarnation == known.incarnation and old:
+            # a live process that dials again has lost its end of the old connection (a
+            # reset that only it saw): that is the old link's hang-up, here and now, not
+            # when keepalive or a retransmission timeout would find it
+            logger.info("rank %d dialed again: its end of the old link broke", peer)
+            old.current = False
+            if old.transport is not None:
+                old.transport.abort()
+            self.on_hangup(peer, "the same process dialed again (its end of the link broke)")
         self._accepted[peer] = await self._adopt(sock, peer, incarnation)
         if set(self._accepted) >= self._expect_accept and self._all_accepted is not None:
             self._all_accepted.set()
