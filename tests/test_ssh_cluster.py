@@ -211,6 +211,79 @@ def test_no_remote_worker_outlives_its_launcher(
         time.sleep(0.1)
 
 
+PARTITIONED = textwrap.dedent(
+    """
+    import sys, time
+    import numpy as np
+    import rabit2
+
+    rabit2.init(sys.argv[1:])
+    rank = rabit2.get_rank()
+    try:
+        for it in range(3000):  # ~5 minutes unless something ends it
+            data = np.full(100_000, rank + 1.0)
+            rabit2.allreduce(data, rabit2.Op.SUM)
+            assert (data == 10.0).all()
+            if rank == 0:
+                print(f"iteration {it}", flush=True)
+            time.sleep(0.1)
+    except rabit2.RabitError as exc:
+        print(f"rank={rank} failed {type(exc).__name__}: {exc}", flush=True)
+        sys.exit(3)
+    rabit2.finalize()
+    """
+)
+
+
+def test_a_partition_between_two_hosts_that_both_reach_the_tracker_ends_the_job_typed(
+    cluster: tuple[netns.Testbed, Path],
+) -> None:
+    """Hosts 2 and 3 stop reaching each other (a blackhole route each way) in the middle of
+    the job, while both still reach the tracker on host 1.  No restart can mend that: every
+    rank fails with JobAbortedError naming the partition within about a minute (the links'
+    TCP_USER_TIMEOUT, then the tracker asked whether the peer lives), instead of waiting for
+    the progress deadline (30 minutes by default)."""
+    bed, keys = cluster
+    script = keys / "partitioned.py"
+    script.write_text(PARTITIONED)
+    proc = subprocess.Popen(submit(bed, keys, str(script)), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=keys)
+    routes = [(2, bed.addr(3)), (3, bed.addr(2))]
+    cut = False
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        deadline = time.monotonic() + 60
+        while not any("iteration 5" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line and time.monotonic() < deadline, "".join(lines)
+            lines.append(line)
+        for host, other in routes:
+            subprocess.run(bed.run(host, ["ip", "route", "add", "blackhole", f"{other}/32"]),
+                           check=True)
+        cut = True
+        started = time.monotonic()
+        rest, _ = proc.communicate(timeout=150)
+        took = time.monotonic() - started
+    finally:
+        if cut:
+            for host, other in routes:
+                subprocess.run(bed.run(host, ["ip", "route", "del", "blackhole", f"{other}/32"]),
+                               check=False)
+        proc.kill()
+        proc.wait()
+    out = "".join(lines) + rest
+    assert proc.returncode != 0, out
+    failed = dict(re.findall(r"rank=(\d) failed (\w+): ", out))
+    assert failed == dict.fromkeys("0123", "JobAbortedError"), out
+    assert "cannot reach each other while both reach the tracker" in out, out
+    assert f"({bed.addr(2)} and {bed.addr(3)})" in out or (
+        f"({bed.addr(3)} and {bed.addr(2)})" in out), out
+    assert took < 90, (took, out)
+    print(f"partition to the end of the job: {took:.1f} s")
+    assert workers_left(bed) == []
+
+
 def test_a_host_that_refuses_ssh_fails_the_job_with_ssh_s_reason(tmp_path: Path) -> None:
     """No sshd where the host file points (a closed port on loopback): every attempt fails
     at once with ssh's own message, and the job ends after --max-attempts, typed, without

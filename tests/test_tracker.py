@@ -500,6 +500,36 @@ async def test_signal_error_aborts_everyone_else(make_tracker: Callable[..., Any
 
 
 @pytest.mark.asyncio
+async def test_an_unreachable_live_rank_is_a_partition_and_ends_the_job(
+        make_tracker: Callable[..., Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker says its link to a rank cannot be rebuilt.  A rank that has been quiet (dead
+    or paused) is left to recovery; one that is heard from is alive, so the two cannot reach
+    each other while both reach the tracker: the job is aborted, naming the link."""
+    monkeypatch.setattr("tracker.server._ALIVE_WITHIN_SEC", 0.5)
+    tracker = await make_tracker(3)
+    clients = list(await asyncio.gather(
+        TrackerClient.connect(config(tracker, "0"), 20000),
+        TrackerClient.connect(config(tracker, "1"), 20001),
+        TrackerClient.connect(config(tracker, "2", heartbeat_sec=30.0), 20002)))  # quiet
+    await asyncio.gather(*(c.wait_assignment(5) for c in clients))
+    reasons: dict[int, str] = {}
+    for i, client in enumerate(clients):
+        client.on_abort = lambda reason, i=i: reasons.__setitem__(i, reason)
+    await asyncio.sleep(0.8)
+    clients[0].report_unreachable(2, "rank 0's link to rank 2 has been down for 15 s")
+    await asyncio.sleep(0.3)
+    assert not tracker.status()["done"] and not reasons  # left to recovery
+    clients[0].report_unreachable(1, "rank 0's link to rank 1 has been down for 15 s")
+    result = await tracker.wait_done(5)
+    assert not result.success
+    assert "ranks 0 and 1 cannot reach each other while both reach the tracker" in result.reason
+    await wait_until(lambda: len(reasons) == 3)
+    assert all("network partition" in r for r in reasons.values())
+    for client in clients:
+        await client.shutdown(5)
+
+
+@pytest.mark.asyncio
 async def test_huge_error_message_is_bounded(make_tracker: Callable[..., Any]) -> None:
     """A worker that is not our client sends a ~1 MiB error: the abort still goes out."""
     loop = asyncio.get_running_loop()

@@ -37,6 +37,9 @@ from rabit2.io.handshake import RateLimitedLog, server_handshake, tune_socket
 
 logger = logging.getLogger("rabit2.tracker")
 SILENCE_REASON = "no message for"  # how a heartbeat timeout is reported
+# a rank that another cannot reach counts as alive if it was heard from this recently (its
+# heartbeats come every rabit2_heartbeat_sec, 1 s by default)
+_ALIVE_WITHIN_SEC = 5.0
 
 _READ_SIZE = 65536
 _MAX_TASK_ID = 256  # task ids are labels; bound them like every other wire length
@@ -89,6 +92,7 @@ class _Conn:
     role: str
     task: _Task | None = None
     fenced: bool = False  # replaced by a newer registration of the same task
+    heard: float = 0.0  # loop time of the last message from it
 
     def send(self, msg: dict[str, Any]) -> None:
         if self.writer.is_closing():
@@ -375,6 +379,7 @@ class Tracker:
                 return f"{SILENCE_REASON} {timeout:g}s"
             if not data:
                 return "connection closed by the worker"
+            conn.heard = asyncio.get_running_loop().time()
             for msg in decoder.feed(data):
                 if not self._on_message(conn, msg):
                     return "worker shut down"
@@ -421,6 +426,9 @@ class Tracker:
             return True
         if kind == "error":
             self._abort(f"{_describe(task)} signalled an error: {msg['msg']}", exclude=conn)
+            return True
+        if kind == "unreachable":
+            self._unreachable(task, msg["rank"], msg["reason"][:_MAX_REASON])
             return True
         if kind == "shutdown":
             task.finished = True
@@ -562,6 +570,24 @@ class Tracker:
         logger.warning("%s lost: %s", _describe(task), reason)
         self._notify_neighbors(task, {"t": "peer_lost", "reason": reason})
         _call_hook(self.on_worker_lost, task.task_id, task.rank, reason)
+
+    def _unreachable(self, task: _Task, rank: int, reason: str) -> None:
+        """A worker's link to ``rank`` has been down for a while and cannot be rebuilt.  If
+        ``rank`` is alive (heard from within the last few heartbeats, so neither dead nor
+        paused: those are for recovery), the two cannot reach each other while both reach
+        the tracker: a partition between them, which no restart mends.  The job ends, every
+        rank naming the link (docs/recovery.md, "Partial partitions")."""
+        other = self._by_rank.get(rank)
+        if other is None or other.conn is None or other.finished or task.rank is None:
+            return
+        quiet = asyncio.get_running_loop().time() - other.conn.heard
+        if quiet > _ALIVE_WITHIN_SEC:
+            logger.info("%s cannot reach rank %d, which has been quiet for %.1f s: left to "
+                        "recovery", _describe(task), rank, quiet)
+            return
+        self._abort(f"ranks {task.rank} and {rank} cannot reach each other while both reach "
+                    f"the tracker: a network partition between their hosts ({task.host} and "
+                    f"{other.host}); {reason}", exclude=None)
 
     def _abort(self, reason: str, exclude: _Conn | None) -> None:
         if len(reason) > _MAX_REASON:

@@ -52,6 +52,7 @@ MESSAGE_FIELDS: Final[Mapping[str, Mapping[str, type]]] = {
     "heartbeat": {},
     "shutdown": {"hold": bool},
     "error": {"msg": str},
+    "unreachable": {"rank": int, "reason": str},
     "status": {},
     # monitor -> tracker (a supervisor such as tracker.slot)
     "give_up": {"task_id": str, "reason": str},

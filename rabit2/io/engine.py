@@ -142,6 +142,10 @@ _POLICIES: tuple[int, int, Any] | None = (
 
 _yield_cpu: Callable[[], Any] = getattr(os, "sched_yield", lambda: time.sleep(0))
 _NO_BYTES = memoryview(b"")
+PARTITION_SEC = 15.0
+"""How long a lost link may stay down before the tracker is asked whether the peer lives
+(docs/recovery.md, "Partial partitions"): long enough for a reset to be dialed again, far
+shorter than the replacement wait (``recover_timeout_sec``)."""
 _SLICE = 1e-3
 """While a caller polls: other threads of its CPU ran this long between two of its turns
 (not the loop thread, which is doing the call's work) = the CPU is contended."""
@@ -339,6 +343,7 @@ class Engine:
         self._ckpt_waiter: _Waiter | None = None
         self._ckpt_loaded: tuple[int, bytes | None, bytes | None] = (0, None, None)
         self._redials: set[asyncio.Task[None]] = set()
+        self._partition_checks: dict[int, asyncio.TimerHandle] = {}
         # where restarted neighbours listen now (peer_recovered), also for notices that come
         # while this worker is still setting up (they are newer than its assignment)
         self._recovered_at: dict[int, tuple[str, int]] = {}
@@ -804,6 +809,30 @@ class Engine:
             # the ranks leave after bye.
             self._schedule_redial(peer, self.agent.links[peer].incarnation,
                                   assignment.peers[peer])
+        if self.config.recover and peer not in self._partition_checks:
+            self._partition_checks[peer] = self.loop.call_later(
+                PARTITION_SEC, self._check_partition, peer, self.agent.links[peer].incarnation,
+                self.loop.time())
+
+    def _check_partition(self, peer: int, incarnation: int, since: float) -> None:
+        """The link to ``peer`` went down ``PARTITION_SEC`` ago: still down, and no
+        replacement connected?  Tell the tracker, which ends the job if ``peer`` is alive
+        (both reach it but not each other: a partition), and leaves it to recovery if not
+        (a dead or paused peer).  Asked again every ``PARTITION_SEC`` while it lasts."""
+        self._partition_checks.pop(peer, None)
+        link = self.agent.links.get(peer)
+        if (link is None or link.up or link.incarnation != incarnation or self._closing
+                or self.tracker is None or self.agent.error is not None
+                or self.agent.state.value in ("task-complete", "failed")):
+            return
+        down = self.loop.time() - since
+        logger.warning("the link to rank %d has been down for %.0f s: asking the tracker "
+                       "whether rank %d is alive", peer, down, peer)
+        self.tracker.report_unreachable(
+            peer, f"rank {self.agent.rank}'s link to rank {peer} has been down for "
+                  f"{down:.0f} s ({self.agent.dead_links.get(peer, 'lost')})")
+        self._partition_checks[peer] = self.loop.call_later(
+            PARTITION_SEC, self._check_partition, peer, incarnation, since)
 
     def on_drained(self) -> None:
         """Resolve the finished call once no link holds unsent bytes of the caller's array."""
@@ -1041,6 +1070,8 @@ class Engine:
             await asyncio.gather(*pending, return_exceptions=True)
             if self._tick_handle is not None:
                 self._tick_handle.cancel()
+            for handle in self._partition_checks.values():
+                handle.cancel()
             for link in self.links.values():
                 if link.transport is not None:
                     link.transport.close()

@@ -57,16 +57,23 @@ _SERVER = b"server"
 _KEEPIDLE_SEC = 10
 _KEEPINTVL_SEC = 5
 _KEEPCNT = 3
+# Sent bytes that stay unacknowledged this long end the connection (TCP_USER_TIMEOUT): a
+# path that drops every packet while data is in flight (a partition) is otherwise found only
+# after the kernel's retransmissions give up, about 15 minutes.  Keepalive does not cover
+# that case: it probes idle connections only.
+_USER_TIMEOUT_MS = 20_000
 
 
 def tune_socket(sock: socket.socket) -> None:
-    """Set TCP_NODELAY and SO_KEEPALIVE (plus keepalive timing where the OS has the knobs)."""
+    """Set TCP_NODELAY and SO_KEEPALIVE, plus keepalive timing and TCP_USER_TIMEOUT where
+    the OS has the knobs."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (
         ("TCP_KEEPIDLE", _KEEPIDLE_SEC),
         ("TCP_KEEPINTVL", _KEEPINTVL_SEC),
         ("TCP_KEEPCNT", _KEEPCNT),
+        ("TCP_USER_TIMEOUT", _USER_TIMEOUT_MS),
     ):
         option = getattr(socket, name, None)
         if option is not None:

@@ -256,6 +256,11 @@ class TrackerClient:
         """Ask the tracker to abort the whole job with ``msg`` as the reason; never blocks."""
         self._send_from_any_thread({"t": "error", "msg": _truncate(str(msg))})
 
+    def report_unreachable(self, rank: int, reason: str) -> None:
+        """Tell the tracker that the link to ``rank`` cannot be rebuilt (it decides whether
+        that is a partition: ``docs/recovery.md``, "Partial partitions"); loop thread."""
+        self._send({"t": "unreachable", "rank": rank, "reason": _truncate(reason)})
+
     async def shutdown(self, timeout: float, hold: bool = False,
                        leave_timeout: float = 10.0) -> None:
         """Tell the tracker this worker finished, wait for its ``bye``, then close.
