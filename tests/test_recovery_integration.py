@@ -20,7 +20,9 @@ import functools
 import os
 import random
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -637,6 +639,49 @@ def test_a_reset_link_to_a_restarted_worker_is_dialed_at_its_new_address() -> No
     assert_recovered(job, 4, {2: 1}, args)
     assert "resets its link to rank 2" in job.out, job.tail()
     assert job.stats()[3, 0]["links_up"] >= 2, job.tail()  # the restart, then the reset
+
+
+@pytest.mark.integration
+def test_workers_whose_tracker_connections_break_rejoin_and_the_job_goes_on() -> None:
+    """Mid-job, every worker's connection to the tracker is destroyed (``ss -K``: the
+    workers' ends abort, the tracker sees resets).  Each worker dials the tracker again and
+    rejoins as the same rank and incarnation; nobody is restarted, no link is touched, and
+    every result is that of the run without the fault."""
+    if shutil.which("ss") is None:
+        pytest.skip("iproute2's `ss` is not installed")
+    args = ("--iters=12",)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    tag = f"rtag-{uuid.uuid4().hex[:12]}"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("RABIT2_RECOVER", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tracker.submit", "--cluster", "local", "-n", "4",
+         "--tracker-port", str(port), "--timeout", "80", "--", sys.executable, str(WORKER),
+         f"--tag={tag}", *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        deadline = time.monotonic() + 60
+        while sum("BCAST_DONE" in line and " v=2 " in line for line in lines) < 4:
+            line = proc.stdout.readline()
+            assert line and time.monotonic() < deadline, "".join(lines)
+            lines.append(line)
+        killed = subprocess.run(["ss", "-K", "dst", "127.0.0.1", "dport", "=", f":{port}"],
+                                capture_output=True, text=True, check=False)
+        assert killed.returncode == 0, killed.stderr
+        rest, err = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+        proc.wait()
+        _kill_tagged(tag)
+    job = Job(proc.returncode, "".join(lines) + rest, err, 0.0, tag)
+    assert_recovered(job, 4, {}, args)  # no restart, every digest the no-fault one
+    assert job.out.count("rejoined the tracker") >= 1, job.tail()
+    assert "rejoined from" in job.out, job.tail()
+    assert all(v["links_up"] == 0 for v in job.stats().values()), job.stats()
 
 
 # ----------------------------------------------------------------------------- 9. GBDT

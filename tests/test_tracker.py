@@ -269,7 +269,7 @@ async def test_restart_gets_old_rank_and_next_incarnation(
     make_tracker: Callable[..., Any],
 ) -> None:
     lost: list[tuple[str, int | None, str]] = []
-    tracker = await make_tracker(2)
+    tracker = await make_tracker(2, rejoin_grace=0.1)  # (a close is a death here)
     tracker.on_worker_lost = lambda task, rank, reason: lost.append((task, rank, reason))
     survivor, victim = await join_job(tracker, ["0", "1"])
     notices: list[tuple[str, int, int, object]] = []
@@ -296,6 +296,64 @@ async def test_restart_gets_old_rank_and_next_incarnation(
     assert (status["restarts"], status["failures"]) == (1, 1)
     await asyncio.gather(survivor.shutdown(5), restarted.shutdown(5))
     assert (await tracker.wait_done(5)).success
+
+
+@pytest.mark.asyncio
+async def test_a_worker_whose_connection_breaks_rejoins_without_a_loss(
+    make_tracker: Callable[..., Any],
+) -> None:
+    """The tracker's end of a worker's connection is reset (a blip on the path): the worker
+    dials again and rejoins as the same task, rank and incarnation, and nobody hears of a
+    loss; what it prints then arrives; the job then ends normally."""
+    tracker = await make_tracker(2)
+    lost: list[str] = []
+    tracker.on_worker_lost = lambda task, rank, reason: lost.append(task)
+    first, second = await join_job(tracker, ["0", "1"])
+    await asyncio.gather(first.wait_assignment(5), second.wait_assignment(5))
+    notices: list[object] = []
+    first.on_peer_lost = lambda *args: notices.append(args)
+    aborts: list[str] = []
+    second.on_abort = aborts.append
+    conn = tracker._tasks["1"].conn
+    assert conn is not None
+    conn.writer.transport.abort()
+    await wait_until(lambda: tracker._tasks["1"].conn not in (None, conn))
+    second.print("said while the connection was down")  # (over the new one)
+    prints = tracker._print_fn
+    assert isinstance(prints, Prints)
+    await wait_until(lambda: any("said while the connection was down" in line
+                                 for line in prints.lines))
+    await asyncio.sleep(0.3)
+    assert not lost and not notices and not aborts
+    status = tracker.status()
+    assert status["failures"] == 0 and status["restarts"] == 0
+    await asyncio.gather(first.shutdown(5), second.shutdown(5))
+    assert (await tracker.wait_done(5)).success
+
+
+@pytest.mark.asyncio
+async def test_a_rejoin_after_the_grace_or_of_another_incarnation_is_refused(
+    make_tracker: Callable[..., Any],
+) -> None:
+    tracker = await make_tracker(2, rejoin_grace=0.2)
+    first, second = await join_job(tracker, ["0", "1"])
+    await asyncio.gather(first.wait_assignment(5), second.wait_assignment(5))
+
+    async def rejoin(incarnation: int) -> str:
+        sock, _ = await connect_authenticated(HOST, tracker.port, SECRET,
+                                              {"role": "worker", "task_id": "1"}, 5)
+        reader, writer = await asyncio.open_connection(sock=sock)
+        writer.write(encode_frame({"t": "rejoin", "task_id": "1", "rank": 1,
+                                   "incarnation": incarnation}))
+        data = await asyncio.wait_for(reader.read(65536), 5)
+        writer.close()
+        return data.decode(errors="replace")
+
+    assert "no such worker" in await rejoin(7)
+    await second.close()  # its process died: no rejoin comes
+    await wait_until(lambda: tracker.status()["failures"] == 1)
+    assert "was declared lost" in await rejoin(0)
+    await first.close()
 
 
 @pytest.mark.asyncio
@@ -595,8 +653,9 @@ async def test_tracker_loss_is_reported(make_tracker: Callable[..., Any]) -> Non
     reasons: list[str] = []
     client.on_abort = reasons.append
     await tracker.close()
-    await wait_until(lambda: bool(reasons))
+    await wait_until(lambda: bool(reasons), timeout=10)  # (after trying to rejoin for 5 s)
     assert "lost the tracker connection" in reasons[0]
+    assert "could not reach it again within 5 s" in reasons[0]
     with pytest.raises(TrackerError):
         await client.shutdown(1)
 
@@ -720,7 +779,7 @@ def test_tracker_cli_success() -> None:
 async def test_a_held_shutdown_waits_for_every_rank(make_tracker: Callable[..., Any]) -> None:
     """Recovery on: a finished worker holds (bye only once every rank finished) and still
     hears about a neighbour that dies and comes back meanwhile."""
-    tracker = await make_tracker(2)
+    tracker = await make_tracker(2, rejoin_grace=0.1)  # (a close is a death here)
     lost: list[tuple[str, int | None, str]] = []
     tracker.on_worker_lost = lambda task, rank, reason: lost.append((task, rank, reason))
     early, late = await join_job(tracker, ["0", "1"])
@@ -747,7 +806,7 @@ async def test_a_held_shutdown_waits_for_every_rank(make_tracker: Callable[..., 
 async def test_a_held_worker_that_dies_is_lost_and_may_rejoin(
     make_tracker: Callable[..., Any],
 ) -> None:
-    tracker = await make_tracker(2)
+    tracker = await make_tracker(2, rejoin_grace=0.1)  # (a close is a death here)
     lost: list[tuple[str, int | None, str]] = []
     tracker.on_worker_lost = lambda task, rank, reason: lost.append((task, rank, reason))
     victim, other = await join_job(tracker, ["0", "1"])

@@ -40,6 +40,10 @@ SILENCE_REASON = "no message for"  # how a heartbeat timeout is reported
 # a rank that another cannot reach counts as alive if it was heard from this recently (its
 # heartbeats come every rabit2_heartbeat_sec, 1 s by default)
 _ALIVE_WITHIN_SEC = 5.0
+REJOIN_GRACE_SEC = 5.0
+"""A worker whose connection ended (EOF, reset: a blip on the path, or a death that its
+neighbours see on their own links at once) may rejoin within this many seconds, as the same
+process and incarnation, before it counts as lost; silence (heartbeats) counts at once."""
 
 _READ_SIZE = 65536
 _MAX_TASK_ID = 256  # task ids are labels; bound them like every other wire length
@@ -82,6 +86,10 @@ class _Task:
     finished: bool = False
     held: bool = False  # finished, and still serving until every rank has (shutdown hold)
     losses: int = 0  # times this task's worker was lost (connection or heartbeats)
+    # its connection ended, not in silence: the same process may rejoin within the grace
+    # (REJOIN_GRACE_SEC) before it counts as lost; the timer and the reason
+    pending_loss: asyncio.TimerHandle | None = None
+    loss_reason: str = ""
 
 
 @dataclass(slots=True, eq=False)
@@ -125,8 +133,11 @@ class Tracker:
         heartbeat_timeout: float = 30.0,
         handshake_timeout: float = 10.0,
         print_fn: Callable[[str], None] | None = None,
+        rejoin_grace: float = REJOIN_GRACE_SEC,
     ) -> None:
-        """Raises ``ValueError`` for a non-positive size or timeout or an unknown ``sortby``."""
+        """Raises ``ValueError`` for a non-positive size or timeout or an unknown ``sortby``.
+        ``rejoin_grace``: how long a worker whose connection ended keeps its place for the
+        same process to rejoin (``REJOIN_GRACE_SEC``) before it counts as lost."""
         if n_workers < 1:
             raise ValueError(f"n_workers must be >= 1, got {n_workers}")
         if sortby not in ("task", "arrival"):
@@ -139,6 +150,7 @@ class Tracker:
         self._secret = secret
         self._sortby = sortby
         self._heartbeat_timeout = heartbeat_timeout
+        self._rejoin_grace = rejoin_grace
         self._handshake_timeout = handshake_timeout
         self._print_fn = print_fn or _print_stdout
         self._tasks: dict[str, _Task] = {}
@@ -205,6 +217,10 @@ class Tracker:
         for conn in list(self._conns):
             conn.task = None  # closing is ours: not a worker loss
             conn.writer.close()
+        for task in self._tasks.values():
+            if task.pending_loss is not None:
+                task.pending_loss.cancel()
+                task.pending_loss = None
         for handler in list(self._handlers):
             handler.cancel()
         await asyncio.gather(*self._handlers, return_exceptions=True)
@@ -413,6 +429,9 @@ class Tracker:
                                 f"not {kind}")
         task = conn.task
         if task is None:
+            if kind == "rejoin":
+                self._rejoin(conn, msg)
+                return True
             if kind != "register":
                 raise ProtocolError(f"expected register, got {kind}")
             self._register(conn, msg)
@@ -482,6 +501,10 @@ class Tracker:
         else:
             if task.finished:
                 raise ProtocolError(f"task {task_id!r} already shut down")
+            if task.pending_loss is not None:
+                # a restart within the grace: the old process is lost after all (its
+                # neighbours hear of that incarnation before they hear of the new one)
+                self._declare_lost(task, task.loss_reason)
             task.incarnation += 1
             if task.conn is not None:
                 # The newer process wins (incarnation fencing): the old one is a zombie.
@@ -561,6 +584,22 @@ class Tracker:
         task.conn = None
         if task.finished and not task.held:
             return
+        if reason.startswith(SILENCE_REASON) or task.rank is None or self._closing:
+            self._declare_lost(task, reason)
+            return
+        # the process may live (a blip on the path to it): it may rejoin within the grace
+        logger.info("%s: connection ended (%s); it may rejoin within %g s", _describe(task),
+                    reason, self._rejoin_grace)
+        task.loss_reason = reason
+        task.pending_loss = asyncio.get_running_loop().call_later(
+            self._rejoin_grace, self._declare_lost, task, reason)
+
+    def _declare_lost(self, task: _Task, reason: str) -> None:
+        if task.pending_loss is not None:
+            task.pending_loss.cancel()
+            task.pending_loss = None
+        if task.conn is not None:
+            return  # (it rejoined or registered again meanwhile)
         # a held worker that dies was serving its neighbours: it is lost like any other (the
         # launcher restarts it, and its replacement replays and finalizes again)
         task.finished = task.held = False
@@ -570,6 +609,35 @@ class Tracker:
         logger.warning("%s lost: %s", _describe(task), reason)
         self._notify_neighbors(task, {"t": "peer_lost", "reason": reason})
         _call_hook(self.on_worker_lost, task.task_id, task.rank, reason)
+
+    def _rejoin(self, conn: _Conn, msg: dict[str, Any]) -> None:
+        """The same process, whose connection ended, connected again (``rejoin``): it takes
+        its place back with no restart and no notice to its neighbours, if it comes within
+        the grace.  Raises ProtocolError (sent back as refuse) otherwise."""
+        task = self._tasks.get(msg["task_id"])
+        if task is None or task.rank != msg["rank"] or task.incarnation != msg["incarnation"]:
+            raise ProtocolError(f"rejoin of task {msg['task_id']!r} as rank {msg['rank']}, "
+                                f"incarnation {msg['incarnation']}: no such worker here")
+        if task.finished and not task.held:
+            raise ProtocolError(f"task {task.task_id!r} already shut down")
+        if task.conn is None and task.pending_loss is None:
+            raise ProtocolError(f"{_describe(task)} was declared lost (no rejoin within "
+                                f"{self._rejoin_grace:g} s): a restart takes its place")
+        if task.pending_loss is not None:
+            task.pending_loss.cancel()
+            task.pending_loss = None
+        if task.conn is not None:  # (the old connection still looked open from here)
+            old, task.conn = task.conn, None
+            old.task = None
+            old.fenced = True
+            old.writer.close()
+        task.conn = conn
+        conn.task = task
+        logger.warning("%s rejoined from %s after its connection ended", _describe(task),
+                       conn.peer)
+        conn.send({"t": "rejoined"})
+        if self._result is not None and not self._result.success:
+            conn.send({"t": "abort", "reason": self._result.reason})
 
     def _unreachable(self, task: _Task, rank: int, reason: str) -> None:
         """A worker's link to ``rank`` has been down for a while and cannot be rebuilt.  If

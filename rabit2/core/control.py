@@ -48,6 +48,7 @@ MESSAGE_FIELDS: Final[Mapping[str, Mapping[str, type]]] = {
     "refuse": {"reason": str, "code": str},
     # worker -> tracker
     "register": {"task_id": str, "attempt": int, "port": int, "world_size": int},
+    "rejoin": {"task_id": str, "rank": int, "incarnation": int},
     "print": {"msg": str},
     "heartbeat": {},
     "shutdown": {"hold": bool},
@@ -68,6 +69,7 @@ MESSAGE_FIELDS: Final[Mapping[str, Mapping[str, type]]] = {
         "incarnation": int,
     },
     "bye": {},
+    "rejoined": {},
     "abort": {"reason": str},
     "status_reply": {"status": dict},
     "peer_lost": {"rank": int, "incarnation": int, "reason": str},

@@ -42,6 +42,10 @@ _MAX_PRINT_BYTES = 256 * 1024
 _BACKOFF_FIRST_SEC = 0.5
 _BACKOFF_MAX_SEC = 8.0
 _CLOSE_WAIT_SEC = 1.0
+REJOIN_SEC = 5.0
+"""How long a worker whose tracker connection ended dials the tracker again (the tracker
+keeps its place that long: ``tracker.server.REJOIN_GRACE_SEC``) before it gives up."""
+_MAX_HELD_MESSAGES = 1000  # prints and errors kept while the connection is being rebuilt
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +170,13 @@ class TrackerClient:
         self.on_abort: Callable[[str], None] | None = None
         self.on_peer_lost: Callable[[int, int, str], None] | None = None
         self.on_peer_recovered: Callable[[int, int, tuple[str, int]], None] | None = None
+        # to dial again after the connection ended (set by connect)
+        self._config: Config | None = None
+        self._listen_port = 0
+        self._rejoining = False
+        self._held: list[dict[str, Any]] = []  # sent while the connection is rebuilt
+        self._refused = ""
+        self._heartbeat_sec = heartbeat_sec
         self._read_task = asyncio.create_task(self._read_loop(), name="rabit2-tracker-reader")
         self._heartbeat_task = asyncio.create_task(
             self._heartbeat_loop(heartbeat_sec), name="rabit2-tracker-heartbeat"
@@ -207,6 +218,7 @@ class TrackerClient:
             except ProtocolError as exc:
                 raise TrackerError(f"tracker refused the connection: {exc}") from exc
             client = await cls._from_socket(sock, config.heartbeat_sec)
+            client._config, client._listen_port = config, listen_port
             client._send(
                 {
                     "t": "register",
@@ -327,6 +339,10 @@ class TrackerClient:
             self._loop.call_soon_threadsafe(self._send, msg)
 
     def _send(self, msg: dict[str, Any]) -> None:
+        if self._rejoining and msg["t"] != "heartbeat":
+            if len(self._held) < _MAX_HELD_MESSAGES:
+                self._held.append(msg)  # sent once the connection is back
+            return
         if self._writer.is_closing():
             logger.debug("dropping %s: tracker connection is closed", msg["t"])
             return
@@ -338,22 +354,79 @@ class TrackerClient:
             self._send({"t": "heartbeat"})
 
     async def _read_loop(self) -> None:
+        while True:
+            reason = await self._read_until_closed()
+            if (self._closing or self._assignment is None or self._failure is not None
+                    or self._bye_received or self._config is None):
+                break
+            # a registered worker's connection ended: the path may have blinked while both
+            # ends live, so dial again rather than end the job (docs/protocol.md)
+            if not await self._rejoin(reason):
+                if not self._refused:
+                    reason = f"{reason}; could not reach it again within {REJOIN_SEC:g} s"
+                break
+        if self._refused:
+            reason = f"{reason}; the tracker refused it: {self._refused}"
+        self._connection_closed(TrackerError(f"lost the tracker connection: {reason}"))
+        if not self._closing:
+            self._report_abort(f"lost the tracker connection: {reason}")
+
+    async def _read_until_closed(self) -> str:
         decoder = FrameDecoder()
-        reason = "the tracker closed the connection"
         try:
             while True:
                 data = await self._reader.read(_READ_SIZE)
                 if not data:
-                    break
+                    return "the tracker closed the connection"
                 for msg in decoder.feed(data):
                     self._dispatch(msg)
         except ProtocolError as exc:
-            reason = f"the tracker sent an invalid message: {exc}"
+            return f"the tracker sent an invalid message: {exc}"
         except OSError as exc:
-            reason = f"the tracker connection failed: {exc}"
-        self._connection_closed(TrackerError(f"lost the tracker connection: {reason}"))
-        if not self._closing:
-            self._report_abort(f"lost the tracker connection: {reason}")
+            return f"the tracker connection failed: {exc}"
+
+    async def _rejoin(self, reason: str) -> bool:
+        """Dial the tracker again and send ``rejoin`` (same task, rank and incarnation), for
+        up to :data:`REJOIN_SEC`; what is printed meanwhile is sent once it is back."""
+        config, assignment = self._config, self._assignment
+        assert config is not None and assignment is not None and config.tracker_uri
+        logger.warning("lost the tracker connection (%s): dialing it again", reason)
+        self._rejoining = True
+        self._writer.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + REJOIN_SEC
+        delay = 0.05
+        hello = {"role": "worker", "task_id": config.task_id}
+        try:
+            while not self._closing:
+                left = deadline - loop.time()
+                if left <= 0:
+                    return False
+                try:
+                    sock, _ = await connect_authenticated(
+                        config.tracker_uri, config.tracker_port, config.secret, hello,
+                        min(config.connect_timeout_sec, left))
+                except (PeerLostError, CollectiveTimeoutError):
+                    await asyncio.sleep(min(delay, max(0.0, deadline - loop.time())))
+                    delay = min(delay * 2, 1.0)
+                    continue
+                except ProtocolError as exc:
+                    self._refused = str(exc)
+                    return False
+                self._reader, self._writer = await asyncio.open_connection(sock=sock)
+                self._writer.write(encode_frame({
+                    "t": "rejoin", "task_id": config.task_id, "rank": assignment.rank,
+                    "incarnation": assignment.incarnation}))
+                held, self._held = self._held, []
+                for msg in held:
+                    self._writer.write(encode_frame(msg))
+                self._heartbeat_task.cancel()
+                self._heartbeat_task = asyncio.create_task(
+                    self._heartbeat_loop(self._heartbeat_sec), name="rabit2-tracker-heartbeat")
+                return True
+            return False
+        finally:
+            self._rejoining = False
 
     def _dispatch(self, msg: dict[str, Any]) -> None:
         kind = msg["t"]
@@ -371,7 +444,10 @@ class TrackerClient:
             self._bye_received = True
             self._bye.set()
         elif kind == "refuse":
+            self._refused = msg["reason"]
             self._fail(TrackerError(f"the tracker refused this worker: {msg['reason']}"))
+        elif kind == "rejoined":
+            logger.warning("rejoined the tracker")
         elif kind == "peer_lost":
             self._call(self.on_peer_lost, msg["rank"], msg["incarnation"], msg["reason"])
         elif kind == "peer_recovered":
