@@ -45,6 +45,7 @@ class SimNet:
         self.now = 0.0
         self.bytes_on_link: dict[tuple[int, int], int] = {}
         self.relinks: list[tuple[int, int]] = []  # links a live rank closed and redials
+        self.slow: set[tuple[int, int]] = set()  # (src, dst): one byte per delivery
         for rank in range(world):
             agent = Agent(**agent_kw)  # type: ignore[arg-type]
             agent.start()
@@ -208,11 +209,19 @@ class SimNet:
         agent = self.agents[dst]
         target = agent.recv_buffer(src)
         n = min(len(q), len(target), self.rng.randint(1, self.max_piece))
+        if (src, dst) in self.slow:
+            n = 1
         target[:n] = q[:n]
         del q[:n]
         self.now += 1e-6
         self.execute(dst, agent.on_bytes(src, n, self.now))
         return True
+
+    def tick(self) -> None:
+        """The I/O layer's periodic deadline check, on every live rank."""
+        for rank, agent in self.agents.items():
+            if rank not in self.dead:
+                self.execute(rank, agent.on_tick(self.now))
 
     def run(self, calls: dict[int, Call], max_steps: int = 10_000_000,
             cut: Callable[[SimNet], None] | None = None) -> None:

@@ -887,3 +887,59 @@ def test_early_frame_of_a_later_call_that_this_call_needs_is_a_sequence_mismatch
     cmds = agent.begin(bcast_call(np.zeros(4, np.uint8), 1), 0.0)  # this rank did not
     error = only_failure(cmds).error
     assert isinstance(error, MismatchError) and "sequence mismatch" in str(error)
+
+
+# ----------------------------------------------------------------------------- progress
+
+
+def _tree_job_with_a_slow_link(stall: bool) -> tuple[SimNet, list[np.ndarray]]:
+    """World 4, a tree allreduce of 8 000 B per rank with a 1 ms progress deadline (network
+    steps are 1 us): the link from rank 2 to its parent 1 delivers one byte per step (or
+    none, ``stall``), so rank 3, a leaf of the root that sent its input at once, waits
+    thousands of steps with no byte moving on its own links."""
+    world = 4
+    net = SimNet(world, seed=5, max_piece=4096, timeout=0.001, ring_mincount=1 << 30,
+                 tree_chunk=1 << 20)
+    assert topology(2, world).parent == 1 and topology(3, world).parent == 0
+    if stall:
+        net.paused.add((1, 2))  # rank 1 reads nothing from rank 2
+    else:
+        net.slow.add((2, 1))
+    bufs = [np.full(1000, r + 1, dtype=np.int64) for r in range(world)]
+    calls = {}
+    for r in range(world):
+        raw = memoryview(bufs[r]).cast("B")
+        calls[r] = Call(net.agents[r].choose_allreduce(len(raw), 8), raw, np.dtype(np.int64),
+                        Op.SUM)
+    net.begin(calls)
+    for step in range(200_000):
+        if step % 50 == 0:
+            net.tick()
+        if not net.step():
+            net.now += 1e-6  # (time passes while nothing can move)
+        if len(net.done) + len(net.failed) == world:
+            break
+    return net, bufs
+
+
+def test_bytes_moving_elsewhere_in_a_call_keep_every_rank_s_deadline_at_bay() -> None:
+    net, bufs = _tree_job_with_a_slow_link(stall=False)
+    assert net.now > 0.005  # the call took several progress deadlines
+    assert not net.failed and len(net.done) == 4
+    assert all((b == 10).all() for b in bufs)
+
+
+def test_without_progress_notes_the_waiting_leaf_would_time_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """(The control: what the notes prevent.)"""
+    monkeypatch.setattr(Agent, "_tell_progress", lambda *args, **kwargs: None)
+    net, _ = _tree_job_with_a_slow_link(stall=False)
+    assert any(isinstance(e, CollectiveTimeoutError) for e in net.failed.values())
+
+
+def test_a_call_where_nothing_moves_still_times_out_everywhere() -> None:
+    """Notes passed round carry ages, which only grow: they never keep a stuck call alive."""
+    net, _ = _tree_job_with_a_slow_link(stall=True)
+    assert len(net.failed) == 4 and not net.done
+    assert all(isinstance(e, CollectiveTimeoutError) for e in net.failed.values())
+    assert net.now < 0.01  # within a few deadlines of the stall

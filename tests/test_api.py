@@ -322,7 +322,8 @@ def test_recovery_statistics_in_single_process_mode() -> None:
     rabit2.init()
     try:
         assert rabit2.recovery_statistics() == dict.fromkeys(
-            ("links_up", "fetched_bytes", "resent_bytes", "replayed_calls", "resumed_calls"), 0)
+            ("links_up", "fetched_bytes", "resent_bytes", "replayed_calls", "resumed_calls",
+             "corrupt_frames"), 0)
     finally:
         rabit2.finalize()
     with pytest.raises(rabit2.errors.NotInitializedError):

@@ -421,8 +421,10 @@ def test_a_worker_lost_after_its_version_outgrew_the_store_ends_the_job_typed() 
     result at its ring call, after which the workers keep nothing more of it.  Rank 1 dies
     after that call in version 1: its replacement cannot replay version 1, so every rank
     must end with UnrecoverableError (or the abort it causes) within seconds, the warning
-    said once per rank beforehand."""
-    job = run_job(3, f"mock=1,1,{B},0", extra=("--env", "RABIT2_REPLAY_MB=8"))
+    said once per rank beforehand.  (Rank 1 forwards the broadcast to rank 2: the others
+    cannot run ahead of it into version 2, from which its replacement could resume.)"""
+    assert topology(1, 4).children
+    job = run_job(4, f"mock=1,1,{B},0", extra=("--env", "RABIT2_REPLAY_MB=8"))
     assert job.returncode != 0, job.tail()
     failed = job.failures()
     assert failed and {f["type"] for f in failed} <= {"UnrecoverableError",
@@ -431,8 +433,18 @@ def test_a_worker_lost_after_its_version_outgrew_the_store_ends_the_job_typed() 
                in f["msg"] for f in failed), job.tail()
     said = re.findall(r"rank (\d): the results of version 0 outgrew rabit2_replay_mb", job.stdout
                       + job.stderr)
-    assert sorted(set(said)) == ["0", "1", "2"], job.tail()
+    assert sorted(set(said)) == ["0", "1", "2", "3"], job.tail()
     assert job.elapsed < 40, job.elapsed
+
+
+@pytest.mark.integration
+def test_a_leaf_lost_after_its_version_outgrew_the_store_resumes_from_the_next() -> None:
+    """The same store, but the lost rank is a leaf: the others run ahead of it through the
+    version's last broadcast and checkpoint, and its replacement resumes from that next
+    version, which needs none of the results the store dropped."""
+    assert not topology(1, 3).children
+    job = run_job(3, f"mock=1,1,{B},0", extra=("--env", "RABIT2_REPLAY_MB=8"))
+    assert_recovered(job, 3, {1: 1})
 
 
 @pytest.mark.integration

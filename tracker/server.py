@@ -258,6 +258,13 @@ class Tracker:
         """Abort the job: push ``abort{reason}`` to every connected worker.  Idempotent."""
         self._abort(reason, exclude=None)
 
+    def worker_exited(self, task_id: str) -> None:
+        """The launcher saw ``task_id``'s process end: if its connection ended too, it will
+        not rejoin, so it is lost now rather than at the end of the rejoin grace."""
+        task = self._tasks.get(task_id)
+        if task is not None and task.pending_loss is not None:
+            self._declare_lost(task, task.loss_reason)
+
     def mark_failed(self, task_id: str, reason: str) -> None:
         """The launcher gave up on ``task_id``: abort the job, naming the task and reason."""
         task = self._tasks.get(task_id)
@@ -830,6 +837,10 @@ class TrackerThread:
     def mark_failed(self, task_id: str, reason: str) -> None:
         """See :meth:`Tracker.mark_failed`."""
         self._call_soon(self.tracker.mark_failed, task_id, reason)
+
+    def worker_exited(self, task_id: str) -> None:
+        """See :meth:`Tracker.worker_exited`."""
+        self._call_soon(self.tracker.worker_exited, task_id)
 
     def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
         with contextlib.suppress(RuntimeError):  # loop already closed: the job is over

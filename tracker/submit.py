@@ -534,6 +534,7 @@ class LocalLauncher:
             code = task.proc.poll()
             if code is None:
                 continue
+            self.tracker.worker_exited(str(task.task_id))  # (no rejoin will come)
             _close_stdin(task.proc)
             task.proc = None
             task.exit_code = code

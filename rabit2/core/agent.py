@@ -49,7 +49,6 @@ from rabit2.core.fsm import TRANSITIONS
 from rabit2.core.ops import dtype_code
 from rabit2.core.records import (
     CALL_EVENTS,
-    NO_VIEW,
     STAGE_SIZE,
     ActiveCall,
     Call,
@@ -145,14 +144,6 @@ AUTO_RING_MIN_BYTES = 512 * 1024
 tree's extra bytes at the root (or, at world size 2, than the pair exchange's copy) up to
 about here; measured in ``bench/README.md`` ("Tree or ring")."""
 SCRATCH_RESERVE_FROM = 1 << 20
-def checked_frame_limit() -> int:
-    """The largest checked DATA frame this rank sends or takes.  A checked frame lands whole
-    before the plan sees a byte of it, so in a ring allreduce it must fit in the landing ring
-    beside the bytes still waiting there to be reduced (``CHECKED_FRAME``, 512 KiB, with the
-    4 MiB ring; less where the ring is made smaller)."""
-    return min(CHECKED_FRAME, (schedule.LANDING_RING - schedule.MIN_RING_REDUCE) // 2)
-
-
 MAX_CORRUPT_STREAK = 8
 """Corrupt frames in a row on one link after which the call fails instead of resetting the
 link once more (a link that damages every frame will not heal by being reset)."""
@@ -288,10 +279,9 @@ class Agent(RecoveryMixin):
         if mode is Mode.PAYLOAD:
             active = self.active
             assert active is not None
-            view = active.plan.in_streams[peer].view(link.pos, link.remaining)
-            if link.expect >= 0:
-                link.landing = view  # (its checksum is taken as the bytes land)
-            return view
+            if link.expect >= 0:  # a checked frame lands aside until it is verified
+                return link.check_buf[link.filled : link.filled + link.remaining]
+            return active.plan.in_streams[peer].view(link.pos, link.remaining)
         if not link.up:
             return self._discard  # a link reset for corruption, until it closes
         if mode is Mode.BODY:
@@ -318,23 +308,23 @@ class Agent(RecoveryMixin):
             if link.mode is Mode.PAYLOAD:
                 self._bytes_received += nbytes  # payload only, like bytes_sent
                 self.last_progress = now
-                link.pos += nbytes
                 link.remaining -= nbytes
                 active = self.active
                 assert active is not None
                 if link.expect < 0:
+                    link.pos += nbytes
                     self._received(active.plan, peer, link.pos)
                     if link.remaining == 0:
                         link.mode = Mode.HEADER
                         link.filled = 0
                 else:
                     # a checked frame: no byte of it is used before all of it is verified
-                    link.crc = checksum(link.landing[:nbytes], link.crc)
+                    at = link.filled
+                    link.filled += nbytes
+                    link.crc = checksum(link.check_buf[at : link.filled], link.crc)
                     if link.remaining:
                         return cmds
                     link.mode = Mode.HEADER
-                    link.filled = 0
-                    link.landing = NO_VIEW  # (no reference to the caller's array outlives it)
                     self._verified(peer, link, active.plan)
                 self._pump(active, cmds)
                 self._maybe_complete(active, cmds)
@@ -415,29 +405,21 @@ class Agent(RecoveryMixin):
             assert active is not None
             plan = active.plan
             take = min(avail, link.remaining)
-            left = take
-            checked = link.expect >= 0
-            while left:
-                # the plan may lay out the rest of its stream once a piece is complete
-                dest = plan.in_streams[peer].view(link.pos, left)
-                n = len(dest)
-                if not n:  # (a checked frame is never used before it is whole: _accept_data)
-                    raise ProtocolError(f"rank {peer} sent bytes at offset {link.pos} that "
-                                        "have no place yet")
-                dest[:] = link.stage[link.start : link.start + n]
-                link.start += n
-                link.pos += n
-                left -= n
-                if checked:
-                    link.crc = checksum(dest, link.crc)
-                else:
-                    self._received(plan, peer, link.pos)
+            if link.expect >= 0:  # a checked frame: aside until it is whole and verified
+                at = link.filled
+                link.check_buf[at : at + take] = link.stage[link.start : link.start + take]
+                link.filled += take
+                link.crc = checksum(link.check_buf[at : link.filled], link.crc)
+                link.start += take
+            else:
+                self._place(peer, link, plan, link.stage[link.start : link.start + take])
+                link.start += take
             link.remaining -= take
             self._bytes_received += take
             self.last_progress = now
             if not link.remaining:
                 link.mode = Mode.HEADER
-                if checked:
+                if link.expect >= 0:
                     self._verified(peer, link, plan)
         elif link.mode is Mode.BODY:
             take = min(avail, len(link.error_buf) - link.filled)
@@ -472,13 +454,32 @@ class Agent(RecoveryMixin):
         if active is not None and active.mirror is not None and pos > active.mirrored:
             self._mirror(active, pos)
 
+    def _place(self, peer: int, link: Link, plan: Plan, data: memoryview) -> None:
+        """Copy ``data``, the next bytes of ``peer``'s stream, where they belong."""
+        at, size = 0, len(data)
+        while at < size:
+            # the plan may lay out the rest of its stream once a piece is complete
+            dest = plan.in_streams[peer].view(link.pos, size - at)
+            n = len(dest)
+            if not n:
+                raise ProtocolError(f"rank {peer} sent bytes at offset {link.pos} that have "
+                                    "no place yet")
+            dest[:] = data[at : at + n]
+            at += n
+            link.pos += n
+            self._received(plan, peer, link.pos)
+
     def _verified(self, peer: int, link: Link, plan: Plan) -> None:
-        """A checked DATA frame landed whole: its bytes count only if its checksum holds."""
+        """A checked DATA frame landed whole, aside: its bytes go where they belong, as an
+        unchecked frame's would have, only if its checksum holds.  (Landing them in place
+        first would overwrite bytes the plan may still need if the frame proves damaged or
+        the link breaks half way, such as a tree's partial sums.)"""
         if link.crc != link.expect:
-            raise FrameCorruptError(f"a data frame at stream offset {plan.received[peer]} "
-                                    "failed its checksum")
+            raise FrameCorruptError(f"a data frame at stream offset {link.pos} failed its "
+                                    "checksum")
         link.corrupt_streak = 0
-        self._received(plan, peer, link.pos)
+        filled, link.filled = link.filled, 0
+        self._place(peer, link, plan, link.check_buf[:filled])
 
     @staticmethod
     def _check_whole(link: Link, body: bytes | bytearray | memoryview) -> None:
@@ -580,6 +581,8 @@ class Agent(RecoveryMixin):
             self._on_reply(peer, link, msg, cmds)
         elif kind == "local":
             self._on_local(peer, link, msg, cmds)
+        elif kind == "progress":
+            self._on_progress(peer, msg, now, cmds)
         else:
             raise ProtocolError(f"rank {peer} sent a {kind!r} message on a peer link")
 
@@ -653,15 +656,9 @@ class Agent(RecoveryMixin):
             raise ProtocolError(
                 f"rank {peer} sent {length} B at offset {offset} of a {stream.length} B stream"
             )
-        if crc is not None and length:
-            plan = active.plan
-            # a checked frame lands whole before the plan sees a byte of it: it must fit in
-            # what the plan has laid out (a landing ring, a broadcast's head)
-            if length > checked_frame_limit() or (
-                    isinstance(plan, TreeBroadcast) and not plan.resolved
-                    and offset < plan.head_size < offset + length):
-                raise ProtocolError(f"rank {peer} sent a checked frame of {length} B at "
-                                    f"offset {offset} that cannot land whole")
+        if crc is not None and length > CHECKED_FRAME:
+            raise ProtocolError(f"rank {peer} sent a checked frame of {length} B (at most "
+                                f"{CHECKED_FRAME} B)")
         active.frames_seen[peer] += 1
         link.seen_version = active.call_id[0]
         self.last_progress = now
@@ -670,7 +667,9 @@ class Agent(RecoveryMixin):
             if crc is None:
                 link.expect = -1
             else:
-                link.expect, link.crc = crc, 0
+                link.expect, link.crc, link.filled = crc, 0, 0
+                if len(link.check_buf) < length:
+                    link.check_buf = memoryview(bytearray(CHECKED_FRAME))
         else:
             link.mode = Mode.HEADER
             self._maybe_complete(active, cmds)
@@ -902,7 +901,7 @@ class Agent(RecoveryMixin):
         version, seqno = active.call_id
         final = active.final
         links = self.links
-        frame_limit = checked_frame_limit()
+        frame_limit = CHECKED_FRAME
         for peer, stream in plan.out_streams.items():
             link = links[peer]
             if link.awaiting_need or link.awaiting_state or not link.up:
@@ -997,9 +996,14 @@ class Agent(RecoveryMixin):
         if self.recover:
             if blob is not None:
                 self.checkpoints[self.version] = blob
-            for old in [v for v in self.checkpoints if v <= self.version - GENERATIONS]:
+            keep_from = self.version - GENERATIONS + 1
+            if self.lost_in_version:
+                # a lost neighbour, run ahead of, may resume from the version before the one
+                # it was last seen in (for want of its local model of that one): keep it
+                keep_from = min(keep_from, min(self.lost_in_version.values()) - 1)
+            for old in [v for v in self.checkpoints if v < keep_from]:
                 del self.checkpoints[old]
-            self.results.on_checkpoint(self.version)
+            self.results.on_checkpoint(self.version, keep_from)
         return self.version
 
     # ------------------------------------------------------------------ failures
@@ -1022,7 +1026,6 @@ class Agent(RecoveryMixin):
         link = self.links[peer]
         link.up = False
         link.awaiting_need = False
-        link.landing = NO_VIEW
         self.down_since[peer] = now
         self._drop_stand_in(link, peer)
         try:
@@ -1115,8 +1118,44 @@ class Agent(RecoveryMixin):
                 self._fail(PeerLostError(
                     f"rank {self.rank}: rank {peer} did not come back within "
                     f"{self.recover_timeout:g} s ({self.dead_links.get(peer, 'lost')})"), cmds)
-                break
+                return cmds
+        self._tell_progress(active, now, cmds)
         return cmds
+
+    def _tell_progress(self, active: ActiveCall, now: float, cmds: list[Command],
+                       exclude: int = -1) -> None:
+        """Bytes that move anywhere in a call are progress for every rank in it: a rank that
+        waits for peers which are themselves still receiving over a slow link must not time
+        out.  Each rank tells the neighbours of its call how long ago the call last moved
+        (its own bytes, or what a neighbour told it), at most twice per tick interval and
+        link; ages, not times, so that clocks need not agree, and a note passed round a
+        cycle only ever grows older (docs/design.md, "Timeouts")."""
+        age = now - self.last_progress
+        if age >= self.timeout or self.error is not None:
+            return
+        spacing = min(1.0, self.timeout / 4) / 2
+        plan = active.plan
+        msg = {"t": "progress", "call": list(active.call_id), "age_us": int(age * 1e6)}
+        for peer, link in self.links.items():
+            if (peer != exclude and link.up and not link.awaiting_state
+                    and now - link.progress_told >= spacing
+                    and (peer in plan.in_streams or peer in plan.out_streams)):
+                link.progress_told = now
+                self._send_control(peer, msg, cmds)
+
+    def _on_progress(self, peer: int, msg: dict[str, Any], now: float,
+                     cmds: list[Command]) -> None:
+        """A neighbour says the call moved ``age_us`` ago somewhere: progress here too."""
+        active = self.active
+        age = msg["age_us"]
+        if not isinstance(age, int) or isinstance(age, bool) or age < 0:
+            raise ProtocolError(f"rank {peer} sent a malformed progress note")
+        if active is None or tuple(msg["call"]) != active.call_id:
+            return  # (about a call this rank is not in)
+        moved = now - age / 1e6
+        if moved > self.last_progress:
+            self.last_progress = moved
+            self._tell_progress(active, now, cmds, exclude=peer)
 
     def abort(self, reason: str) -> list[Command]:
         """The tracker aborted the job."""
@@ -1151,8 +1190,6 @@ class Agent(RecoveryMixin):
     def _record_failure(self, error: RabitError, cmds: list[Command], *, source: int,
                         origin: int, reason: str, flood: bool = True) -> None:
         self.error = error
-        for link in self.links.values():
-            link.landing = NO_VIEW  # (what a frame cut short would still reference)
         call_id = self.active.call_id if self.active is not None else None
         if flood:
             self._flood_raw(_ERROR_NAMES.get(type(error), "protocol"), reason, origin, cmds,

@@ -590,6 +590,13 @@ class RecoveryMixin:
                 self._maybe_complete(active, cmds)
         if active is not None and call == current:
             self._answer_wait(active, peer, offset, cmds)  # (a neighbour restarted too)
+            if (held and peer in active.plan.in_streams and peer not in active.skip_in
+                    and link.need_sent != call and self.error is None):
+                # a neighbour that began this call while this rank replayed holds its own
+                # stream back until it hears where to start; this rank's need for it may
+                # have gone to the process it replaced (a held need changes nothing where
+                # the stream was not held back)
+                self._send_need(peer, call, active.plan.received[peer], cmds, held=True)
             if held and not link.awaiting_need:
                 return  # the stream was not held back: it is flowing from its start
             link.awaiting_need = False
@@ -1016,6 +1023,7 @@ class RecoveryMixin:
                 # replay calls it will never make (docs/recovery.md, "Limitations")
                 peer = min(ahead)
                 raise UnrecoverableError(self._version_zero_wrong(peer, ahead[peer]))
+        wanted = version
         if with_local and version:
             # a rank that died between a call and its next checkpoint never handed on the
             # local model of the version its neighbours are in: resume one version earlier
@@ -1037,6 +1045,13 @@ class RecoveryMixin:
             return cmds
         sources = [p for p, st in self.peer_states.items()
                    if version in st.versions and self.links[p].up]
+        if not sources and version < wanted:
+            restarted = sorted(p for p, st in self.peer_states.items() if st.recovering)
+            raise UnrecoverableError(
+                f"rank {self.rank} cannot resume: its local model of version {wanted} is held "
+                f"by no live neighbour (rank(s) {restarted} were restarted too), and none "
+                f"holds checkpoint version {version} any more, the latest it has a local "
+                "model of (two neighbours lost together, docs/recovery.md)")
         if not sources:
             raise UnrecoverableError(f"no live neighbour of rank {self.rank} holds "
                                      f"checkpoint version {version}")

@@ -78,6 +78,7 @@ MESSAGE_FIELDS: Final[Mapping[str, Mapping[str, type]]] = {
     "state": {"inc": int, "at": list, "active": bool, "need": int, "seen": bool,
               "recovering": bool, "versions": list, "oldest": list},
     "need": {"call": list, "from": int, "caught_up": bool, "held": bool},
+    "progress": {"call": list, "age_us": int},
     "fetch": {"id": int, "what": str, "call": list, "lo": int, "hi": int},
     "reply": {"id": int, "call": list, "found": bool, "size": int, "desc": list,
               "reason": str},

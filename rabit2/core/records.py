@@ -143,9 +143,10 @@ class Link:
     """Receive-side framing state of one peer link."""
 
     __slots__ = ("awaiting_need", "awaiting_state", "blob", "blob_fetch", "body_kind",
-                 "checked", "corrupt_streak", "crc", "end", "error_buf", "expect", "filled",
-                 "frame", "incarnation", "landing", "mode", "need_sent", "pending",
-                 "pending_needs", "pos", "remaining", "scratch", "seen_version",
+                 "check_buf", "checked", "corrupt_streak", "crc", "end", "error_buf",
+                 "expect", "filled", "frame", "incarnation", "mode", "need_sent", "pending",
+                 "pending_needs", "pos", "progress_told", "remaining", "scratch",
+                 "seen_version",
                  "send_scratch", "stage", "start", "state", "up", "up_at", "up_call")
 
     def __init__(self) -> None:
@@ -160,13 +161,15 @@ class Link:
         self.pos = 0  # stream position of the next payload byte
         self.remaining = 0  # payload bytes left in the current frame
         # checksums (docs/protocol.md, "Checksums"): the current frame's payload CRC32C, or
-        # -1 (not checked); the CRC of what of it landed so far, and where it last landed
+        # -1 (not checked); the CRC of what of it landed so far (``filled`` bytes), in the
+        # buffer a checked DATA frame lands in until it is verified
         self.expect = -1
         self.crc = 0
-        self.landing = NO_VIEW
+        self.check_buf = NO_VIEW
         self.corrupt_streak = 0  # frames in a row that failed their checksum
         self.checked = True  # the frames this rank sends on this link carry payload CRCs
         self.seen_version = -1  # the version of the last call the peer sent a DATA frame of
+        self.progress_told = -1e18  # when this rank last told the peer how its call moves
         self.error_buf = bytearray()  # the body of an ERROR or CONTROL frame
         self.body_kind = FrameKind.ERROR
         self.blob = memoryview(b"")  # where the BLOB frame announced by a reply lands
@@ -197,7 +200,6 @@ class Link:
         self.mode = Mode.HEADER
         self.start = self.end = self.filled = self.remaining = 0
         self.expect = -1
-        self.landing = NO_VIEW
         self.frame = None
         self.pos = pos
         self.blob_fetch = None

@@ -246,9 +246,13 @@ class ResultStore:
         blob = got[1]
         return got[0], memoryview(blob) if isinstance(blob, bytes) else blob.data
 
-    def on_checkpoint(self, version: int) -> None:
-        """``version`` was just taken: keep the calls of ``version - 1`` on, drop the rest."""
-        self.clear_before((max(0, version - GENERATIONS + 1), 0))
+    def on_checkpoint(self, version: int, keep_from: int | None = None) -> None:
+        """``version`` was just taken: keep the calls of ``version - 1`` on (of ``keep_from``
+        on, if that is older), drop the rest."""
+        oldest = version - GENERATIONS + 1
+        if keep_from is not None:
+            oldest = min(oldest, keep_from)
+        self.clear_before((max(0, oldest), 0))
 
     def clear_before(self, call: CallId) -> None:
         for key in [k for k in self._results if k < call]:

@@ -343,6 +343,7 @@ class Engine:
         self._ckpt_waiter: _Waiter | None = None
         self._ckpt_loaded: tuple[int, bytes | None, bytes | None] = (0, None, None)
         self._redials: set[asyncio.Task[None]] = set()
+        self._redialing: dict[int, asyncio.Task[None]] = {}  # rank -> its dialer
         self._partition_checks: dict[int, asyncio.TimerHandle] = {}
         # where restarted neighbours listen now (peer_recovered), also for notices that come
         # while this worker is still setting up (they are newer than its assignment)
@@ -895,8 +896,15 @@ class Engine:
     def _schedule_redial(self, rank: int, incarnation: int, address: tuple[str, int]) -> None:
         if self._closing:
             return  # (closing the links hangs them up: no new task may outlive the loop)
+        running = self._redialing.get(rank)
+        if running is not None and not running.done():
+            # one dialer per link: it dials where the tracker last said the peer listens,
+            # until the link is up (a second one would make the peer take its connection
+            # as a re-dial and reset the first)
+            return
         task = self.loop.create_task(self._redial(rank, incarnation, address))
         self._redials.add(task)
+        self._redialing[rank] = task
         task.add_done_callback(self._redials.discard)
 
     async def _redial(self, rank: int, incarnation: int, address: tuple[str, int]) -> None:
