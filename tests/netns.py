@@ -17,7 +17,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 
 def _quiet(argv: Sequence[str]) -> subprocess.CompletedProcess[str]:
@@ -109,3 +109,23 @@ class Testbed:
         if self._guard:
             _quiet(["ip", "route", "del", "blackhole", f"{self.subnet}.0/24"])
             self._guard = False
+
+
+@contextlib.contextmanager
+def one_host_with_tc(*commands: str) -> Iterator[Testbed]:
+    """One namespace whose loopback is set up with these ``tc`` commands (each a string of
+    arguments); skips the test, with the reason, where namespaces or ``tc`` are missing."""
+    import pytest  # noqa: PLC0415 - only tests call this
+
+    why = available()
+    if why is not None:
+        pytest.skip(why)
+    if shutil.which("tc") is None:
+        pytest.skip("iproute2's `tc` is not installed")
+    bed = Testbed(1).up()
+    try:
+        for args in commands:
+            subprocess.run(bed.run(1, ["tc", *args.split()]), check=True, capture_output=True)
+        yield bed
+    finally:
+        bed.down()

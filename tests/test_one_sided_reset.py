@@ -11,7 +11,6 @@ reason, where namespaces or ``tc`` are missing.
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -30,31 +29,20 @@ R = 2  # the ring allreduce's seqno in the worker's default program
 
 @pytest.fixture(scope="module")
 def no_resets() -> Iterator[netns.Testbed]:
-    why = netns.available()
-    if why is not None:
-        pytest.skip(why)
-    if shutil.which("tc") is None:
-        pytest.skip("iproute2's `tc` is not installed")
-    bed = netns.Testbed(1).up()
-    try:
-        tc = ["tc"]
-        for args in (
-                # everything through class 1:1, but TCP segments with RST into class 1:2,
-                # whose queue holds nothing (a packet put there is dropped)
-                "qdisc add dev lo root handle 1: htb default 1 r2q 100000",
-                "class add dev lo parent 1: classid 1:1 htb rate 10gbit",
-                "class add dev lo parent 1: classid 1:2 htb rate 10gbit",
-                "qdisc add dev lo parent 1:2 handle 20: pfifo limit 0",
-                # protocol 6 (TCP); the flags byte is at 20 + 13 behind a 20-byte IP header:
-                # RST (0x04) and FIN (0x01), so that a closed end is never heard of
-                "filter add dev lo parent 1: protocol ip prio 1 u32 match ip protocol 6 0xff "
-                "match u8 0x04 0x04 at 33 flowid 1:2",
-                "filter add dev lo parent 1: protocol ip prio 2 u32 match ip protocol 6 0xff "
-                "match u8 0x01 0x01 at 33 flowid 1:2"):
-            subprocess.run(bed.run(1, [*tc, *args.split()]), check=True, capture_output=True)
+    with netns.one_host_with_tc(
+            # everything through class 1:1, but TCP segments with RST into class 1:2, whose
+            # queue holds nothing (a packet put there is dropped)
+            "qdisc add dev lo root handle 1: htb default 1 r2q 100000",
+            "class add dev lo parent 1: classid 1:1 htb rate 10gbit",
+            "class add dev lo parent 1: classid 1:2 htb rate 10gbit",
+            "qdisc add dev lo parent 1:2 handle 20: pfifo limit 0",
+            # protocol 6 (TCP); the flags byte is at 20 + 13 behind a 20-byte IP header:
+            # RST (0x04) and FIN (0x01), so that a closed end is never heard of
+            "filter add dev lo parent 1: protocol ip prio 1 u32 match ip protocol 6 0xff "
+            "match u8 0x04 0x04 at 33 flowid 1:2",
+            "filter add dev lo parent 1: protocol ip prio 2 u32 match ip protocol 6 0xff "
+            "match u8 0x01 0x01 at 33 flowid 1:2") as bed:
         yield bed
-    finally:
-        bed.down()
 
 
 def _job(bed: netns.Testbed, *args: str) -> tuple[subprocess.CompletedProcess[str], float]:

@@ -7,7 +7,6 @@ where namespaces or ``tc`` are missing."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -39,21 +38,12 @@ PROGRAM = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def slow_host() -> Iterator[netns.Testbed]:
-    why = netns.available()
-    if why is not None:
-        pytest.skip(why)
-    if shutil.which("tc") is None:
-        pytest.skip("iproute2's `tc` is not installed")
-    bed = netns.Testbed(1).up()
-    try:
-        # 40 Mbit/s on the namespace's loopback (packets of an Ethernet's size, so that
-        # each fits the token bucket): 24 MiB take about 5 s
+    # 40 Mbit/s on the namespace's loopback (packets of an Ethernet's size, so that each
+    # fits the token bucket): 24 MiB take about 5 s
+    with netns.one_host_with_tc(
+            "qdisc add dev lo root tbf rate 40mbit burst 64kb latency 500ms") as bed:
         subprocess.run(bed.run(1, ["ip", "link", "set", "lo", "mtu", "1500"]), check=True)
-        subprocess.run(bed.run(1, ["tc", "qdisc", "add", "dev", "lo", "root", "tbf", "rate",
-                                   "40mbit", "burst", "64kb", "latency", "500ms"]), check=True)
         yield bed
-    finally:
-        bed.down()
 
 
 def test_a_transfer_slower_than_the_progress_deadline_completes(
