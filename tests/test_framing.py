@@ -121,6 +121,12 @@ def test_payload_checksum_round_trip() -> None:
     assert unchecked.payload_crc is None and _header().pack()[2] == FrameKind.DATA
 
 
+def test_a_payload_crc_without_the_checked_flag_is_refused() -> None:
+    """One encoding per header: an unchecked frame's payload_crc field is 0."""
+    with pytest.raises(ProtocolError, match="not checked"):
+        parse_header(_raw(payload_crc=5))
+
+
 def test_every_single_bit_flip_of_a_header_is_caught() -> None:
     raw = bytearray(_header(payload_crc=12345).pack())
     for bit in range(8 * HEADER_SIZE):

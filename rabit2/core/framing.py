@@ -178,6 +178,8 @@ def parse_header(data: bytes | bytearray | memoryview) -> FrameHeader:
     if magic != FRAME_MAGIC:
         raise ProtocolError(f"bad frame magic 0x{magic:04x}")
     kind = kind_byte & ~FLAG_CHECKED
+    if payload_crc and not kind_byte & FLAG_CHECKED:
+        raise ProtocolError("payload_crc set on a frame whose payload is not checked")
     try:
         frame_kind = FrameKind(kind)
     except ValueError:
