@@ -696,6 +696,68 @@ def test_workers_whose_tracker_connections_break_rejoin_and_the_job_goes_on() ->
     assert all(v["links_up"] == 0 for v in job.stats().values()), job.stats()
 
 
+TRACKER_RESTART_WORKER = """
+import sys, time
+import numpy as np
+import rabit2
+
+rabit2.init()
+rank, world = rabit2.get_rank(), rabit2.get_world_size()
+for it in range(60):  # about 6 s
+    data = np.full(1000, rank + it, dtype=np.int64)
+    rabit2.allreduce(data, rabit2.Op.SUM)
+    assert (data == sum(range(world)) + world * it).all(), (rank, it)
+    time.sleep(0.1)
+print(f"rank={rank} done", flush=True)
+rabit2.finalize()
+"""
+
+
+@pytest.mark.integration
+def test_a_tracker_restarted_at_its_address_takes_the_job_over(tmp_path: Path) -> None:
+    """A standalone tracker is killed (SIGKILL) in the middle of a job and started again at
+    the same address with the same secret a second later, as a supervisor would.  The
+    workers' collectives never needed it; they dial it again, rejoin with their ranks, and
+    the new tracker rebuilds the job from them: every worker finishes, the new tracker sees
+    every rank shut down and exits 0."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    secret = os.urandom(32).hex()
+    tracker_cmd = [sys.executable, "-m", "tracker.cli", "--n", "4", "--port", str(port),
+                   "--secret", secret, "--log-level", "WARNING"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DMLC_TRACKER_URI": "127.0.0.1",
+           "DMLC_TRACKER_PORT": str(port), "RABIT2_SECRET": secret, "DMLC_NUM_WORKER": "4"}
+    env.pop("RABIT2_RECOVER", None)
+    script = tmp_path / "worker.py"
+    script.write_text(TRACKER_RESTART_WORKER)
+    first = subprocess.Popen(tracker_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True, env=env)
+    workers = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                env={**env, "DMLC_TASK_ID": str(i)}) for i in range(4)]
+    second = None
+    try:
+        time.sleep(2.0)
+        first.kill()
+        first.wait(10)
+        time.sleep(1.0)
+        second = subprocess.Popen(tracker_cmd, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True, env=env)
+        outs = [w.communicate(timeout=60) for w in workers]
+        _, tracker_err = second.communicate(timeout=30)
+    finally:
+        for proc in [first, *workers, *([second] if second else [])]:
+            proc.kill()
+            proc.wait()
+    for i, (out, err) in enumerate(outs):
+        assert workers[i].returncode == 0, err
+        assert "done" in out, err
+        assert "rejoined the tracker" in err, err
+    assert second.returncode == 0, tracker_err
+    assert tracker_err.count("joined this tracker from a previous one") == 4, tracker_err
+
+
 # ----------------------------------------------------------------------------- 9. GBDT
 
 

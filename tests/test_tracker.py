@@ -344,7 +344,7 @@ async def test_a_rejoin_after_the_grace_or_of_another_incarnation_is_refused(
                                               {"role": "worker", "task_id": "1"}, 5)
         reader, writer = await asyncio.open_connection(sock=sock)
         writer.write(encode_frame({"t": "rejoin", "task_id": "1", "rank": 1,
-                                   "incarnation": incarnation}))
+                                   "incarnation": incarnation, "port": 20001}))
         data = await asyncio.wait_for(reader.read(65536), 5)
         writer.close()
         return data.decode(errors="replace")
@@ -646,16 +646,18 @@ async def test_abort_is_pushed(make_tracker: Callable[..., Any], how: str) -> No
 
 
 @pytest.mark.asyncio
-async def test_tracker_loss_is_reported(make_tracker: Callable[..., Any]) -> None:
+async def test_tracker_loss_is_reported(make_tracker: Callable[..., Any],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("rabit2.io.tracker_client.REJOIN_SEC", 2.0)
     tracker = await make_tracker(1)
     (client,) = await join_job(tracker, ["0"])
     await client.wait_assignment(5)
     reasons: list[str] = []
     client.on_abort = reasons.append
     await tracker.close()
-    await wait_until(lambda: bool(reasons), timeout=10)  # (after trying to rejoin for 5 s)
+    await wait_until(lambda: bool(reasons), timeout=10)  # (after trying to rejoin for 2 s)
     assert "lost the tracker connection" in reasons[0]
-    assert "could not reach it again within 5 s" in reasons[0]
+    assert "could not reach it again within 2 s" in reasons[0]
     with pytest.raises(TrackerError):
         await client.shutdown(1)
 

@@ -151,6 +151,7 @@ class Tracker:
         self._sortby = sortby
         self._heartbeat_timeout = heartbeat_timeout
         self._rejoin_grace = rejoin_grace
+        self._adopted = False  # some worker rejoined from a previous tracker
         self._handshake_timeout = handshake_timeout
         self._print_fn = print_fn or _print_stdout
         self._tasks: dict[str, _Task] = {}
@@ -504,6 +505,10 @@ class Tracker:
                     f"unknown task id {task_id!r}: the job already has {self.n_workers} tasks"
                 )
             task = _Task(task_id=task_id, arrival=len(self._tasks))
+            if self._adopted:
+                # a job taken over from a previous tracker: a worker that died meanwhile
+                # comes back as its attempt (the previous tracker's incarnations are gone)
+                task.incarnation = msg["attempt"]
             self._tasks[task_id] = task
         else:
             if task.finished:
@@ -537,15 +542,41 @@ class Tracker:
         if self._result is not None and not self._result.success:
             conn.send({"t": "abort", "reason": self._result.reason})
 
+    def _may_adopt(self, msg: dict[str, Any]) -> bool:
+        """A rejoin from a task this tracker never saw: a tracker restarted at the address of
+        one that went away takes its job over from the workers that rejoin it, while ranks
+        are free for them (docs/protocol.md, "Tracker side")."""
+        rank = msg["rank"]
+        return (self._result is None and len(self._tasks) < self.n_workers
+                and 0 <= rank < self.n_workers and rank not in self._by_rank
+                and msg["incarnation"] >= 0 and 0 < msg["port"] < 65536
+                and 0 < len(msg["task_id"]) <= _MAX_TASK_ID)
+
+    def _adopt(self, conn: _Conn, msg: dict[str, Any]) -> _Task:
+        task = _Task(task_id=msg["task_id"], arrival=len(self._tasks),
+                     incarnation=msg["incarnation"], attempt=msg["incarnation"],
+                     rank=msg["rank"], host=conn.host, port=msg["port"])
+        self._tasks[task.task_id] = task
+        self._by_rank[msg["rank"]] = task
+        self._adopted = True
+        logger.warning("%s joined this tracker from a previous one (%d of %d)",
+                       _describe(task), len(self._by_rank), self.n_workers)
+        return task
+
     def _assign_ranks(self) -> None:
         if self._sortby == "task":
             order = sorted(self._tasks.values(), key=lambda t: (natural_key(t.task_id), t.task_id))
         else:
             order = sorted(self._tasks.values(), key=lambda t: t.arrival)
-        for rank, task in enumerate(order):
-            task.rank = rank
-            self._by_rank[rank] = task
-            _call_hook(self.on_rank_assigned, task.task_id, rank)
+        # (tasks that rejoined from a previous tracker keep their ranks; the rest take the
+        # free ones in order)
+        free = iter(r for r in range(self.n_workers) if r not in self._by_rank)
+        for task in order:
+            if task.rank is None:
+                task.rank = next(free)
+                self._by_rank[task.rank] = task
+            _call_hook(self.on_rank_assigned, task.task_id, task.rank)
+        order = [self._by_rank[r] for r in range(self.n_workers)]
         logger.info("all %d workers registered; ranks: %s", self.n_workers,
                     ", ".join(f"{t.task_id}->{t.rank}" for t in order))
         for rank, task in enumerate(order):
@@ -622,12 +653,15 @@ class Tracker:
         its place back with no restart and no notice to its neighbours, if it comes within
         the grace.  Raises ProtocolError (sent back as refuse) otherwise."""
         task = self._tasks.get(msg["task_id"])
+        adopted = task is None and self._may_adopt(msg)
+        if adopted:
+            task = self._adopt(conn, msg)
         if task is None or task.rank != msg["rank"] or task.incarnation != msg["incarnation"]:
             raise ProtocolError(f"rejoin of task {msg['task_id']!r} as rank {msg['rank']}, "
                                 f"incarnation {msg['incarnation']}: no such worker here")
         if task.finished and not task.held:
             raise ProtocolError(f"task {task.task_id!r} already shut down")
-        if task.conn is None and task.pending_loss is None:
+        if task.conn is None and task.pending_loss is None and not adopted:
             raise ProtocolError(f"{_describe(task)} was declared lost (no rejoin within "
                                 f"{self._rejoin_grace:g} s): a restart takes its place")
         if task.pending_loss is not None:

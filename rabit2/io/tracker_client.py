@@ -42,9 +42,11 @@ _MAX_PRINT_BYTES = 256 * 1024
 _BACKOFF_FIRST_SEC = 0.5
 _BACKOFF_MAX_SEC = 8.0
 _CLOSE_WAIT_SEC = 1.0
-REJOIN_SEC = 5.0
-"""How long a worker whose tracker connection ended dials the tracker again (the tracker
-keeps its place that long: ``tracker.server.REJOIN_GRACE_SEC``) before it gives up."""
+REJOIN_SEC = 30.0
+"""How long a worker whose tracker connection ended dials the tracker again before it gives
+up: the same tracker keeps its place for ``tracker.server.REJOIN_GRACE_SEC`` (5 s) and
+refuses it after that; a tracker restarted at the same address within this time takes the
+job over from the workers that rejoin it."""
 _MAX_HELD_MESSAGES = 1000  # prints and errors kept while the connection is being rebuilt
 
 
@@ -416,7 +418,7 @@ class TrackerClient:
                 self._reader, self._writer = await asyncio.open_connection(sock=sock)
                 self._writer.write(encode_frame({
                     "t": "rejoin", "task_id": config.task_id, "rank": assignment.rank,
-                    "incarnation": assignment.incarnation}))
+                    "incarnation": assignment.incarnation, "port": self._listen_port}))
                 held, self._held = self._held, []
                 for msg in held:
                     self._writer.write(encode_frame(msg))
