@@ -144,10 +144,10 @@ AUTO_RING_MIN_BYTES = 512 * 1024
 tree's extra bytes at the root (or, at world size 2, than the pair exchange's copy) up to
 about here; measured in ``bench/README.md`` ("Tree or ring")."""
 SCRATCH_RESERVE_FROM = 1 << 20
+"""A link scratch this large or larger is allocated at the landing ring's size at least."""
 MAX_CORRUPT_STREAK = 8
 """Corrupt frames in a row on one link after which the call fails instead of resetting the
 link once more (a link that damages every frame will not heal by being reset)."""
-"""A link scratch this large or larger is allocated at the landing ring's size at least."""
 
 
 class Agent(RecoveryMixin):
