@@ -45,6 +45,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--sortby", choices=("task", "arrival"), default="task")
     parser.add_argument("--heartbeat-timeout", type=float, default=30.0)
+    parser.add_argument("--classic", choices=("loopback", "any", "none"), default="loopback",
+                        help="from where workers of the classic rabit protocol (XGBoost "
+                             "1.x/2.0; it carries no secret) are served")
     parser.add_argument("--log-level", default="INFO")
     parser.add_argument("--query", metavar="HOST:PORT",
                         help="print a running tracker's status as JSON instead (secret: "
@@ -82,6 +85,7 @@ async def run_tracker(args: argparse.Namespace) -> int:
         secret=bytes.fromhex(args.secret),
         sortby=args.sortby,
         heartbeat_timeout=args.heartbeat_timeout,
+        classic=args.classic,
     )
     await tracker.start()
     try:

@@ -21,6 +21,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import ipaddress
 import logging
 import re
 import socket
@@ -33,7 +34,8 @@ from typing import Any
 from rabit2.core.control import REFUSE_HELLO, FrameDecoder, encode_frame
 from rabit2.core.topology import topology
 from rabit2.errors import CollectiveTimeoutError, ProtocolError, RabitError
-from rabit2.io.handshake import RateLimitedLog, server_handshake, tune_socket
+from rabit2.io.handshake import RateLimitedLog, server_handshake, sock_read_exact, tune_socket
+from tracker.classic import CLASSIC_MAGIC, ClassicJob
 
 logger = logging.getLogger("rabit2.tracker")
 SILENCE_REASON = "no message for"  # how a heartbeat timeout is reported
@@ -134,10 +136,15 @@ class Tracker:
         handshake_timeout: float = 10.0,
         print_fn: Callable[[str], None] | None = None,
         rejoin_grace: float = REJOIN_GRACE_SEC,
+        classic: str = "loopback",
     ) -> None:
         """Raises ``ValueError`` for a non-positive size or timeout or an unknown ``sortby``.
         ``rejoin_grace``: how long a worker whose connection ended keeps its place for the
-        same process to rejoin (``REJOIN_GRACE_SEC``) before it counts as lost."""
+        same process to rejoin (``REJOIN_GRACE_SEC``) before it counts as lost.
+        ``classic``: from where workers speaking the classic rabit protocol (unauthenticated)
+        are served: "loopback", "any" or "none" (``tracker/classic.py``)."""
+        if classic not in ("loopback", "any", "none"):
+            raise ValueError(f"classic must be loopback, any or none, got {classic!r}")
         if n_workers < 1:
             raise ValueError(f"n_workers must be >= 1, got {n_workers}")
         if sortby not in ("task", "arrival"):
@@ -151,6 +158,8 @@ class Tracker:
         self._sortby = sortby
         self._heartbeat_timeout = heartbeat_timeout
         self._rejoin_grace = rejoin_grace
+        self._classic_from = classic
+        self._classic: ClassicJob | None = None  # made by the first classic worker
         self._adopted = False  # some worker rejoined from a previous tracker
         self._handshake_timeout = handshake_timeout
         self._print_fn = print_fn or _print_stdout
@@ -336,10 +345,16 @@ class Tracker:
     async def _handle(self, sock: socket.socket, host: str, peer: str) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._handshake_timeout
+        classic = False
         try:
             sock.setblocking(False)
             tune_socket(sock)
-            hello = await server_handshake(loop, sock, self._secret, deadline, self._check_hello)
+            # the first 4 bytes tell the protocols apart: rabit2's magic, or classic rabit's
+            first = await sock_read_exact(loop, sock, len(CLASSIC_MAGIC), deadline)
+            classic = first == CLASSIC_MAGIC
+            if not classic:
+                hello = await server_handshake(loop, sock, self._secret, deadline,
+                                               self._check_hello, prefix=first)
         except (RabitError, OSError) as exc:
             sock.close()
             self._refusals.warning("connection from %s closed during handshake: %s", peer, exc)
@@ -352,6 +367,9 @@ class Tracker:
             task = asyncio.current_task()
             if task is not None:
                 self._in_handshake.pop(task, None)
+        if classic:
+            await self._serve_classic(sock, host, peer)
+            return
         try:
             reader, writer = await asyncio.open_connection(sock=sock)
         except OSError as exc:
@@ -381,6 +399,44 @@ class Tracker:
             self._conns.discard(conn)
             writer.close()
             self._connection_ended(conn, reason, broken)
+
+    async def _serve_classic(self, sock: socket.socket, host: str, peer: str) -> None:
+        """A worker of the classic rabit protocol (XGBoost 1.x/2.0, dmlc/rabit)."""
+        why = None
+        if self._classic_from == "none" or (
+                self._classic_from == "loopback" and not _is_loopback(host)):
+            why = (f"classic rabit workers are served from {self._classic_from} addresses "
+                   "only (the classic protocol has no secret; rabit2-tracker --classic any)")
+        elif self._tasks:
+            why = ("this job's workers speak rabit2's protocol; a classic rabit worker "
+                   "(XGBoost 1.x/2.0) cannot join it")
+        elif self._result is not None:
+            why = f"the job has ended ({self._result.reason})"
+        if why is not None:
+            sock.close()
+            self._refusals.warning("classic rabit worker from %s refused: %s", peer, why)
+            return
+        if self._classic is None:
+            self._classic = ClassicJob(
+                self.n_workers, self._print_fn,
+                on_done=lambda: self._finish(True, "every rank shut down"),
+                sort_key=(lambda t: (natural_key(t), t)) if self._sortby == "task" else None,
+                timeout=self._handshake_timeout,
+                on_rank=lambda task_id, rank: _call_hook(self.on_rank_assigned, task_id, rank))
+        try:
+            reader, writer = await asyncio.open_connection(sock=sock)
+        except OSError as exc:
+            sock.close()
+            logger.warning("classic connection from %s failed: %s", peer, exc)
+            return
+        try:
+            await self._classic.serve(reader, writer, host)
+        except ProtocolError as exc:
+            logger.warning("classic rabit worker from %s: %s", peer, exc)
+        except OSError as exc:
+            logger.warning("classic connection from %s failed: %s", peer, exc)
+        finally:
+            writer.close()
 
     def _check_hello(self, hello: dict[str, Any]) -> dict[str, Any]:
         role = hello.get("role")
@@ -483,6 +539,9 @@ class Tracker:
 
     def _register(self, conn: _Conn, msg: dict[str, Any]) -> None:
         """Record a registration; raises ProtocolError (sent back as refuse) to reject it."""
+        if self._classic is not None and self._classic.started:
+            raise ProtocolError("this job's workers speak the classic rabit protocol "
+                                "(XGBoost 1.x/2.0); a rabit2 worker cannot join it")
         task_id: str = msg["task_id"]
         if not 0 < len(task_id) <= _MAX_TASK_ID:
             raise ProtocolError(f"task_id must have 1..{_MAX_TASK_ID} characters")
@@ -717,6 +776,16 @@ class Tracker:
         self._result = JobResult(success, reason, {})
         self._result = dataclasses.replace(self._result, status=self.status())
         self._done.set()
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        address = ipaddress.ip_address(host.split("%", maxsplit=1)[0])
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
 
 
 def _describe(task: _Task) -> str:

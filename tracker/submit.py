@@ -87,6 +87,7 @@ class LaunchOptions:
     kill_grace: float = 5.0
     bind: str = "auto"
     heartbeat_timeout: float = 30.0
+    classic: str = "loopback"  # from where classic rabit workers (XGBoost 1.x/2.0) are served
     cluster: str = "local"
     hosts: tuple[Host, ...] = ()  # --cluster ssh: one entry per slot, in fill order
     ssh: tuple[str, ...] = ("ssh",)
@@ -249,6 +250,10 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
                         help="a worker silent this long (e.g. a paused process) is lost "
                              "and killed; with recovery on it is restarted and its "
                              "neighbours wait, else their calls fail (default 30)")
+    parser.add_argument("--classic", choices=("loopback", "any", "none"), default="loopback",
+                        help="from where workers that speak the classic rabit protocol "
+                             "(XGBoost 1.x/2.0; it carries no secret) are served "
+                             "(default loopback)")
     ssh = parser.add_argument_group("--cluster ssh")
     ssh.add_argument("--host-file", metavar="F",
                      help="hosts, one per line: [user@]host[:port] [slots=N]")
@@ -326,6 +331,7 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:
         kill_grace=args.kill_grace,
         bind=args.bind,
         heartbeat_timeout=args.heartbeat_timeout,
+        classic=args.classic,
         dry_run=args.dry_run,
         cluster=args.cluster,
         hosts=hosts,
@@ -864,6 +870,7 @@ def run_job(options: LaunchOptions, out: TextIO | None = None, err: TextIO | Non
         port=options.tracker_port,
         secret=bytes.fromhex(secrets.token_hex(32)),
         heartbeat_timeout=options.heartbeat_timeout,
+        classic=options.classic,
         # tracker_print relays ("[rank] msg") share the workers' line lock
         print_fn=lambda line: writer.write(out, line),
     )

@@ -210,8 +210,10 @@ async def server_handshake(
     secret: bytes,
     deadline: float,
     check_hello: Callable[[dict[str, Any]], dict[str, Any]],
+    prefix: bytes = b"",
 ) -> dict[str, Any]:
     """Run the accepting side of the handshake on a non-blocking socket; return the hello.
+    ``prefix``: the first bytes of the magic, where the caller read them already.
 
     ``check_hello(hello)`` returns the welcome map sent back in ``ok``; it may raise
     :class:`ProtocolError` to refuse the peer (its message becomes the refusal reason).
@@ -221,7 +223,7 @@ async def server_handshake(
     caller logs the reason.
     """
     try:
-        magic = await sock_read_exact(loop, sock, len(MAGIC), deadline)
+        magic = prefix + await sock_read_exact(loop, sock, len(MAGIC) - len(prefix), deadline)
         if magic != MAGIC:
             raise ProtocolError(f"wrong magic {magic!r} (not a rabit2 peer, or another version)")
         server_nonce = new_nonce()

@@ -1,0 +1,209 @@
+"""Workers of the classic rabit protocol (XGBoost 1.x/2.0) rendezvous through rabit2's tracker.
+
+The real thing: ``xgboost==1.7.6`` (with ``numpy<2``) in a virtual environment the tests
+build once and keep (``$RABIT2_TEST_CACHE``, default ``~/.cache/rabit2-tests``); skipped,
+with pip's reason, where it cannot be built.  Its models are compared byte for byte with the
+same job under XGBoost 1.7's own tracker.  The protocol checks need no XGBoost.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tracker.classic import CLASSIC_MAGIC
+from tracker.server import Tracker
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = Path(os.environ.get("RABIT2_TEST_CACHE", Path.home() / ".cache" / "rabit2-tests"))
+SECRET = bytes(range(32))
+
+WORKER = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    import xgboost as xgb
+    from xgboost import rabit
+
+    rabit.init()
+    rank, world = rabit.get_rank(), rabit.get_world_size()
+    if rank == 1 and os.environ.get("CRASH_FIRST") and os.environ.get("DMLC_NUM_ATTEMPT") == "0":
+        os._exit(3)  # dies on its first attempt, after it joined
+    rng = np.random.default_rng(rank)
+    X = rng.standard_normal((2000, 10))
+    y = (X[:, 0] + 0.3 * X[:, 1] + 0.1 * rng.standard_normal(2000) > 0).astype(float)
+    bst = xgb.train({"tree_method": "hist", "objective": "binary:logistic", "max_depth": 4,
+                     "nthread": 1}, xgb.DMatrix(X, label=y), 5)
+    rabit.tracker_print(f"rank {rank} of {world} trained")
+    if rank == 0:
+        bst.save_model(sys.argv[1])
+    rabit.finalize()
+""")
+
+OWN_TRACKER = textwrap.dedent("""
+    import os, subprocess, sys
+    from xgboost.tracker import RabitTracker
+
+    n, out, worker = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    tracker = RabitTracker(host_ip="127.0.0.1", n_workers=n, sortby="task")
+    tracker.start(n)
+    env = {**os.environ, **{k: str(v) for k, v in tracker.worker_envs().items()}}
+    procs = [subprocess.Popen([sys.executable, worker, out],
+                              env={**env, "DMLC_TASK_ID": str(i)}) for i in range(n)]
+    codes = [p.wait(120) for p in procs]
+    tracker.join()
+    sys.exit(max(codes))
+""")
+
+
+@pytest.fixture(scope="module")
+def xgb17() -> Path:
+    """The Python of a virtual environment with xgboost 1.7.6 (built once, then reused)."""
+    venv = CACHE / "xgboost-1.7.6"
+    python = venv / "bin" / "python"
+    if not (venv / "ready").exists():
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        steps = [[sys.executable, "-m", "venv", "--clear", str(venv)],
+                 [str(python), "-m", "pip", "install", "-q", "numpy<2", "scipy",
+                  "xgboost==1.7.6"]]
+        for argv in steps:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=900,
+                                  check=False)
+            if done.returncode != 0:
+                pytest.skip(f"cannot build an xgboost 1.7.6 environment: "
+                            f"{(done.stderr or done.stdout).strip()[-300:]}")
+        (venv / "ready").write_text("ok\n")
+    return python
+
+
+def _scripts(tmp_path: Path) -> tuple[Path, Path]:
+    worker, own = tmp_path / "worker.py", tmp_path / "own_tracker.py"
+    worker.write_text(WORKER)
+    own.write_text(OWN_TRACKER)
+    return worker, own
+
+
+def _submit(python: Path, worker: Path, model: Path, n: int,
+            env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "--cluster", "local", "-n", str(n),
+         "--timeout", "150", "--", str(python), str(worker), str(model)],
+        capture_output=True, text=True, timeout=200, check=False, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})})
+
+
+def _summary(stderr: str) -> dict[int, tuple[str, int, str]]:
+    """task -> (rank, attempts, status) from the launcher's table."""
+    _, _, table = stderr.partition("[rabit2-submit] summary:")
+    return {int(task): (rank, int(attempts), status) for task, rank, attempts, _, status
+            in re.findall(r"^(\d+)\s+(\S+)\s+(\d+)\s+(\d+)\s+(\w+)$", table, re.M)}
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+def test_xgboost_1_7_trains_under_rabit2_submit_as_under_its_own_tracker(
+        xgb17: Path, tmp_path: Path) -> None:
+    worker, own = _scripts(tmp_path)
+    theirs, ours = tmp_path / "theirs.json", tmp_path / "ours.json"
+    done = subprocess.run([str(xgb17), str(own), "3", str(theirs), str(worker)],
+                          capture_output=True, text=True, timeout=200, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    job = _submit(xgb17, worker, ours, 3)
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert ours.read_bytes() == theirs.read_bytes()  # the same model, byte for byte
+    for rank in range(3):
+        assert f"[{rank}] rank {rank} of 3 trained" in job.stdout, job.stdout
+    assert _summary(job.stderr) == {t: (str(t), 1, "ok") for t in range(3)}, job.stderr
+    assert "job: every rank shut down" in job.stderr
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+def test_a_lost_xgboost_1_7_worker_is_restarted_with_its_job(
+        xgb17: Path, tmp_path: Path) -> None:
+    """XGBoost 1.7's engine has no recovery: when rank 1 dies, its peers fail too, and the
+    launcher restarts them all; they get their ranks back by task id and train again."""
+    worker, _ = _scripts(tmp_path)
+    plain, crashed = tmp_path / "plain.json", tmp_path / "crashed.json"
+    assert _submit(xgb17, worker, plain, 3).returncode == 0
+    job = _submit(xgb17, worker, crashed, 3, {"CRASH_FIRST": "1"})
+    assert job.returncode == 0, job.stdout + job.stderr
+    assert crashed.read_bytes() == plain.read_bytes()
+    rows = _summary(job.stderr)
+    assert rows[1] == ("1", 2, "ok"), job.stderr
+    assert all(status == "ok" for _, _, status in rows.values()), job.stderr
+
+
+# ----------------------------------------------------------------------------- protocol
+
+
+async def _classic_start(port: int) -> bytes:
+    """The first message of a classic worker's start; what the tracker answers (b"" when
+    it closes the connection)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    task, command = b"0", b"start"
+    writer.write(CLASSIC_MAGIC + (-1).to_bytes(4, "little", signed=True) * 2
+                 + len(task).to_bytes(4, "little") + task
+                 + len(command).to_bytes(4, "little") + command)
+    try:
+        return await asyncio.wait_for(reader.read(4), 5)
+    except ConnectionResetError:
+        return b""  # (closed with our bytes unread: a reset)
+    finally:
+        writer.close()
+
+
+@pytest.mark.asyncio
+async def test_a_classic_worker_is_refused_at_once_where_it_is_not_served(
+        caplog: pytest.LogCaptureFixture) -> None:
+    tracker = Tracker(1, secret=SECRET, classic="none")
+    await tracker.start()
+    try:
+        assert await _classic_start(tracker.port) == b""  # closed: no silent wait
+        assert any("classic rabit worker" in r.message and "refused" in r.message
+                   for r in caplog.records)
+    finally:
+        await tracker.close()
+
+
+@pytest.mark.asyncio
+async def test_a_job_speaks_one_protocol(caplog: pytest.LogCaptureFixture) -> None:
+    """A classic worker that meets a job of rabit2 workers, and a rabit2 worker that meets a
+    job of classic ones, are told so, naming the mismatch."""
+    from rabit2.config import Config  # noqa: PLC0415
+    from rabit2.errors import TrackerError  # noqa: PLC0415
+    from rabit2.io.tracker_client import TrackerClient  # noqa: PLC0415
+
+    tracker = Tracker(2, secret=SECRET)
+    await tracker.start()
+    try:
+        cfg = Config(tracker_uri="127.0.0.1", tracker_port=tracker.port, task_id="0",
+                     secret=SECRET, connect_retry=1)
+        client = await TrackerClient.connect(cfg, 20000)
+        await asyncio.sleep(0.2)
+        assert await _classic_start(tracker.port) == b""
+        assert any("speak rabit2's protocol" in r.message for r in caplog.records)
+        await client.close()
+    finally:
+        await tracker.close()
+    tracker = Tracker(2, secret=SECRET)
+    await tracker.start()
+    try:
+        parked = asyncio.ensure_future(_classic_start(tracker.port))
+        await asyncio.sleep(0.3)  # (a classic start, parked until the job has all workers)
+        cfg = Config(tracker_uri="127.0.0.1", tracker_port=tracker.port, task_id="1",
+                     secret=SECRET, connect_retry=1)
+        client = await TrackerClient.connect(cfg, 20001)
+        with pytest.raises(TrackerError, match="classic rabit protocol"):
+            await client.wait_assignment(5)
+        await client.close()
+        parked.cancel()
+    finally:
+        await tracker.close()
+
