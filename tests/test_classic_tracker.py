@@ -65,6 +65,11 @@ OWN_TRACKER = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def xgb17() -> Path:
     """The Python of a virtual environment with xgboost 1.7.6 (built once, then reused)."""
+    return xgb17_python()
+
+
+def xgb17_python() -> Path:
+    """(For other test modules too: builds the environment or skips the test.)"""
     venv = CACHE / "xgboost-1.7.6"
     python = venv / "bin" / "python"
     if not (venv / "ready").exists():

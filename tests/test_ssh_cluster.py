@@ -284,6 +284,39 @@ def test_a_partition_between_two_hosts_that_both_reach_the_tracker_ends_the_job_
     assert workers_left(bed) == []
 
 
+def test_xgboost_1_7_workers_across_hosts_with_the_classic_protocol(
+    cluster: tuple[netns.Testbed, Path], tmp_path: Path,
+) -> None:
+    """XGBoost 1.7.6 workers (the classic rabit engine) on two hosts, their tracker on a
+    third: served with --classic any (the protocol has no secret), the same model as the
+    same job on one host."""
+    from test_classic_tracker import WORKER as CLASSIC_WORKER  # noqa: PLC0415
+    from test_classic_tracker import xgb17_python  # noqa: PLC0415
+
+    python = xgb17_python()
+    bed, keys = cluster
+    worker = keys / "classic_worker.py"
+    worker.write_text(CLASSIC_WORKER)
+    across, local = keys / "across.json", tmp_path / "local.json"
+    done = subprocess.run(
+        bed.run(1, [sys.executable, "-m", "tracker.submit", "--cluster", "ssh",
+                    "--host-file", str(keys / "hosts"), "--ssh",
+                    f"ssh -F {keys / 'ssh_config'}", "-n", "4", "--kill-grace", "1",
+                    "--classic", "any", "--remote-python", sys.executable, "--",
+                    str(python), str(worker), str(across)]),
+        check=False, capture_output=True, text=True, timeout=150, cwd=keys)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for rank in range(4):
+        assert f"[{rank}] rank {rank} of 4 trained" in done.stdout, done.stdout
+    alone = subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "--cluster", "local", "-n", "4", "--",
+         str(python), str(worker), str(local)],
+        check=False, capture_output=True, text=True, timeout=150, cwd=keys)
+    assert alone.returncode == 0, alone.stdout + alone.stderr
+    assert across.read_bytes() == local.read_bytes()
+    assert workers_left(bed) == []
+
+
 def test_a_host_that_refuses_ssh_fails_the_job_with_ssh_s_reason(tmp_path: Path) -> None:
     """No sshd where the host file points (a closed port on loopback): every attempt fails
     at once with ssh's own message, and the job ends after --max-attempts, typed, without
