@@ -229,6 +229,39 @@ def test_a_paused_worker_is_killed_by_its_slot_and_replaced(
     assert re.search(r"^1\s+1\s+2\s+-\s+done$", done.stderr, re.M), done.stderr
 
 
+def test_xgboost_1_7_workers_under_the_cluster_launchers(
+    cluster: tuple[str, dict[str, str]], tmp_path: Path,
+) -> None:
+    """XGBoost 1.7.6 workers (the classic rabit protocol) started by srun or mpirun: one
+    model, the same as under rabit2-submit --cluster local, and every rank in the summary.
+    (The slots run rabit2's Python; the workers run the XGBoost 1.7 environment's.)"""
+    from test_classic_tracker import WORKER as CLASSIC_WORKER  # noqa: PLC0415
+    from test_classic_tracker import xgb17_python  # noqa: PLC0415
+
+    python = xgb17_python()
+    kind, env = cluster
+    worker = tmp_path / "classic_worker.py"
+    worker.write_text(CLASSIC_WORKER)
+    there, here = tmp_path / "there.json", tmp_path / "here.json"
+    launcher = ("--mpirun", _mpirun()) if kind == "mpi" else ()
+    done = subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "--cluster", kind, "-n", "4",
+         "--tracker-host", "127.0.0.1", "--kill-grace", "1", *launcher,
+         "--remote-python", sys.executable, "--", str(python), str(worker), str(there)],
+        env=env, capture_output=True, text=True, timeout=170, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for rank in range(4):
+        assert f"[{rank}] rank {rank} of 4 trained" in done.stdout, done.stdout
+        assert re.search(rf"^{rank}\s+{rank}\s+1\s+-\s+done$", done.stderr, re.M), done.stderr
+    assert "job: every rank shut down" in done.stderr
+    local = subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "--cluster", "local", "-n", "4", "--",
+         str(python), str(worker), str(here)],
+        capture_output=True, text=True, timeout=170, check=False)
+    assert local.returncode == 0, local.stdout + local.stderr
+    assert there.read_bytes() == here.read_bytes()
+
+
 def test_xgboost_training_recovers_under_the_cluster_launchers(
     cluster: tuple[str, dict[str, str]],
 ) -> None:

@@ -92,6 +92,8 @@ class ClassicJob:
     on_rank: Callable[[str, int], None] | None = None  # a task was given its rank
     ranks: dict[str, int] = field(default_factory=dict)  # task id -> rank
     finished: set[int] = field(default_factory=set)
+    restarts: dict[str, int] = field(default_factory=dict)  # task id -> starts after the first
+    addresses: dict[int, tuple[str, int]] = field(default_factory=dict)  # rank -> listening
     _waiting: dict[int, _Waiting] = field(default_factory=dict)
     _pending: list[tuple[str, str, _Wire]] = field(default_factory=list)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
@@ -99,6 +101,18 @@ class ClassicJob:
     @property
     def started(self) -> bool:
         return bool(self.ranks or self._pending)
+
+    def status(self) -> list[dict[str, Any]]:
+        """The tasks, as ``Tracker.status`` lists its own (a classic worker holds no tracker
+        connection between its commands: never "connected")."""
+        return [
+            {"task_id": task_id, "rank": rank, "incarnation": self.restarts.get(task_id, 0),
+             "attempt": self.restarts.get(task_id, 0),
+             "host": self.addresses.get(rank, ("", 0))[0],
+             "port": self.addresses.get(rank, ("", 0))[1], "connected": False,
+             "finished": rank in self.finished, "losses": self.restarts.get(task_id, 0)}
+            for task_id, rank in sorted(self.ranks.items(), key=lambda item: item[1])
+        ]
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                     host: str) -> None:
@@ -143,6 +157,8 @@ class ClassicJob:
             return
         target = rank if rank >= 0 else known
         assert target is not None
+        if rank < 0:
+            self.restarts[task_id] = self.restarts.get(task_id, 0) + 1
         self.finished.discard(target)
         # a restarted process, or one re-wiring all its links (recover): whatever it waited
         # for before is gone with its old sockets, and a peer told to dial that would fail
@@ -198,6 +214,7 @@ class ClassicJob:
             if await wire.read_int() == 0:
                 break  # (else it failed to reach some: it says what it holds again)
         port = await wire.read_int()
+        self.addresses[rank] = (host, port)
         for peer in dial:
             waiting = self._waiting[peer]
             waiting.accepts -= 1

@@ -286,6 +286,8 @@ class Tracker:
         in ``tasks`` (the totals still count every task)."""
         tasks = sorted(self._tasks.values(), key=lambda t: (t.rank is None, t.rank, t.arrival))
         listed = tasks if only is None else [task for task in tasks if task.task_id == only]
+        if self._classic is not None and self._classic.started:
+            return self._classic_status(only)
         return {
             "world_size": self.n_workers,
             "port": self.port,
@@ -312,6 +314,26 @@ class Tracker:
                 }
                 for task in listed
             ],
+        }
+
+    def _relay_classic_print(self, line: str) -> None:
+        self._prints += 1
+        self._print_fn(line)
+
+    def _classic_status(self, only: str | None) -> dict[str, Any]:
+        """:meth:`status` of a job of classic workers (``tracker/classic.py``)."""
+        assert self._classic is not None
+        tasks = self._classic.status()
+        listed = tasks if only is None else [t for t in tasks if t["task_id"] == only]
+        return {
+            "world_size": self.n_workers, "port": self.port, "registered": len(tasks),
+            "assigned": len(tasks) == self.n_workers,
+            "finished": sum(t["finished"] for t in tasks), "done": self._result is not None,
+            "success": None if self._result is None else self._result.success,
+            "reason": None if self._result is None else self._result.reason,
+            "prints": self._prints, "failures": sum(t["losses"] for t in tasks),
+            "restarts": sum(t["incarnation"] for t in tasks), "tasks": listed,
+            "protocol": "classic",
         }
 
     # -- connections -----------------------------------------------------------------------
@@ -418,7 +440,7 @@ class Tracker:
             return
         if self._classic is None:
             self._classic = ClassicJob(
-                self.n_workers, self._print_fn,
+                self.n_workers, self._relay_classic_print,
                 on_done=lambda: self._finish(True, "every rank shut down"),
                 sort_key=(lambda t: (natural_key(t), t)) if self._sortby == "task" else None,
                 timeout=self._handshake_timeout,
