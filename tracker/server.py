@@ -392,15 +392,10 @@ class Tracker:
         if classic:
             await self._serve_classic(sock, host, peer)
             return
-        try:
-            reader, writer = await asyncio.open_connection(sock=sock)
-        except OSError as exc:
-            sock.close()
-            logger.warning("connection from %s failed after the handshake: %s", peer, exc)
+        streams = await _streams(sock, f"connection from {peer} after the handshake")
+        if streams is None:
             return
-        except BaseException:
-            sock.close()
-            raise
+        reader, writer = streams
         conn = _Conn(writer=writer, host=host, peer=peer, role=hello["role"])
         self._conns.add(conn)
         reason = "connection closed by the worker"
@@ -445,12 +440,10 @@ class Tracker:
                 sort_key=(lambda t: (natural_key(t), t)) if self._sortby == "task" else None,
                 timeout=self._handshake_timeout,
                 on_rank=lambda task_id, rank: _call_hook(self.on_rank_assigned, task_id, rank))
-        try:
-            reader, writer = await asyncio.open_connection(sock=sock)
-        except OSError as exc:
-            sock.close()
-            logger.warning("classic connection from %s failed: %s", peer, exc)
+        streams = await _streams(sock, f"classic connection from {peer}")
+        if streams is None:
             return
+        reader, writer = streams
         try:
             await self._classic.serve(reader, writer, host)
         except ProtocolError as exc:
@@ -798,6 +791,20 @@ class Tracker:
         self._result = JobResult(success, reason, {})
         self._result = dataclasses.replace(self._result, status=self.status())
         self._done.set()
+
+
+async def _streams(sock: socket.socket,
+                   what: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
+    """The asyncio streams of an accepted socket; None (closed, logged) if that fails."""
+    try:
+        return await asyncio.open_connection(sock=sock)
+    except OSError as exc:
+        sock.close()
+        logger.warning("%s failed: %s", what, exc)
+        return None
+    except BaseException:
+        sock.close()
+        raise
 
 
 def _is_loopback(host: str) -> bool:
