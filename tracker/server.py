@@ -21,7 +21,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
-import ipaddress
 import logging
 import re
 import socket
@@ -34,7 +33,13 @@ from typing import Any
 from rabit2.core.control import REFUSE_HELLO, FrameDecoder, encode_frame
 from rabit2.core.topology import topology
 from rabit2.errors import CollectiveTimeoutError, ProtocolError, RabitError
-from rabit2.io.handshake import RateLimitedLog, server_handshake, sock_read_exact, tune_socket
+from rabit2.io.handshake import (
+    RateLimitedLog,
+    is_loopback,
+    server_handshake,
+    sock_read_exact,
+    tune_socket,
+)
 from tracker.classic import CLASSIC_MAGIC, ClassicJob
 
 logger = logging.getLogger("rabit2.tracker")
@@ -421,7 +426,7 @@ class Tracker:
         """A worker of the classic rabit protocol (XGBoost 1.x/2.0, dmlc/rabit)."""
         why = None
         if self._classic_from == "none" or (
-                self._classic_from == "loopback" and not _is_loopback(host)):
+                self._classic_from == "loopback" and not is_loopback(host)):
             why = (f"classic rabit workers are served from {self._classic_from} addresses "
                    "only (the classic protocol has no secret; rabit2-tracker --classic any)")
         elif self._tasks:
@@ -805,16 +810,6 @@ async def _streams(sock: socket.socket,
     except BaseException:
         sock.close()
         raise
-
-
-def _is_loopback(host: str) -> bool:
-    try:
-        address = ipaddress.ip_address(host.split("%", maxsplit=1)[0])
-    except ValueError:
-        return False
-    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
-        address = address.ipv4_mapped
-    return address.is_loopback
 
 
 def _describe(task: _Task) -> str:

@@ -901,7 +901,6 @@ class Agent(RecoveryMixin):
         version, seqno = active.call_id
         final = active.final
         links = self.links
-        frame_limit = CHECKED_FRAME
         for peer, stream in plan.out_streams.items():
             link = links[peer]
             if link.awaiting_need or link.awaiting_state or not link.up:
@@ -921,7 +920,7 @@ class Agent(RecoveryMixin):
                 # frames the receiver can verify before it uses them: one piece of the
                 # stream at most (a broadcast's head on its own) and CHECKED_FRAME bytes
                 while ready > sent:
-                    view = stream.view(sent, min(ready - sent, frame_limit))
+                    view = stream.view(sent, min(ready - sent, CHECKED_FRAME))
                     n = len(view)
                     header = pack_header(FrameKind.DATA, desc, version, seqno, sent, n, 0,
                                          checksum(view))

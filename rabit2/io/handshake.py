@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import socket
 import time
@@ -62,6 +63,18 @@ _KEEPCNT = 3
 # after the kernel's retransmissions give up, about 15 minutes.  Keepalive does not cover
 # that case: it probes idle connections only.
 _USER_TIMEOUT_MS = 20_000
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address as sockets report it) is a loopback address, IPv4 ones
+    mapped into IPv6 included."""
+    try:
+        address = ipaddress.ip_address(host.split("%", maxsplit=1)[0])
+    except ValueError:
+        return False
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        address = address.ipv4_mapped
+    return address.is_loopback
 
 
 def tune_socket(sock: socket.socket) -> None:
@@ -387,6 +400,7 @@ __all__ = [
     "RateLimitedLog",
     "client_handshake",
     "connect_authenticated",
+    "is_loopback",
     "resolve_congestion",
     "server_handshake",
     "set_congestion",
