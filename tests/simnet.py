@@ -78,7 +78,7 @@ class SimNet:
                 self.closed.add((rank, cmd.peer))
                 self.closed.add((cmd.peer, rank))
                 agent = self.agents[rank]
-                if agent.recover and agent.error is None:
+                if agent.recovery is not None and agent.error is None:
                     self.relinks.append((rank, cmd.peer))  # (a reset, not a failure)
             elif isinstance(cmd, CheckpointLoaded):
                 self.loaded[rank] = (cmd.version, cmd.blob, cmd.local)
@@ -157,8 +157,7 @@ class SimNet:
         for peer in self.agents[rank].links:
             del self.queues[(rank, peer)][:]
         agent = Agent(**self.agent_kw)  # type: ignore[arg-type]
-        agent.incarnation = incarnation
-        agent.restarted = True
+        agent.assigned(incarnation)
         agent.start()
         agent.connect_tracker(rank, self.world)
         agent.connect_peers()

@@ -21,7 +21,7 @@ from rabit2.core.agent import Agent, Call
 from rabit2.core.framing import CallDescriptor, CollectiveKind
 from rabit2.core.fsm import State
 from rabit2.core.ops import Op
-from rabit2.core.recovery import GENERATIONS, ResultStore
+from rabit2.core.recovery.store import GENERATIONS, ResultStore
 from rabit2.core.schedule import RingAllreduce
 from rabit2.core.topology import topology
 from rabit2.errors import (
@@ -266,7 +266,7 @@ def test_retained_results_are_the_results(world: int, spec: Spec) -> None:
     job = run_job(world, [], program=[[spec, spec]], max_piece=997)
     for rank, agent in job.net.agents.items():
         for seqno in (0, 1):
-            got = agent.results.get((0, seqno))
+            got = agent.recovery.results.get((0, seqno))
             assert got is not None
             if spec.kind == "allreduce":
                 assert bytes(got[1]) == expected(world, 0, seqno, spec)
@@ -488,7 +488,8 @@ class SourceKillJob(Job):
         victim = self.kills[0].rank
         agent = self.net.agents[victim]
         if self.source is None and self.loading.get(victim) == "checkpoint":
-            fetches = [f for f in agent._fetches.values() if f.what == "checkpoint"]
+            fetches = [f for f in agent.recovery.fetches.requests.values()
+                       if f.what == "checkpoint"]
             if fetches:
                 self.source = fetches[0].peer
                 self.net.kill(self.source)
@@ -572,13 +573,13 @@ def test_a_broadcast_larger_than_the_store_is_not_copied() -> None:
     job = Job(3, [[Spec("broadcast", 40_000, root=0)]], retain_bytes=100_000, **KW)
     taken: list[int] = []
     for agent in job.net.agents.values():
-        store = agent.results
+        store = agent.recovery.results
         store.take = lambda size, take=store.take: taken.append(size) or take(size)  # type: ignore[method-assign]
     job.run()
     job.check()
     assert taken == []
     for agent in job.net.agents.values():
-        assert agent.results.get((0, 0)) is None and agent.results.nbytes == 0
+        assert agent.recovery.results.get((0, 0)) is None and agent.recovery.results.nbytes == 0
 
 
 def test_the_store_tells_when_it_dropped_a_result_of_the_version_being_made() -> None:
@@ -755,7 +756,7 @@ def test_a_ring_retains_its_result_copied_while_it_made_it(
     expect = np.sum(data, axis=0, dtype=np.float32).tobytes()  # (exact: small integers)
     assert all(b.tobytes() == expect for b in bufs)
     for r in range(world):
-        kept = net.agents[r].results.get(net.done[r])
+        kept = net.agents[r].recovery.results.get(net.done[r])
         assert kept is not None
         assert bytes(kept[1]) == bufs[r].tobytes()
 
@@ -790,21 +791,23 @@ def test_older_results_go_once_every_rank_has_joined_the_new_version() -> None:
     for agent in net.agents.values():
         agent.checkpoint(b"v1")
     net.run(ring(1))
-    spare_before = {r: agent.results.get((1, 0)) for r, agent in net.agents.items()}
+    spare_before = {r: agent.recovery.results.get((1, 0)) for r, agent in net.agents.items()}
     for agent in net.agents.values():
         agent.checkpoint(b"v2")
     bufs = [np.full(1000, 7, dtype=np.int32) if r == 0 else np.empty(1000, np.int32)
             for r in range(world)]
     net.run({r: Call(BCAST, memoryview(bufs[r]).cast("B"), root=0) for r in range(world)})
     for agent in net.agents.values():  # a broadcast proves nothing: version 1 stays
-        assert agent.results.get((1, 0)) is not None and agent.results.oldest <= (1, 0)
+        store = agent.recovery.results
+        assert store.get((1, 0)) is not None and store.oldest <= (1, 0)
     net.run(ring(2))
     for agent in net.agents.values():
-        assert agent.results.get((1, 0)) is None and agent.results.oldest == (2, 0)
+        store = agent.recovery.results
+        assert store.get((1, 0)) is None and store.oldest == (2, 0)
     net.run(ring(3))
     assert not net.failed
     for r, agent in net.agents.items():
-        kept = agent.results.get((2, 2))
+        kept = agent.recovery.results.get((2, 2))
         before = spare_before[r]
         assert kept is not None and before is not None
         # the new result sits in the buffer the dropped one had
@@ -826,7 +829,8 @@ def test_a_ring_result_too_large_to_keep_is_not_copied(monkeypatch: pytest.Monke
     assert all((b == 6).all() for b in bufs)
     for r in range(world):
         agent = net.agents[r]
-        assert agent.results.get(net.done[r]) is None and agent.results.nbytes == 0
+        store = agent.recovery.results
+        assert store.get(net.done[r]) is None and store.nbytes == 0
     assert taken == []
 
 
@@ -849,8 +853,8 @@ def test_rings_of_a_version_that_overflowed_copy_nothing(monkeypatch: pytest.Mon
             assert len(taken) == 3 * world  # one buffer per rank and call so far
     assert len(taken) == 3 * world
     for agent in net.agents.values():
-        assert agent.results.overflowed == 0 and agent.results.nbytes == 0
-        assert agent.results.oldest == (0, 5)
+        assert agent.recovery.results.overflowed == 0 and agent.recovery.results.nbytes == 0
+        assert agent.recovery.results.oldest == (0, 5)
 
 
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["overflowed", "checkpointing"])
@@ -879,7 +883,7 @@ def test_recycled_ring_buffers_do_not_chain(checkpoint: bool) -> None:
         return d
 
     for agent in net.agents.values():
-        store = agent.results
+        store = agent.recovery.results
         arrays = [a for spares in store._spare.values() for a in spares]
         arrays += [blob for _, blob in store._results.values() if isinstance(blob, np.ndarray)]
         assert arrays and max(depth(a) for a in arrays) <= 2, [depth(a) for a in arrays]

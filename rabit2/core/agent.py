@@ -15,14 +15,13 @@ Every state change goes through :func:`rabit2.core.fsm.transition`.  Time is an 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from rabit2.core import fsm, schedule
-from rabit2.core.agent_recovery import RecoveryMixin
-from rabit2.core.control import decode_body
+from rabit2.core.control import decode_body, encode_body
 from rabit2.core.framing import (
     CALL_PREFIX_SIZE,
     CHECKED_FRAME,
@@ -49,6 +48,7 @@ from rabit2.core.fsm import TRANSITIONS
 from rabit2.core.ops import dtype_code
 from rabit2.core.records import (
     CALL_EVENTS,
+    NO_CALL,
     STAGE_SIZE,
     ActiveCall,
     Call,
@@ -57,25 +57,15 @@ from rabit2.core.records import (
     CheckpointLoaded,
     CloseLink,
     Command,
-    Fetch,
     Link,
     Mode,
     PauseReading,
     ResumeReading,
     Send,
 )
-from rabit2.core.recovery import (
-    DEFAULT_RETAIN_BYTES,
-    GENERATIONS,
-    SMALL_RESULT,
-    CallId,
-    PeerState,
-    ResultStore,
-    call_id,
-    fresh_buffer,
-)
+from rabit2.core.recovery.component import Recovery
+from rabit2.core.recovery.store import DEFAULT_RETAIN_BYTES, fresh_buffer
 from rabit2.core.schedule import (
-    EMPTY,
     PairExchange,
     Plan,
     RingAllgather,
@@ -150,7 +140,7 @@ MAX_CORRUPT_STREAK = 8
 link once more (a link that damages every frame will not heal by being reset)."""
 
 
-class Agent(RecoveryMixin):
+class Agent:
     """One rank's agent.  Not thread-safe: the I/O layer calls it from its loop thread only."""
 
     def __init__(
@@ -175,6 +165,7 @@ class Agent(RecoveryMixin):
         self._descriptors: dict[tuple[Any, ...], CallDescriptor] = {}
         self.rank = 0
         self.world = 1
+        self.incarnation = 0  # of this process (the tracker counts restarts)
         self.ring_mincount = ring_mincount
         self.tree_chunk = tree_chunk
         self.timeout = timeout
@@ -188,84 +179,53 @@ class Agent(RecoveryMixin):
         self.error: RabitError | None = None
         self.last_progress = 0.0
         self._calls_completed = 0
-        # the latest version in which this rank finished a collective that every rank
-        # contributes to (from then on no restart needs the results of older versions)
-        self._version_joined = 0
         self._bytes_sent = 0
         self._bytes_received = 0
         self._frames_sent = 0
         self._frames_received = 0
-        # recovery
-        self.recover = recover
-        self.recover_timeout = recover_timeout
-        self.incarnation = 0
-        self.results = ResultStore(retain_bytes)
-        self.checkpoints: dict[int, bytes | Callable[[], bytes]] = {}
-        # local models: (owner rank, version) -> blob, this rank's own and those the ring
-        # handed on from the ``local_replica`` ranks before it
-        self.local_replica = local_replica
-        self.local_models: dict[tuple[int, int], bytes] = {}
-        self._loading: dict[str, Any] = {}  # a restarted rank's checkpoint, as it arrives
-        # a restarted rank that chose its checkpoint version with every neighbour restarted
-        # too (no live one to learn it from): those neighbours, for the error it may lead to
-        self._no_live_at_load: tuple[int, ...] = ()
-        # their incarnations then: a later state of the same process can show it was wrong
-        self._no_live_incs: dict[int, int] = {}
-        self.down_since: dict[int, float] = {}  # lost links the job waits to come back
-        # the version each of those neighbours was last seen in: until this rank is past it,
-        # it runs ahead of a lost neighbour through every call that needs no input from it
-        # (docs/recovery.md, "Running ahead of a lost neighbour")
-        self.lost_in_version: dict[int, int] = {}
-        # a restarted rank: what each neighbour said when its link came up
-        self.peer_states: dict[int, PeerState] = {}
-        self.restarted = False
-        self._replay_until: CallId = (0, 0)  # calls before this were finished by a neighbour
-        self._fetches: dict[int, Fetch] = {}
-        self._next_request = 1
-        self._pending_states = False  # some link holds a reset peer's state for a later call
-        # some neighbour is replaying, or sent needs for calls not begun yet (begin looks)
-        self._watch_replays = False
-        self._recovery_stats = {"links_up": 0, "fetched_bytes": 0, "resent_bytes": 0,
-                                "replayed_calls": 0, "resumed_calls": 0, "corrupt_frames": 0}
+        self._corrupt_frames = 0
+        # present only with recovery on (docs/recovery.md)
+        self.recovery = (Recovery(self, timeout=recover_timeout, retain_bytes=retain_bytes,
+                                  local_replica=local_replica) if recover else None)
 
     # ------------------------------------------------------------------ lifecycle events
 
-    def _go(self, event: fsm.Event) -> None:
+    def go(self, event: fsm.Event) -> None:
         try:
             self.state = TRANSITIONS[(self.state, event)]
         except KeyError:
             fsm.transition(self.state, event)  # raises InvalidTransition, with the pair
 
     def start(self) -> None:
-        self._go(Event.START)
+        self.go(Event.START)
 
     def connect_tracker(self, rank: int, world: int) -> None:
         """The tracker assigned our rank: the topology and the set of links follow."""
         if not 0 <= rank < world:
             raise ProtocolError(f"tracker assigned rank {rank} of {world}")
-        self._go(Event.CONNECT_TRACKER)
+        self.go(Event.CONNECT_TRACKER)
         self.rank, self.world = rank, world
         self.links = {p: Link() for p in topology(rank, world).neighbors}
         for link in self.links.values():
             link.checked = self.checked
 
     def connect_peers(self) -> None:
-        self._go(Event.CONNECT_PEERS)
+        self.go(Event.CONNECT_PEERS)
 
     def accept_peers(self, now: float) -> None:
-        self._go(Event.ACCEPT_PEERS)
+        self.go(Event.ACCEPT_PEERS)
         self.last_progress = now
 
     def bootstrap_failed(self, error: RabitError) -> None:
-        self._go(Event.OP_FAILED)
+        self.go(Event.OP_FAILED)
         self.error = error
 
     def shutdown(self) -> list[Command]:
         """Leave the job.  A call still in progress (its caller gave up) fails first."""
         cmds: list[Command] = []
         if self.active is not None:
-            self._fail(PeerLostError(f"rank {self.rank} finalized during a call"), cmds)
-        self._go(Event.SHUTDOWN)
+            self.fail(PeerLostError(f"rank {self.rank} finalized during a call"), cmds)
+        self.go(Event.SHUTDOWN)
         return cmds
 
     # ------------------------------------------------------------------ receive side
@@ -298,9 +258,9 @@ class Agent(RecoveryMixin):
 
     def on_bytes(self, peer: int, nbytes: int, now: float) -> list[Command]:
         """``nbytes`` landed in the buffer returned by the last :meth:`recv_buffer`."""
-        self._go(Event.READABLE)
+        self.go(Event.READABLE)
         if self.state is State.FAILED or (self.state is State.TASK_COMPLETE
-                                          and not self.recover):
+                                          and self.recovery is None):
             return []  # (a finalized rank with recovery on still serves its neighbours)
         link = self.links[peer]
         cmds: list[Command] = []
@@ -313,7 +273,7 @@ class Agent(RecoveryMixin):
                 assert active is not None
                 if link.expect < 0:
                     link.pos += nbytes
-                    self._received(active.plan, peer, link.pos)
+                    self.received(active.plan, peer, link.pos)
                     if link.remaining == 0:
                         link.mode = Mode.HEADER
                         link.filled = 0
@@ -326,8 +286,8 @@ class Agent(RecoveryMixin):
                         return cmds
                     link.mode = Mode.HEADER
                     self._verified(peer, link, active.plan)
-                self._pump(active, cmds)
-                self._maybe_complete(active, cmds)
+                self.pump(active, cmds)
+                self.maybe_complete(active, cmds)
             elif link.mode is Mode.HEADER:
                 if not link.up:
                     return cmds  # (bytes read before a link reset for corruption took effect)
@@ -355,9 +315,9 @@ class Agent(RecoveryMixin):
         except FrameCorruptError as exc:
             self._corrupted(peer, exc, now, cmds)
         except ProtocolError as exc:
-            self._fail(exc, cmds, source=peer, close=peer)
+            self.fail(exc, cmds, source=peer, close=peer)
         except (MismatchError, UnrecoverableError) as exc:
-            self._fail(exc, cmds)  # the peer that disagrees must hear it too
+            self.fail(exc, cmds)  # the peer that disagrees must hear it too
         return cmds
 
     def _drain(self, peer: int, link: Link, now: float, cmds: list[Command]) -> None:
@@ -382,8 +342,8 @@ class Agent(RecoveryMixin):
                 return
             active = self.active
             if active is not None:  # finish this call before looking at the next frame
-                self._pump(active, cmds)
-                self._maybe_complete(active, cmds)
+                self.pump(active, cmds)
+                self.maybe_complete(active, cmds)
         if link.mode is Mode.HELD:
             return  # the held frame's payload stays staged until its call starts
         if link.start == link.end:
@@ -444,7 +404,13 @@ class Agent(RecoveryMixin):
                 self._check_whole(link, link.blob)
                 self._blob_done(link, cmds)
 
-    def _received(self, plan: Plan, peer: int, pos: int) -> None:
+    def _blob_done(self, link: Link, cmds: list[Command]) -> None:
+        recovery = self.recovery
+        assert recovery is not None  # (a blob is accepted only where a fetch announced it)
+        recovery.fetches.blob_done(link, cmds)
+
+    def received(self, plan: Plan, peer: int, pos: int) -> None:
+        """``peer``'s stream of the call holds ``pos`` bytes now."""
         try:
             plan.on_received(peer, pos)
         except (ValueError, TypeError, MemoryError) as exc:
@@ -452,7 +418,7 @@ class Agent(RecoveryMixin):
             raise ProtocolError(f"cannot place the data from rank {peer}: {exc}") from None
         active = self.active
         if active is not None and active.mirror is not None and pos > active.mirrored:
-            self._mirror(active, pos)
+            Recovery.mirror(active, pos)
 
     def _place(self, peer: int, link: Link, plan: Plan, data: memoryview) -> None:
         """Copy ``data``, the next bytes of ``peer``'s stream, where they belong."""
@@ -467,7 +433,7 @@ class Agent(RecoveryMixin):
             dest[:] = data[at : at + n]
             at += n
             link.pos += n
-            self._received(plan, peer, link.pos)
+            self.received(plan, peer, link.pos)
 
     def _verified(self, peer: int, link: Link, plan: Plan) -> None:
         """A checked DATA frame landed whole, aside: its bytes go where they belong, as an
@@ -493,38 +459,17 @@ class Agent(RecoveryMixin):
         on, the link is reset like any other broken connection and the stream resumes after
         the last verified frame; a link that fails again and again, or one without recovery,
         fails the call (typed, never a wrong result)."""
-        self._recovery_stats["corrupt_frames"] += 1
+        self._corrupt_frames += 1
         link = self.links[peer]
         link.corrupt_streak += 1
         what = f"rank {self.rank}, link from rank {peer}: {exc}"
-        if not self.recover or link.corrupt_streak > MAX_CORRUPT_STREAK:
-            more = ("" if not self.recover else
+        if self.recovery is None or link.corrupt_streak > MAX_CORRUPT_STREAK:
+            more = ("" if self.recovery is None else
                     f" ({link.corrupt_streak} corrupt frames in a row on this link)")
-            self._fail(ProtocolError(what + more), cmds, source=peer, close=peer)
+            self.fail(ProtocolError(what + more), cmds, source=peer, close=peer)
             return
         cmds.append(CloseLink(peer, f"{what}: the link is reset and resumes"))
         cmds.extend(self.on_hangup(peer, f"reset after a corrupt frame: {exc}", now))
-
-    def _mirror(self, active: ActiveCall, upto: int) -> None:
-        """Copy a broadcast's received stream bytes ``[mirrored, upto)`` to the buffer that
-        will be retained for replays (``docs/recovery.md``)."""
-        plan = active.plan
-        assert isinstance(plan, TreeBroadcast) and active.mirror is not None
-        at = active.mirrored
-        dest = active.mirror.data
-        for view in plan.in_streams[plan.in_link].views(at, upto):
-            dest[at : at + len(view)] = view
-            at += len(view)
-        active.mirrored = at
-
-    def _start_mirror(self, active: ActiveCall, plan: TreeBroadcast) -> None:
-        """Recovery on, a receiving rank of a broadcast of known size: take the buffer
-        that the stream is copied to as it arrives.  Small results are kept as bytes, and
-        one larger than ``rabit2_replay_mb`` is not kept at all."""
-        total = plan.in_streams[plan.in_link].length
-        # (a larger one is never kept, nor one of a version that can no longer be replayed)
-        if SMALL_RESULT < total <= self.results.limit and self.results.wants(active.call_id):
-            active.mirror = self.results.take(total)
 
     def _dispatch_header(self, peer: int, link: Link, frame: FrameHeader, now: float,
                          cmds: list[Command]) -> None:
@@ -550,7 +495,7 @@ class Agent(RecoveryMixin):
             # the peer is still in a call this rank has finished or never made
             raise self._diverged(peer, frame.call_id, current)
         if frame.call_id > current or active is None:
-            if active is not None and self._needs_input(active, peer):
+            if active is not None and active.needs_input(peer):
                 # TCP keeps a peer's frames in order and a peer finishes sending a call before
                 # it starts the next one: a later call's frame while this call still waits
                 # for that peer's bytes means the ranks' call sequences diverged (an extra
@@ -570,20 +515,9 @@ class Agent(RecoveryMixin):
             return
         msg = decode_body(body)
         kind = msg["t"]
-        if kind == "state":
-            self._on_state(peer, link, PeerState.from_msg(msg), cmds)
-        elif kind == "need":
-            self._on_need(peer, link, call_id(msg["call"], "need.call"), msg["from"], cmds,
-                          msg["caught_up"], msg["held"])
-        elif kind == "fetch":
-            self._on_fetch(peer, msg, cmds)
-        elif kind == "reply":
-            self._on_reply(peer, link, msg, cmds)
-        elif kind == "local":
-            self._on_local(peer, link, msg, cmds)
-        elif kind == "progress":
+        if kind == "progress":
             self._on_progress(peer, msg, now, cmds)
-        else:
+        elif self.recovery is None or not self.recovery.on_control(peer, link, msg, cmds):
             raise ProtocolError(f"rank {peer} sent a {kind!r} message on a peer link")
 
     def _diverged(self, peer: int, theirs: tuple[int, int], ours: tuple[int, int]) -> MismatchError:
@@ -593,15 +527,6 @@ class Agent(RecoveryMixin):
             "or checkpoints"
         )
 
-    @staticmethod
-    def _needs_input(active: ActiveCall, peer: int) -> bool:
-        if peer in active.skip_in:
-            return False
-        stream = active.plan.in_streams.get(peer)
-        return stream is not None and (
-            active.plan.received[peer] < stream.length or active.frames_seen[peer] == 0
-        )
-
     def _size_broadcast(self, plan: TreeBroadcast, frame: FrameHeader, active: ActiveCall) -> None:
         """The first frame from the root's side says how large the broadcast is."""
         total = frame.call.total_bytes
@@ -609,9 +534,10 @@ class Agent(RecoveryMixin):
             raise ProtocolError(f"broadcast size {total} from the wire is out of bounds")
         if frame.call.root != active.desc.root or frame.call.kind is not active.desc.kind:
             return  # the descriptor check reports the mismatch
-        self._size_to(plan, total, active)
+        self.size_to(plan, total, active)
 
-    def _size_to(self, plan: TreeBroadcast, total: int, active: ActiveCall) -> None:
+    def size_to(self, plan: TreeBroadcast, total: int, active: ActiveCall) -> None:
+        """A broadcast of unknown size learned its size: lay out its streams."""
         try:
             plan.size(total)
         except (ValueError, TypeError, MemoryError) as exc:
@@ -620,13 +546,15 @@ class Agent(RecoveryMixin):
         active.desc = CallDescriptor(desc.kind, desc.dtype_code, desc.op_code, desc.root, total)
         active.prefix = data_prefix(active.desc, *active.call_id, False)
         active.prefix_checked = data_prefix(active.desc, *active.call_id, True)
-        if self.recover and plan.in_link >= 0:
-            self._start_mirror(active, plan)
+        recovery = self.recovery
+        if recovery is not None and plan.in_link >= 0:
+            recovery.start_mirror(active, plan)
         for peer in plan.out_streams:
             active.sent.setdefault(peer, 0)
         deferred, active.deferred = active.deferred, {}
         for peer, (offset, seen) in deferred.items():
-            self._apply_need(active, peer, offset, seen=seen)
+            assert recovery is not None  # (needs are deferred only with recovery on)
+            recovery.needs.apply(active, peer, offset, seen=seen)
 
     def _accept_frame(self, peer: int, link: Link, frame: FrameHeader, active: ActiveCall,
                       now: float, cmds: list[Command]) -> None:
@@ -672,7 +600,7 @@ class Agent(RecoveryMixin):
                     link.check_buf = memoryview(bytearray(CHECKED_FRAME))
         else:
             link.mode = Mode.HEADER
-            self._maybe_complete(active, cmds)
+            self.maybe_complete(active, cmds)
 
     # ------------------------------------------------------------------ calls
 
@@ -728,15 +656,16 @@ class Agent(RecoveryMixin):
         self.seqno += 1
         active = ActiveCall(call, call_id, desc, plan)
         self.active = active
-        if (self.recover and isinstance(plan, TreeBroadcast) and plan.in_link >= 0
+        recovery = self.recovery
+        if (recovery is not None and isinstance(plan, TreeBroadcast) and plan.in_link >= 0
                 and plan.sized):
-            self._start_mirror(active, plan)
+            recovery.start_mirror(active, plan)
         self.last_progress = now
         cmds: list[Command] = []
-        if not self.recover:
+        if recovery is None:
             for peer in self.dead_links:
                 if peer in plan.in_streams or peer in plan.out_streams:
-                    self._fail(self._lost(peer), cmds, source=peer)
+                    self.fail(self._lost(peer), cmds, source=peer)
                     return cmds
         held: list[int] = []
         for peer, link in self.links.items():
@@ -747,31 +676,12 @@ class Agent(RecoveryMixin):
                 held.append(peer)
             elif mode is not Mode.BLOB:
                 link.remaining = 0
-        try:
-            if self.restarted:
-                self._begin_replay(active, cmds)
-            for peer, link in self.links.items() if self._pending_states else ():
-                state = link.pending
-                if state is None or state.at > call_id:
-                    continue  # (a later call: kept until this rank begins that one)
-                link.pending = None
-                if state.at == call_id and link.up:
-                    # a peer whose link was reset waits in this call; if we were behind when
-                    # the link came up it waits to hear that we hold none of its stream.
-                    # Not if we were just before this call then: our state said so, and a
-                    # peer that is not replaying took it as "all of it" (a second need made
-                    # it send its stream twice, over bytes that had arrived)
-                    self._apply_need(active, peer, state.need, seen=state.seen)
-                    if (link.up_call != call_id and peer in plan.in_streams
-                            and (state.recovering or link.up_at < call_id)):
-                        self._send_need(peer, call_id, 0, cmds)
-        except RabitError as exc:
-            self._fail(exc, cmds)
-            return cmds
-        if self._pending_states:
-            self._pending_states = any(link.pending is not None for link in self.links.values())
-        if self._watch_replays:
-            self._hold_for_replaying(active)
+        if recovery is not None:
+            try:
+                recovery.begin(active, cmds)
+            except RabitError as exc:
+                self.fail(exc, cmds)
+                return cmds
         # frames of this call that arrived early were held: replay their headers now
         for peer in held:
             link = self.links[peer]
@@ -785,31 +695,29 @@ class Agent(RecoveryMixin):
                         self._take_staged(peer, link, now, cmds)
                         self._drain(peer, link, now, cmds)
                     except (MismatchError, UnrecoverableError) as exc:
-                        self._fail(exc, cmds)
+                        self.fail(exc, cmds)
                         return cmds
                     except FrameCorruptError as exc:
                         self._corrupted(peer, exc, now, cmds)
                         continue
                     except ProtocolError as exc:
-                        self._fail(exc, cmds, source=peer, close=peer)
+                        self.fail(exc, cmds, source=peer, close=peer)
                         return cmds
                     cmds.append(ResumeReading(peer))
-                elif link.frame.call_id < call_id or self._needs_input(active, peer):
+                elif link.frame.call_id < call_id or active.needs_input(peer):
                     # this rank skipped the call that frame belongs to, or the peer already
                     # moved past this call although this call needs its bytes
-                    self._fail(self._diverged(peer, link.frame.call_id, call_id), cmds)
+                    self.fail(self._diverged(peer, link.frame.call_id, call_id), cmds)
                     return cmds
         if self.active is not active:
             return cmds
-        if self.recover and self.dead_links:
-            for p in plan.in_streams:
-                if not self.links[p].up:
-                    self._skip_announce(active, p)
-        if self.dead_links and any(not self.links[p].up and self._needs_input(active, p)
+        if recovery is not None and self.dead_links:
+            recovery.skip_lost(active)
+        if self.dead_links and any(not self.links[p].up and active.needs_input(p)
                                    for p in plan.in_streams):
-            self._go(Event.PEER_DOWN)  # a lost neighbour's input: wait for its replacement
-        self._pump(active, cmds)
-        self._maybe_complete(active, cmds)
+            self.go(Event.PEER_DOWN)  # a lost neighbour's input: wait for its replacement
+        self.pump(active, cmds)
+        self.maybe_complete(active, cmds)
         return cmds
 
     def _plan(self, call: Call) -> Plan:
@@ -828,18 +736,15 @@ class Agent(RecoveryMixin):
                 # the plan fills the buffer that is then retained as it makes the result
                 # (not a result too large to be kept, except at world size 2, where that
                 # buffer also stages the allgather for the resume's sake)
-                keep = (self.results.take(len(call.buf)).data
-                        if self.recover and (self.world == 2 or (
-                            self.results.fits(len(call.buf))
-                            and self.results.wants((self.version, self.seqno))))
-                        else None)
+                keep = (self.recovery.ring_keep(len(call.buf), (self.version, self.seqno))
+                        if self.recovery is not None else None)
                 return RingAllreduce(call.buf, call.dtype, call.op, self.rank, self.world,
                                      self._scratch, keep)
             topo = topology(self.rank, self.world)
             # with recovery on, the root's children stage its result (docs/recovery.md)
             return TreeAllreduce(call.buf, call.dtype, call.op, topo.parent, topo.children,
                                  self._scratch, self.tree_chunk,
-                                 stage_down=self.recover and topo.parent == 0)
+                                 stage_down=self.recovery is not None and topo.parent == 0)
         if kind is CollectiveKind.BROADCAST:
             in_link, out_links = broadcast_route(self.rank, call.root, self.world)
             if call.receive is not None and in_link < 0:
@@ -847,31 +752,6 @@ class Agent(RecoveryMixin):
             return TreeBroadcast(list(call.pieces) or [call.buf], in_link, out_links,
                                  call.receive, call.head_size)
         return RingAllgather(call.buf, call.blocks, self.rank, self.world)
-
-    def _retain(self, active: ActiveCall) -> None:
-        """Keep the result for replays: a ring filled its buffer as it made the result
-        (only what a resume fetched into its own segment is copied now); a broadcast
-        receiver copied its stream while it arrived; the rest is copied now."""
-        plan = active.plan
-        if active.mirror is not None:
-            assert isinstance(plan, TreeBroadcast)
-            self._mirror(active, plan.in_streams[plan.in_link].length)
-            self.results.keep(active.call_id, active.desc, active.mirror)
-            return
-        if not isinstance(plan, RingAllreduce) or plan.keep is None or active.final:
-            self.results.add(active.call_id, active.desc, self._result_pieces(active))
-            return
-        keep = plan.keep
-        if plan.own_fetched:
-            lo, hi = plan.own_segment
-            keep[lo:hi] = active.call.buf[lo:hi]
-        # the very array the store handed out (``take(...).data``), not a new array over
-        # it: buffers are recycled call after call, and each such wrapper would hold the
-        # previous one, a chain that grows without bound and overflows the C stack when it
-        # is finally freed
-        blob = keep.obj
-        assert isinstance(blob, np.ndarray) and blob.nbytes == keep.nbytes
-        self.results.keep(active.call_id, active.desc, blob)
 
     def _scratch(self, peer: int, nbytes: int) -> memoryview:
         """The link's scratch.  Once a call needs 1 MiB or more of it, it is allocated at the
@@ -892,7 +772,7 @@ class Agent(RecoveryMixin):
             link.send_scratch = np.empty(nbytes, dtype=np.uint8)
         return link.send_scratch.data[:nbytes]
 
-    def _pump(self, active: ActiveCall, cmds: list[Command]) -> None:
+    def pump(self, active: ActiveCall, cmds: list[Command]) -> None:
         """Send every out-stream byte that has become ready."""
         if active.fetching or active.resume_wait is not None:
             return  # a restarted rank sends nothing until the result it resumes from is in
@@ -937,7 +817,7 @@ class Agent(RecoveryMixin):
                 sent = end
             active.sent[peer] = sent
 
-    def _maybe_complete(self, active: ActiveCall, cmds: list[Command]) -> None:
+    def maybe_complete(self, active: ActiveCall, cmds: list[Command]) -> None:
         if self.active is not active:
             return  # already completed (or failed) earlier in this event
         if active.fetching or active.resume_wait is not None:
@@ -948,7 +828,7 @@ class Agent(RecoveryMixin):
                 return
             if 0 in active.frames_seen.values():
                 return
-        elif any(self._needs_input(active, p) for p in plan.in_streams):
+        elif any(active.needs_input(p) for p in plan.in_streams):
             return
         for peer, stream in plan.out_streams.items():
             link = self.links[peer]
@@ -964,17 +844,9 @@ class Agent(RecoveryMixin):
                 return
         self.active = None
         self._calls_completed += 1
-        if self.recover:
-            version = active.call_id[0]
-            if version > self._version_joined and active.desc.kind in _EVERY_RANK_CONTRIBUTES:
-                # every rank contributed to this call, so every rank has taken checkpoint
-                # ``version``: a restart resumes there or later, and the results of older
-                # versions can go now rather than at the next checkpoint (their buffers then
-                # serve this version's results: docs/recovery.md, "Versions")
-                self._version_joined = version
-                self.results.clear_before((version, 0))
-            self._retain(active)
-        self._go(Event.OP_COMPLETE)
+        if self.recovery is not None:
+            self.recovery.on_complete(active, active.desc.kind in _EVERY_RANK_CONTRIBUTES)
+        self.go(Event.OP_COMPLETE)
         cmds.append(CallComplete(active.call_id))
 
     # ------------------------------------------------------------------ checkpoints
@@ -983,62 +855,122 @@ class Agent(RecoveryMixin):
         """Start a new version: sequence numbers restart at zero (rabit's call identity).
 
         With recovery on, ``blob`` (the pickled global model, or a function that pickles it
-        when a restarted neighbour asks) is kept for :data:`GENERATIONS` versions, and so
-        are the results of the calls made in them."""
+        when a restarted neighbour asks) is kept for two versions, and so are the results
+        of the calls made in them."""
         if self.active is not None:
             raise RabitError("checkpoint inside a collective")
         self.version += 1
         self.seqno = 0
-        # past a checkpoint of its own, a version-0 choice at load was right (it would have
-        # failed in a call of version 0 otherwise): a later state says nothing about it
-        self._no_live_incs = {}
-        if self.recover:
-            if blob is not None:
-                self.checkpoints[self.version] = blob
-            keep_from = self.version - GENERATIONS + 1
-            if self.lost_in_version:
-                # a lost neighbour, run ahead of, may resume from the version before the one
-                # it was last seen in (for want of its local model of that one): keep it
-                keep_from = min(keep_from, min(self.lost_in_version.values()) - 1)
-            for old in [v for v in self.checkpoints if v < keep_from]:
-                del self.checkpoints[old]
-            self.results.on_checkpoint(self.version, keep_from)
+        if self.recovery is not None:
+            self.recovery.on_checkpoint(self.version, blob)
         return self.version
 
-    # ------------------------------------------------------------------ failures
+    def push_local(self, local: bytes) -> list[Command]:
+        """With recovery on, hand this rank's local model of the current version to the next
+        ``local_replica`` ranks of the ring (not waited for: see ``load_checkpoint``)."""
+        cmds: list[Command] = []
+        if self.recovery is not None:
+            self.recovery.replicas.push(local, cmds)
+        return cmds
+
+    def load_checkpoint(self, with_local: bool = False) -> list[Command]:
+        """A restarted rank asks its neighbours for the checkpoint it resumes from (and, with
+        ``with_local``, for its own local model, which the ring's next rank holds); the
+        answer comes as :class:`CheckpointLoaded`.  Raises :class:`UnrecoverableError` if no
+        live neighbour holds what is needed."""
+        if self.error is not None:
+            raise self.error  # e.g. the job was aborted while this worker started
+        cmds: list[Command] = []
+        if self.recovery is not None:
+            self.recovery.replay.load_checkpoint(with_local, cmds)
+        elif self.version and not with_local:
+            raise UnrecoverableError(f"no live neighbour of rank {self.rank} holds "
+                                     f"checkpoint version {self.version} (recovery is off)")
+        else:
+            self.version = self.seqno = 0
+            cmds.append(CheckpointLoaded(0, None))
+        return cmds
+
+    def fail_load(self, error: UnrecoverableError) -> list[Command]:
+        """:meth:`load_checkpoint` raised ``error``: this rank fails with it (the neighbours
+        hear it, so they stop waiting for this rank's replay)."""
+        cmds: list[Command] = []
+        self.fail(error, cmds)  # (no-op for a rank that failed already)
+        return cmds
+
+    # ------------------------------------------------------------------ links
+
+    def on_link_up(self, peer: int, incarnation: int, now: float,
+                   checked: bool | None = None) -> list[Command]:
+        """A (new) connection to ``peer`` is ready: tell it where this rank stands.
+        ``checked``: whether the frames sent on it carry payload checksums (None: this
+        agent's default).
+
+        Called for every link at ``init`` and again whenever a lost neighbour's
+        replacement (or the same process, after a reset) connects.  Framing starts afresh;
+        a call in progress sends nothing more to ``peer`` until ``peer`` says with a
+        ``need`` from which offset it wants this rank's stream (``docs/recovery.md``)."""
+        self.go(Event.LINK_UP)
+        cmds: list[Command] = []
+        link = self.links[peer]
+        if incarnation < link.incarnation:
+            raise ProtocolError(f"rank {peer} came back as incarnation {incarnation} after "
+                                f"{link.incarnation}")
+        was_down = not link.up
+        same_process = incarnation == link.incarnation
+        link.incarnation = incarnation
+        link.checked = self.checked if checked is None else checked
+        link.up = True
+        link.state = link.pending = link.need_sent = None
+        self.dead_links.pop(peer, None)
+        active = self.active
+        link.reset_framing(active.plan.received.get(peer, 0) if active is not None else 0)
+        link.up_call = active.call_id if active is not None else None
+        link.up_at = link.up_call or (self.version, self.seqno)
+        recovery = self.recovery
+        if recovery is not None:
+            try:
+                recovery.link_up(peer, link, was_down, same_process, cmds)
+            except RabitError as exc:
+                self.fail(exc, cmds)
+                return cmds
+            event = recovery.resume_event()
+            if event is not None:
+                self.go(event)
+        del now
+        return cmds
+
+    def states_known(self) -> bool:
+        """Every neighbour has sent its state (a restarted rank waits for this in init)."""
+        return self.recovery is None or self.recovery.states_known()
 
     def on_hangup(self, peer: int, reason: str, now: float) -> list[Command]:
         """The link to ``peer`` closed or failed."""
-        self._go(Event.HANGUP)
+        self.go(Event.HANGUP)
         cmds: list[Command] = []
+        recovery = self.recovery
         if peer in self.dead_links or self.state is State.FAILED or (
-                self.state is State.TASK_COMPLETE and not self.recover):
+                self.state is State.TASK_COMPLETE and recovery is None):
             return cmds
         self.dead_links[peer] = reason
         active = self.active
-        if not self.recover:
+        if recovery is None:
             # a peer that finished its last call closes its links; that is only an error if
             # the call in progress still needs that link
-            if active is not None and self._needs(active, peer):
-                self._fail(self._lost(peer), cmds, source=peer)
+            if active is not None and active.needs(peer):
+                self.fail(self._lost(peer), cmds, source=peer)
             return cmds
-        link = self.links[peer]
-        link.up = False
-        link.awaiting_need = False
-        self.down_since[peer] = now
-        self._drop_stand_in(link, peer)
         try:
-            for fetch in [f for f in self._fetches.values() if f.peer == peer]:
-                self._refetch(fetch, cmds, park=True)
+            recovery.link_down(peer, self.links[peer], now, cmds)
         except RabitError as exc:
-            self._fail(exc, cmds)
+            self.fail(exc, cmds)
             return cmds
         if active is not None and self.active is active:
-            if self._needs_input(active, peer):
+            if active.needs_input(peer):
                 if self.state is not State.PEER_ERROR:
-                    self._go(Event.PEER_DOWN)  # wait for the replacement, only on this input
+                    self.go(Event.PEER_DOWN)  # wait for the replacement, only on this input
             else:
-                self._maybe_complete(active, cmds)  # its share is served later, if at all
+                self.maybe_complete(active, cmds)  # its share is served later, if at all
         return cmds
 
     def on_peer_dead(self, peer: int, now: float) -> list[Command]:
@@ -1047,46 +979,22 @@ class Agent(RecoveryMixin):
         reconnecting and going on (a reset).  From here this rank runs ahead of it."""
         cmds: list[Command] = []
         link = self.links.get(peer)
-        if not self.recover or link is None or link.up or self.state in (
+        recovery = self.recovery
+        if recovery is None or link is None or link.up or self.state in (
                 State.FAILED, State.TASK_COMPLETE):
             return cmds
-        # (the version of the last call it sent a frame of: it got that far at least)
-        self.lost_in_version.setdefault(peer, link.seen_version)
+        recovery.peer_dead(peer, link)
         active = self.active
         if active is not None:
-            self._skip_announce(active, peer)
-            self._maybe_complete(active, cmds)
+            recovery.skip_announce(active, peer)
+            self.maybe_complete(active, cmds)
         del now
         return cmds
-
-    def _skip_announce(self, active: ActiveCall, peer: int) -> None:
-        """A lost neighbour owes this call nothing but the empty frame that announces it (a
-        broadcast child towards the root): do not wait for it.  What this rank owes it waits
-        in the result store, and the replacement's call is checked against it when it
-        replays.  Only for a leaf of the tree (its replay of a broadcast is a copy of this
-        rank's result, with nobody to forward to), and only in the version it was last seen
-        in: beyond that, the call waits for the replacement (how far survivors run ahead,
-        docs/recovery.md)."""
-        if (active.plan.in_streams.get(peer) is EMPTY and not active.frames_seen.get(peer)
-                and active.call_id[0] <= self.lost_in_version.get(peer, -1)
-                and not topology(peer, self.world).children):
-            active.skip_in.add(peer)
 
     def _lost(self, peer: int) -> PeerLostError:
         return PeerLostError(
             f"rank {self.rank}: link to rank {peer} lost ({self.dead_links[peer]})"
         )
-
-    @staticmethod
-    def _needs(active: ActiveCall, peer: int) -> bool:
-        if Agent._needs_input(active, peer):
-            return True
-        out = active.plan.out_streams.get(peer)
-        if out is None:
-            return False
-        if out.length == 0:
-            return peer not in active.started_empty
-        return active.sent.get(peer, 0) < out.length
 
     def on_send_progress(self, now: float) -> None:
         """The I/O layer saw bytes of this rank leave on a link (the kernel took some of
@@ -1098,13 +1006,13 @@ class Agent(RecoveryMixin):
     def on_tick(self, now: float) -> list[Command]:
         """Check the deadlines: no byte moved for ``timeout`` seconds, or a lost input not
         back within ``recover_timeout``, fails the call."""
-        self._go(Event.TIMEOUT)
+        self.go(Event.TIMEOUT)
         cmds: list[Command] = []
         active = self.active
         if active is None:
             return cmds
         if now - self.last_progress > self.timeout:
-            self._fail(
+            self.fail(
                 CollectiveTimeoutError(
                     f"rank {self.rank}: no progress in call {active.call_id} for "
                     f"{self.timeout:g} s"
@@ -1112,12 +1020,10 @@ class Agent(RecoveryMixin):
                 cmds,
             )
             return cmds
-        for peer, since in self.down_since.items():
-            if now - since > self.recover_timeout and self._needs_input(active, peer):
-                self._fail(PeerLostError(
-                    f"rank {self.rank}: rank {peer} did not come back within "
-                    f"{self.recover_timeout:g} s ({self.dead_links.get(peer, 'lost')})"), cmds)
-                return cmds
+        late = self.recovery.check_deadline(active, now) if self.recovery is not None else None
+        if late is not None:
+            self.fail(late, cmds)
+            return cmds
         self._tell_progress(active, now, cmds)
         return cmds
 
@@ -1140,7 +1046,7 @@ class Agent(RecoveryMixin):
                     and now - link.progress_told >= spacing
                     and (peer in plan.in_streams or peer in plan.out_streams)):
                 link.progress_told = now
-                self._send_control(peer, msg, cmds)
+                self.send_control(peer, msg, cmds)
 
     def _on_progress(self, peer: int, msg: dict[str, Any], now: float,
                      cmds: list[Command]) -> None:
@@ -1164,21 +1070,21 @@ class Agent(RecoveryMixin):
         if self.state is State.IDLE:
             self.error = JobAbortedError(reason)
             return cmds
-        self._fail(JobAbortedError(reason), cmds, flood=False)
+        self.fail(JobAbortedError(reason), cmds, flood=False)
         return cmds
 
     def _remote_error(self, peer: int, error_type: str, reason: str, origin: int,
                       cmds: list[Command]) -> None:
-        self._go(Event.PRIORITY)
+        self.go(Event.PRIORITY)
         if self.error is not None:
             return
         error = _ERROR_CLASSES[error_type](f"{reason} (reported by rank {origin})")
         self._record_failure(error, cmds, source=peer, origin=origin, reason=reason)
 
-    def _fail(self, error: RabitError, cmds: list[Command], *, source: int = -1,
+    def fail(self, error: RabitError, cmds: list[Command], *, source: int = -1,
               close: int = -1, flood: bool = True) -> None:
         if self.state not in (State.FAILED, State.TASK_COMPLETE):
-            self._go(Event.OP_FAILED if self.state is not State.READY else Event.PRIORITY)
+            self.go(Event.OP_FAILED if self.state is not State.READY else Event.PRIORITY)
         if close >= 0:
             cmds.append(CloseLink(close, str(error)))
         if self.error is not None:
@@ -1214,4 +1120,53 @@ class Agent(RecoveryMixin):
     def statistics(self) -> AgentStats:
         return AgentStats(self.state.value, self._calls_completed, self._bytes_sent,
                           self._bytes_received, self._frames_sent, self._frames_received)
+
+    def recovery_statistics(self) -> dict[str, int]:
+        """Counters of the recovery protocol (links re-established, bytes fetched for
+        replay, bytes resent because a receiver asked for them again, calls replayed from a
+        neighbour's result, calls resumed at an offset; all 0 with recovery off) and of the
+        frames that failed their checksum."""
+        stats = (self.recovery.statistics() if self.recovery is not None else
+                 {"links_up": 0, "fetched_bytes": 0, "resent_bytes": 0, "replayed_calls": 0,
+                  "resumed_calls": 0})
+        stats["corrupt_frames"] = self._corrupt_frames
+        return stats
+
+    def assigned(self, incarnation: int) -> None:
+        """The tracker counts this process as ``incarnation`` of its task: from 1 on it
+        replaces a lost one and, with recovery on, replays (its neighbours' states first)."""
+        self.incarnation = incarnation
+        if self.recovery is not None and incarnation > 0:
+            self.recovery.replay.restarted = True
+
+    @property
+    def replay_overflow(self) -> int:
+        """The latest version whose results outgrew ``rabit2_replay_mb`` (-1: none)."""
+        return self.recovery.results.overflowed if self.recovery is not None else -1
+
+    @property
+    def restarted(self) -> bool:
+        """This rank replaces a lost one and has not caught up with its neighbours yet."""
+        return self.recovery is not None and self.recovery.replay.restarted
+
+    def replays(self) -> bool:
+        """True if the next call's result will be fetched from a neighbour (a restarted
+        rank replaying a call the others finished): ``prepare_fun`` is not called then."""
+        return self.recovery is not None and self.recovery.replay.replays_next()
+
+    # ------------------------------------------------------------------ sending
+
+    def send_control(self, peer: int, msg: dict[str, Any], cmds: list[Command]) -> None:
+        """Send a CONTROL frame carrying ``msg`` (checked on a link that checks)."""
+        body = encode_body(msg)
+        crc = checksum(body) if self.links[peer].checked else None
+        header = pack_header(FrameKind.CONTROL, NO_CALL, self.version, self.seqno, 0,
+                             len(body), self.incarnation, crc)
+        self.send_frame(peer, [header, body], cmds)
+
+    def send_frame(self, peer: int, parts: Sequence[bytes | memoryview],
+                   cmds: list[Command]) -> None:
+        """Send one frame: a packed header and its payload."""
+        cmds.append(Send(peer, list(parts)))
+        self._frames_sent += 1
 

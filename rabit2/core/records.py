@@ -1,8 +1,9 @@
 """What the agent hands out and keeps: the commands it returns to the I/O layer, the calls
 the API hands it, and its records of each link and of the call in progress.
 
-Pure data (no behaviour beyond small helpers): ``rabit2.core.agent`` and
-``rabit2.core.agent_recovery`` change these records; nothing here reads a clock or a socket.
+Pure data (no behaviour beyond small helpers): ``rabit2.core.agent`` and the recovery
+component (``rabit2.core.recovery``) change these records; nothing here reads a clock or a
+socket.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from rabit2.core.framing import (
     data_prefix,
 )
 from rabit2.core.ops import Op
-from rabit2.core.recovery import CallId, PeerState
+from rabit2.core.recovery.peer_state import PeerState
+from rabit2.core.recovery.store import CallId
 from rabit2.core.schedule import PayloadFn, Plan
 from rabit2.errors import RabitError
 
@@ -263,3 +265,23 @@ class ActiveCall:
         # bytes arrive (while they are in cache, and while the sender is still sending)
         self.mirror: np.ndarray | None = None
         self.mirrored = 0
+
+    def needs_input(self, peer: int) -> bool:
+        """The call still waits for bytes (or the first, announcing frame) from ``peer``."""
+        if peer in self.skip_in:
+            return False
+        stream = self.plan.in_streams.get(peer)
+        return stream is not None and (
+            self.plan.received[peer] < stream.length or self.frames_seen[peer] == 0
+        )
+
+    def needs(self, peer: int) -> bool:
+        """The call still needs the link to ``peer``: input from it, or output to it."""
+        if self.needs_input(peer):
+            return True
+        out = self.plan.out_streams.get(peer)
+        if out is None:
+            return False
+        if out.length == 0:
+            return peer not in self.started_empty
+        return self.sent.get(peer, 0) < out.length

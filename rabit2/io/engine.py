@@ -381,9 +381,8 @@ class Engine:
             for rank, address in self._recovered_at.items():  # (notices that came first)
                 if rank in assignment.peers:
                     assignment.peers[rank] = address
-            self.agent.incarnation = assignment.incarnation
             # a restarted worker replays: it learns its neighbours' states first
-            self.agent.restarted = cfg.recover and assignment.incarnation > 0
+            self.agent.assigned(assignment.incarnation)
             self._raise_if_failed()  # the tracker may have aborted the job meanwhile
             self.agent.connect_tracker(assignment.rank, assignment.world_size)
             topo = topology(assignment.rank, assignment.world_size)
@@ -709,7 +708,7 @@ class Engine:
                     for buf in cmd.buffers:
                         link.transport.write(buf)
             elif isinstance(cmd, CallComplete):
-                if self.agent.results.overflowed >= 0 and not self._overflow_told:
+                if self.agent.replay_overflow >= 0 and not self._overflow_told:
                     self._tell_overflow()
                 if self._kill_at >= 0:
                     self._inject_fault()  # fewer bytes arrived than asked: fail at the end
@@ -758,7 +757,7 @@ class Engine:
             "rank %d: the results of version %d outgrew rabit2_replay_mb (%d MiB): a worker "
             "lost before the next checkpoint cannot be recovered; checkpoint more often or "
             "raise rabit2_replay_mb (said once)", self.agent.rank,
-            self.agent.results.overflowed, self.config.replay_mb)
+            self.agent.replay_overflow, self.config.replay_mb)
 
     def damage(self, peer: int, nbytes: int, landed: memoryview) -> None:
         """``mock=...,after_bytes,peer,1``: flip the bits of the last byte that just landed
