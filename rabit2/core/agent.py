@@ -21,31 +21,23 @@ from typing import Any
 import numpy as np
 
 from rabit2.core import fsm, schedule
-from rabit2.core.control import decode_body, encode_body
+from rabit2.core.control import encode_body
 from rabit2.core.framing import (
-    CALL_PREFIX_SIZE,
     CHECKED_FRAME,
-    HEADER_SIZE,
-    MAX_BROADCAST,
     MAX_PAYLOAD,
     NONE_U8,
     NONE_U16,
     UNKNOWN_TOTAL,
     CallDescriptor,
     CollectiveKind,
-    FrameCorruptError,
-    FrameHeader,
     FrameKind,
     checksum,
-    data_prefix,
-    decode_error,
     encode_error,
     pack_header,
-    parse_header,
-    unpack_tail,
 )
 from rabit2.core.fsm import TRANSITIONS
 from rabit2.core.ops import dtype_code
+from rabit2.core.pair import Receiver
 from rabit2.core.records import (
     CALL_EVENTS,
     NO_CALL,
@@ -135,9 +127,6 @@ tree's extra bytes at the root (or, at world size 2, than the pair exchange's co
 about here; measured in ``bench/README.md`` ("Tree or ring")."""
 SCRATCH_RESERVE_FROM = 1 << 20
 """A link scratch this large or larger is allocated at the landing ring's size at least."""
-MAX_CORRUPT_STREAK = 8
-"""Corrupt frames in a row on one link after which the call fails instead of resetting the
-link once more (a link that damages every frame will not heal by being reset)."""
 
 
 class Agent:
@@ -174,16 +163,13 @@ class Agent:
         self.seqno = 0
         self.links: dict[int, Link] = {}
         self.dead_links: dict[int, str] = {}
-        self._discard = memoryview(bytearray(64 * 1024))
         self.active: ActiveCall | None = None
         self.error: RabitError | None = None
         self.last_progress = 0.0
         self._calls_completed = 0
         self._bytes_sent = 0
-        self._bytes_received = 0
         self._frames_sent = 0
-        self._frames_received = 0
-        self._corrupt_frames = 0
+        self.receiver = Receiver(self)
         # present only with recovery on (docs/recovery.md)
         self.recovery = (Recovery(self, timeout=recover_timeout, retain_bytes=retain_bytes,
                                   local_replica=local_replica) if recover else None)
@@ -232,375 +218,23 @@ class Agent:
 
     def recv_buffer(self, peer: int) -> memoryview:
         """Where the next bytes from ``peer`` must land (never empty)."""
-        if self.error is not None:
-            return self._discard  # after a failure nothing read from a peer is used
-        link = self.links[peer]
-        mode = link.mode
-        if mode is Mode.PAYLOAD:
-            active = self.active
-            assert active is not None
-            if link.expect >= 0:  # a checked frame lands aside until it is verified
-                return link.check_buf[link.filled : link.filled + link.remaining]
-            return active.plan.in_streams[peer].view(link.pos, link.remaining)
-        if not link.up:
-            return self._discard  # a link reset for corruption, until it closes
-        if mode is Mode.BODY:
-            return memoryview(link.error_buf)[link.filled :]
-        if mode is Mode.BLOB:
-            return link.blob[link.filled : link.filled + link.remaining]
-        # HEADER (HELD only if the loop delivers bytes it read before the pause took effect,
-        # which on_bytes reports as a protocol breach)
-        return link.stage[link.end :]
+        return self.receiver.recv_buffer(peer)
 
     def discard_buffer(self) -> memoryview:
         """Where bytes of a connection that was replaced go (they are never looked at)."""
-        return self._discard
+        return self.receiver.discard_buffer()
 
     def on_bytes(self, peer: int, nbytes: int, now: float) -> list[Command]:
         """``nbytes`` landed in the buffer returned by the last :meth:`recv_buffer`."""
-        self.go(Event.READABLE)
-        if self.state is State.FAILED or (self.state is State.TASK_COMPLETE
-                                          and self.recovery is None):
-            return []  # (a finalized rank with recovery on still serves its neighbours)
-        link = self.links[peer]
-        cmds: list[Command] = []
-        try:
-            if link.mode is Mode.PAYLOAD:
-                self._bytes_received += nbytes  # payload only, like bytes_sent
-                self.last_progress = now
-                link.remaining -= nbytes
-                active = self.active
-                assert active is not None
-                if link.expect < 0:
-                    link.pos += nbytes
-                    self.received(active.plan, peer, link.pos)
-                    if link.remaining == 0:
-                        link.mode = Mode.HEADER
-                        link.filled = 0
-                else:
-                    # a checked frame: no byte of it is used before all of it is verified
-                    at = link.filled
-                    link.filled += nbytes
-                    link.crc = checksum(link.check_buf[at : link.filled], link.crc)
-                    if link.remaining:
-                        return cmds
-                    link.mode = Mode.HEADER
-                    self._verified(peer, link, active.plan)
-                self.pump(active, cmds)
-                self.maybe_complete(active, cmds)
-            elif link.mode is Mode.HEADER:
-                if not link.up:
-                    return cmds  # (bytes read before a link reset for corruption took effect)
-                link.end += nbytes
-                self._drain(peer, link, now, cmds)
-            elif link.mode is Mode.BODY:
-                link.filled += nbytes
-                if link.filled == len(link.error_buf):
-                    link.mode, link.filled = Mode.HEADER, 0
-                    self._check_whole(link, link.error_buf)
-                    self._on_body(peer, link, now, cmds)
-                else:
-                    return cmds
-                self._drain(peer, link, now, cmds)
-            elif link.mode is Mode.BLOB:
-                self.last_progress = now
-                link.filled += nbytes
-                link.remaining -= nbytes
-                if not link.remaining:
-                    self._check_whole(link, link.blob)
-                    self._blob_done(link, cmds)
-                    self._drain(peer, link, now, cmds)
-            else:
-                raise ProtocolError(f"bytes from rank {peer} while its link is held")
-        except FrameCorruptError as exc:
-            self._corrupted(peer, exc, now, cmds)
-        except ProtocolError as exc:
-            self.fail(exc, cmds, source=peer, close=peer)
-        except (MismatchError, UnrecoverableError) as exc:
-            self.fail(exc, cmds)  # the peer that disagrees must hear it too
-        return cmds
-
-    def _drain(self, peer: int, link: Link, now: float, cmds: list[Command]) -> None:
-        """Consume every complete frame in the staging buffer (and the payload with it)."""
-        stage = link.stage
-        while link.mode is Mode.HEADER and link.end - link.start >= HEADER_SIZE:
-            start = link.start
-            active = self.active
-            link.start += HEADER_SIZE
-            self._frames_received += 1
-            if active is not None and stage[start : start + CALL_PREFIX_SIZE] == (
-                    active.prefix_checked if link.checked else active.prefix):
-                # fast path: a DATA frame of the current call (the common case)
-                offset, length, crc = unpack_tail(stage, start)
-                self._accept_data(peer, link, offset, length, crc if link.checked else None,
-                                  active, now, cmds)
-            else:
-                frame = parse_header(stage[start : start + HEADER_SIZE])
-                self._dispatch_header(peer, link, frame, now, cmds)
-            self._take_staged(peer, link, now, cmds)
-            if self.error is not None:
-                return
-            active = self.active
-            if active is not None:  # finish this call before looking at the next frame
-                self.pump(active, cmds)
-                self.maybe_complete(active, cmds)
-        if link.mode is Mode.HELD:
-            return  # the held frame's payload stays staged until its call starts
-        if link.start == link.end:
-            link.start = link.end = 0
-        elif link.start:
-            # keep the partial header, at the front so the next read has room
-            size = link.end - link.start
-            stage[:size] = stage[link.start : link.end]
-            link.start, link.end = 0, size
-        # (every frame consumed above was followed by a pump; a partial header changes nothing)
-
-    def _take_staged(self, peer: int, link: Link, now: float, cmds: list[Command]) -> None:
-        """Move the staged bytes of the current frame's payload where they belong."""
-        avail = link.end - link.start
-        if not avail:
-            return
-        if link.mode is Mode.PAYLOAD:
-            active = self.active
-            assert active is not None
-            plan = active.plan
-            take = min(avail, link.remaining)
-            if link.expect >= 0:  # a checked frame: aside until it is whole and verified
-                at = link.filled
-                link.check_buf[at : at + take] = link.stage[link.start : link.start + take]
-                link.filled += take
-                link.crc = checksum(link.check_buf[at : link.filled], link.crc)
-                link.start += take
-            else:
-                self._place(peer, link, plan, link.stage[link.start : link.start + take])
-                link.start += take
-            link.remaining -= take
-            self._bytes_received += take
-            self.last_progress = now
-            if not link.remaining:
-                link.mode = Mode.HEADER
-                if link.expect >= 0:
-                    self._verified(peer, link, plan)
-        elif link.mode is Mode.BODY:
-            take = min(avail, len(link.error_buf) - link.filled)
-            link.error_buf[link.filled : link.filled + take] = link.stage[
-                link.start : link.start + take
-            ]
-            link.start += take
-            link.filled += take
-            if link.filled == len(link.error_buf):
-                link.mode, link.filled = Mode.HEADER, 0
-                self._check_whole(link, link.error_buf)
-                self._on_body(peer, link, now, cmds)
-        elif link.mode is Mode.BLOB:
-            take = min(avail, link.remaining)
-            link.blob[link.filled : link.filled + take] = link.stage[
-                link.start : link.start + take
-            ]
-            link.start += take
-            link.filled += take
-            link.remaining -= take
-            if not link.remaining:
-                self._check_whole(link, link.blob)
-                self._blob_done(link, cmds)
-
-    def _blob_done(self, link: Link, cmds: list[Command]) -> None:
-        recovery = self.recovery
-        assert recovery is not None  # (a blob is accepted only where a fetch announced it)
-        recovery.fetches.blob_done(link, cmds)
+        return self.receiver.on_bytes(peer, nbytes, now)
 
     def received(self, plan: Plan, peer: int, pos: int) -> None:
         """``peer``'s stream of the call holds ``pos`` bytes now."""
-        try:
-            plan.on_received(peer, pos)
-        except (ValueError, TypeError, MemoryError) as exc:
-            # a broadcast head that names no valid array, or a size that cannot be allocated
-            raise ProtocolError(f"cannot place the data from rank {peer}: {exc}") from None
-        active = self.active
-        if active is not None and active.mirror is not None and pos > active.mirrored:
-            Recovery.mirror(active, pos)
-
-    def _place(self, peer: int, link: Link, plan: Plan, data: memoryview) -> None:
-        """Copy ``data``, the next bytes of ``peer``'s stream, where they belong."""
-        at, size = 0, len(data)
-        while at < size:
-            # the plan may lay out the rest of its stream once a piece is complete
-            dest = plan.in_streams[peer].view(link.pos, size - at)
-            n = len(dest)
-            if not n:
-                raise ProtocolError(f"rank {peer} sent bytes at offset {link.pos} that have "
-                                    "no place yet")
-            dest[:] = data[at : at + n]
-            at += n
-            link.pos += n
-            self.received(plan, peer, link.pos)
-
-    def _verified(self, peer: int, link: Link, plan: Plan) -> None:
-        """A checked DATA frame landed whole, aside: its bytes go where they belong, as an
-        unchecked frame's would have, only if its checksum holds.  (Landing them in place
-        first would overwrite bytes the plan may still need if the frame proves damaged or
-        the link breaks half way, such as a tree's partial sums.)"""
-        if link.crc != link.expect:
-            raise FrameCorruptError(f"a data frame at stream offset {link.pos} failed its "
-                                    "checksum")
-        link.corrupt_streak = 0
-        filled, link.filled = link.filled, 0
-        self._place(peer, link, plan, link.check_buf[:filled])
-
-    @staticmethod
-    def _check_whole(link: Link, body: bytes | bytearray | memoryview) -> None:
-        """A checked CONTROL, ERROR or BLOB payload landed whole: verify it before use."""
-        if link.expect >= 0 and checksum(body) != link.expect:
-            raise FrameCorruptError("a control, error or blob frame failed its checksum")
-
-    def _corrupted(self, peer: int, exc: FrameCorruptError, now: float,
-                   cmds: list[Command]) -> None:
-        """A frame from ``peer`` failed its checksum: nothing of it was used.  With recovery
-        on, the link is reset like any other broken connection and the stream resumes after
-        the last verified frame; a link that fails again and again, or one without recovery,
-        fails the call (typed, never a wrong result)."""
-        self._corrupt_frames += 1
-        link = self.links[peer]
-        link.corrupt_streak += 1
-        what = f"rank {self.rank}, link from rank {peer}: {exc}"
-        if self.recovery is None or link.corrupt_streak > MAX_CORRUPT_STREAK:
-            more = ("" if self.recovery is None else
-                    f" ({link.corrupt_streak} corrupt frames in a row on this link)")
-            self.fail(ProtocolError(what + more), cmds, source=peer, close=peer)
-            return
-        cmds.append(CloseLink(peer, f"{what}: the link is reset and resumes"))
-        cmds.extend(self.on_hangup(peer, f"reset after a corrupt frame: {exc}", now))
-
-    def _dispatch_header(self, peer: int, link: Link, frame: FrameHeader, now: float,
-                         cmds: list[Command]) -> None:
-        if frame.kind in (FrameKind.ERROR, FrameKind.CONTROL):
-            if not frame.length:
-                raise ProtocolError(f"empty {frame.kind.name.lower()} frame from rank {peer}")
-            link.error_buf = bytearray(frame.length)
-            link.body_kind = frame.kind
-            link.mode, link.filled = Mode.BODY, 0
-            link.expect = -1 if frame.payload_crc is None else frame.payload_crc
-            return
-        if frame.kind is FrameKind.BLOB:
-            fetch = link.blob_fetch
-            if fetch is None or frame.length != len(link.blob):
-                raise ProtocolError(f"rank {peer} sent a blob of {frame.length} B that no "
-                                    "reply announced")
-            link.mode, link.filled, link.remaining = Mode.BLOB, 0, frame.length
-            link.expect = -1 if frame.payload_crc is None else frame.payload_crc
-            return
-        active = self.active
-        current = active.call_id if active is not None else (self.version, self.seqno)
-        if frame.call_id < current:
-            # the peer is still in a call this rank has finished or never made
-            raise self._diverged(peer, frame.call_id, current)
-        if frame.call_id > current or active is None:
-            if active is not None and active.needs_input(peer):
-                # TCP keeps a peer's frames in order and a peer finishes sending a call before
-                # it starts the next one: a later call's frame while this call still waits
-                # for that peer's bytes means the ranks' call sequences diverged (an extra
-                # collective or checkpoint on one side); waiting would hang until the deadline
-                raise self._diverged(peer, frame.call_id, current)
-            link.mode, link.frame = Mode.HELD, frame
-            cmds.append(PauseReading(peer))
-            return
-        self._accept_frame(peer, link, frame, active, now, cmds)
-
-    def _on_body(self, peer: int, link: Link, now: float, cmds: list[Command]) -> None:
-        """A whole ERROR or CONTROL payload arrived."""
-        body = bytes(link.error_buf)
-        if link.body_kind is FrameKind.ERROR:
-            error_type, reason, origin = decode_error(body)
-            self._remote_error(peer, error_type, reason, origin, cmds)
-            return
-        msg = decode_body(body)
-        kind = msg["t"]
-        if kind == "progress":
-            self._on_progress(peer, msg, now, cmds)
-        elif self.recovery is None or not self.recovery.on_control(peer, link, msg, cmds):
-            raise ProtocolError(f"rank {peer} sent a {kind!r} message on a peer link")
-
-    def _diverged(self, peer: int, theirs: tuple[int, int], ours: tuple[int, int]) -> MismatchError:
-        return MismatchError(
-            f"sequence mismatch: rank {peer} is at call {theirs} (version, seqno) while rank "
-            f"{self.rank} is at call {ours}: the ranks made different sequences of collectives "
-            "or checkpoints"
-        )
-
-    def _size_broadcast(self, plan: TreeBroadcast, frame: FrameHeader, active: ActiveCall) -> None:
-        """The first frame from the root's side says how large the broadcast is."""
-        total = frame.call.total_bytes
-        if total == UNKNOWN_TOTAL or total > MAX_BROADCAST:
-            raise ProtocolError(f"broadcast size {total} from the wire is out of bounds")
-        if frame.call.root != active.desc.root or frame.call.kind is not active.desc.kind:
-            return  # the descriptor check reports the mismatch
-        self.size_to(plan, total, active)
+        self.receiver.received(plan, peer, pos)
 
     def size_to(self, plan: TreeBroadcast, total: int, active: ActiveCall) -> None:
         """A broadcast of unknown size learned its size: lay out its streams."""
-        try:
-            plan.size(total)
-        except (ValueError, TypeError, MemoryError) as exc:
-            raise ProtocolError(f"broadcast of {total} B: {exc}") from None
-        desc = active.desc  # (dataclasses.replace costs several microseconds here)
-        active.desc = CallDescriptor(desc.kind, desc.dtype_code, desc.op_code, desc.root, total)
-        active.prefix = data_prefix(active.desc, *active.call_id, False)
-        active.prefix_checked = data_prefix(active.desc, *active.call_id, True)
-        recovery = self.recovery
-        if recovery is not None and plan.in_link >= 0:
-            recovery.start_mirror(active, plan)
-        for peer in plan.out_streams:
-            active.sent.setdefault(peer, 0)
-        deferred, active.deferred = active.deferred, {}
-        for peer, (offset, seen) in deferred.items():
-            assert recovery is not None  # (needs are deferred only with recovery on)
-            recovery.needs.apply(active, peer, offset, seen=seen)
-
-    def _accept_frame(self, peer: int, link: Link, frame: FrameHeader, active: ActiveCall,
-                      now: float, cmds: list[Command]) -> None:
-        plan = active.plan
-        if (isinstance(plan, TreeBroadcast) and not plan.sized and peer == plan.in_link
-                and frame.kind is FrameKind.DATA):
-            self._size_broadcast(plan, frame, active)
-        if not frame.call.agrees_with(active.desc):
-            raise MismatchError(
-                f"collective mismatch at call {active.call_id}: rank {self.rank} called "
-                f"{active.desc.describe()} but rank {peer} called {frame.call.describe()}"
-            )
-        self._accept_data(peer, link, frame.offset, frame.length, frame.payload_crc, active,
-                          now, cmds)
-
-    def _accept_data(self, peer: int, link: Link, offset: int, length: int, crc: int | None,
-                     active: ActiveCall, now: float, cmds: list[Command]) -> None:
-        """A DATA frame of the current call: check where it goes before anything lands."""
-        stream = active.plan.in_streams.get(peer)
-        if stream is None:
-            raise ProtocolError(
-                f"rank {peer} sent data on a link that call {active.call_id} does not use"
-            )
-        if offset != link.pos:
-            raise ProtocolError(f"rank {peer} sent offset {offset}, expected {link.pos}")
-        if length > stream.length - link.pos:
-            raise ProtocolError(
-                f"rank {peer} sent {length} B at offset {offset} of a {stream.length} B stream"
-            )
-        if crc is not None and length > CHECKED_FRAME:
-            raise ProtocolError(f"rank {peer} sent a checked frame of {length} B (at most "
-                                f"{CHECKED_FRAME} B)")
-        active.frames_seen[peer] += 1
-        link.seen_version = active.call_id[0]
-        self.last_progress = now
-        if length:
-            link.mode, link.remaining = Mode.PAYLOAD, length
-            if crc is None:
-                link.expect = -1
-            else:
-                link.expect, link.crc, link.filled = crc, 0, 0
-                if len(link.check_buf) < length:
-                    link.check_buf = memoryview(bytearray(CHECKED_FRAME))
-        else:
-            link.mode = Mode.HEADER
-            self.maybe_complete(active, cmds)
+        self.receiver.size_to(plan, total, active)
 
     # ------------------------------------------------------------------ calls
 
@@ -683,32 +317,8 @@ class Agent:
                 self.fail(exc, cmds)
                 return cmds
         # frames of this call that arrived early were held: replay their headers now
-        for peer in held:
-            link = self.links[peer]
-            if link.mode is Mode.HELD:
-                link.remaining = 0
-                assert link.frame is not None
-                if link.frame.call_id == call_id:
-                    link.mode = Mode.HEADER
-                    try:
-                        self._accept_frame(peer, link, link.frame, active, now, cmds)
-                        self._take_staged(peer, link, now, cmds)
-                        self._drain(peer, link, now, cmds)
-                    except (MismatchError, UnrecoverableError) as exc:
-                        self.fail(exc, cmds)
-                        return cmds
-                    except FrameCorruptError as exc:
-                        self._corrupted(peer, exc, now, cmds)
-                        continue
-                    except ProtocolError as exc:
-                        self.fail(exc, cmds, source=peer, close=peer)
-                        return cmds
-                    cmds.append(ResumeReading(peer))
-                elif link.frame.call_id < call_id or active.needs_input(peer):
-                    # this rank skipped the call that frame belongs to, or the peer already
-                    # moved past this call although this call needs its bytes
-                    self.fail(self._diverged(peer, link.frame.call_id, call_id), cmds)
-                    return cmds
+        if held and not self.receiver.release_held(held, active, now, cmds):
+            return cmds
         if self.active is not active:
             return cmds
         if recovery is not None and self.dead_links:
@@ -1048,7 +658,7 @@ class Agent:
                 link.progress_told = now
                 self.send_control(peer, msg, cmds)
 
-    def _on_progress(self, peer: int, msg: dict[str, Any], now: float,
+    def on_progress_note(self, peer: int, msg: dict[str, Any], now: float,
                      cmds: list[Command]) -> None:
         """A neighbour says the call moved ``age_us`` ago somewhere: progress here too."""
         active = self.active
@@ -1073,7 +683,7 @@ class Agent:
         self.fail(JobAbortedError(reason), cmds, flood=False)
         return cmds
 
-    def _remote_error(self, peer: int, error_type: str, reason: str, origin: int,
+    def on_remote_error(self, peer: int, error_type: str, reason: str, origin: int,
                       cmds: list[Command]) -> None:
         self.go(Event.PRIORITY)
         if self.error is not None:
@@ -1119,7 +729,8 @@ class Agent:
 
     def statistics(self) -> AgentStats:
         return AgentStats(self.state.value, self._calls_completed, self._bytes_sent,
-                          self._bytes_received, self._frames_sent, self._frames_received)
+                          self.receiver.bytes_received, self._frames_sent,
+                          self.receiver.frames_received)
 
     def recovery_statistics(self) -> dict[str, int]:
         """Counters of the recovery protocol (links re-established, bytes fetched for
@@ -1129,7 +740,7 @@ class Agent:
         stats = (self.recovery.statistics() if self.recovery is not None else
                  {"links_up": 0, "fetched_bytes": 0, "resent_bytes": 0, "replayed_calls": 0,
                   "resumed_calls": 0})
-        stats["corrupt_frames"] = self._corrupt_frames
+        stats["corrupt_frames"] = self.receiver.corrupt_frames
         return stats
 
     def assigned(self, incarnation: int) -> None:
