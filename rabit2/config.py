@@ -53,7 +53,7 @@ class Config:
     connect_timeout_sec: float = 30.0
     connect_retry: int = 5
     heartbeat_sec: float = 1.0
-    # None: ring above AUTO_RING_MIN_BYTES (rabit2.core.agent); set: above that many elements,
+    # None: ring above AUTO_RING_MIN_BYTES (rabit2.core.planning); set: above that many elements,
     # as in rabit
     reduce_ring_mincount: int | None = None
     tree_reduce_minsize: int = DEFAULT_TREE_MINSIZE

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from simnet import SimNet
 
 from rabit2.core.agent import (
-    AUTO_RING_MIN_BYTES,
     Agent,
     Call,
     CallComplete,
@@ -37,6 +36,7 @@ from rabit2.core.framing import (
 )
 from rabit2.core.fsm import InvalidTransition, State
 from rabit2.core.ops import Op, dtype_code
+from rabit2.core.planning import AUTO_RING_MIN_BYTES
 from rabit2.core.topology import topology
 from rabit2.errors import (
     CollectiveTimeoutError,

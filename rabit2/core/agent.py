@@ -18,29 +18,15 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
-
-from rabit2.core import fsm, schedule
-from rabit2.core.control import encode_body
+from rabit2.core import fsm
 from rabit2.core.framing import (
-    CHECKED_FRAME,
-    MAX_PAYLOAD,
-    NONE_U8,
-    NONE_U16,
-    UNKNOWN_TOTAL,
-    CallDescriptor,
     CollectiveKind,
-    FrameKind,
-    checksum,
-    encode_error,
-    pack_header,
 )
 from rabit2.core.fsm import TRANSITIONS
-from rabit2.core.ops import dtype_code
 from rabit2.core.pair import Receiver
+from rabit2.core.planning import Planner
 from rabit2.core.records import (
     CALL_EVENTS,
-    NO_CALL,
     STAGE_SIZE,
     ActiveCall,
     Call,
@@ -56,16 +42,13 @@ from rabit2.core.records import (
     Send,
 )
 from rabit2.core.recovery.component import Recovery
-from rabit2.core.recovery.store import DEFAULT_RETAIN_BYTES, fresh_buffer
+from rabit2.core.recovery.store import DEFAULT_RETAIN_BYTES
 from rabit2.core.schedule import (
-    PairExchange,
     Plan,
-    RingAllgather,
-    RingAllreduce,
-    TreeAllreduce,
     TreeBroadcast,
 )
-from rabit2.core.topology import broadcast_route, topology
+from rabit2.core.sending import Sender
+from rabit2.core.topology import topology
 from rabit2.errors import (
     CollectiveTimeoutError,
     JobAbortedError,
@@ -121,14 +104,6 @@ _EVERY_RANK_CONTRIBUTES = frozenset((CollectiveKind.ALLREDUCE_TREE, CollectiveKi
 """Collectives whose result depends on every rank's input (a broadcast does not: a rank on
 its route can finish one while a rank off it is still in an older version)."""
 
-AUTO_RING_MIN_BYTES = 512 * 1024
-"""The default tree/ring threshold: the ring's 2(n - 1) dependent steps cost more than the
-tree's extra bytes at the root (or, at world size 2, than the pair exchange's copy) up to
-about here; measured in ``bench/README.md`` ("Tree or ring")."""
-SCRATCH_RESERVE_FROM = 1 << 20
-"""A link scratch this large or larger is allocated at the landing ring's size at least."""
-
-
 class Agent:
     """One rank's agent.  Not thread-safe: the I/O layer calls it from its loop thread only."""
 
@@ -151,12 +126,9 @@ class Agent:
         link unless :meth:`on_link_up` says otherwise for that link (frames are received as
         their sender wrote them: checked or not)."""
         self.state = State.IDLE
-        self._descriptors: dict[tuple[Any, ...], CallDescriptor] = {}
         self.rank = 0
         self.world = 1
         self.incarnation = 0  # of this process (the tracker counts restarts)
-        self.ring_mincount = ring_mincount
-        self.tree_chunk = tree_chunk
         self.timeout = timeout
         self.checked = checked
         self.version = 0
@@ -167,9 +139,9 @@ class Agent:
         self.error: RabitError | None = None
         self.last_progress = 0.0
         self._calls_completed = 0
-        self._bytes_sent = 0
-        self._frames_sent = 0
+        self.planner = Planner(self, ring_mincount, tree_chunk)
         self.receiver = Receiver(self)
+        self.sender = Sender(self)
         # present only with recovery on (docs/recovery.md)
         self.recovery = (Recovery(self, timeout=recover_timeout, retain_bytes=retain_bytes,
                                   local_replica=local_replica) if recover else None)
@@ -238,44 +210,9 @@ class Agent:
 
     # ------------------------------------------------------------------ calls
 
-    def descriptor(self, call: Call) -> CallDescriptor:
-        key = None
-        if call.receive is None and not call.pieces:
-            # a training loop repeats a few shapes: reuse their descriptors
-            key = (call.kind, call.dtype, call.op, call.root, len(call.buf))
-            desc = self._descriptors.get(key)
-            if desc is not None:
-                return desc
-        dtype = dtype_code(call.dtype) if call.dtype is not None else NONE_U8
-        op = int(call.op) if call.op is not None else NONE_U8
-        root = call.root if call.kind is CollectiveKind.BROADCAST else NONE_U16
-        if call.receive is not None:
-            total = UNKNOWN_TOTAL
-        elif call.pieces:
-            total = sum(len(p) for p in call.pieces)
-        else:
-            total = len(call.buf)
-        desc = CallDescriptor(call.kind, dtype, op, root, total)
-        if key is not None:
-            if len(self._descriptors) >= 64:
-                self._descriptors.clear()
-            self._descriptors[key] = desc
-        return desc
-
     def choose_allreduce(self, nbytes: int, itemsize: int) -> CollectiveKind:
-        """Tree for small calls, ring above ``AUTO_RING_MIN_BYTES``, or above
-        ``rabit_reduce_ring_mincount`` elements where that is set (rabit's rule).
-
-        At world size 2 the tree degenerates into a relay through rank 0; a direct exchange
-        does the same work in one hop instead of two.
-        """
-        mincount = self.ring_mincount
-        if self.world > 1 and (nbytes > AUTO_RING_MIN_BYTES if mincount is None
-                               else nbytes // itemsize > mincount):
-            return CollectiveKind.ALLREDUCE_RING
-        if self.world == 2:
-            return CollectiveKind.ALLREDUCE_PAIR
-        return CollectiveKind.ALLREDUCE_TREE
+        """The allreduce algorithm for ``nbytes`` of ``itemsize``-byte elements."""
+        return self.planner.choose_allreduce(nbytes, itemsize)
 
     def begin(self, call: Call, now: float) -> list[Command]:
         """Start a collective.  Raises the recorded error if the agent has failed."""
@@ -283,8 +220,8 @@ class Agent:
             assert self.error is not None
             raise self.error
         nxt = fsm.transition(self.state, CALL_EVENTS[call.kind])  # refuse before building
-        plan = self._plan(call)  # may raise ValueError; the agent is unchanged then
-        desc = self.descriptor(call)
+        plan = self.planner.plan(call)  # may raise ValueError; the agent is unchanged then
+        desc = self.planner.descriptor(call)
         self.state = nxt
         call_id = (self.version, self.seqno)
         self.seqno += 1
@@ -329,103 +266,6 @@ class Agent:
         self.pump(active, cmds)
         self.maybe_complete(active, cmds)
         return cmds
-
-    def _plan(self, call: Call) -> Plan:
-        kind = call.kind
-        if self.world == 1:
-            return TreeBroadcast([call.buf], -1, ())  # no links: every call is already complete
-        if kind in (CollectiveKind.ALLREDUCE_TREE, CollectiveKind.ALLREDUCE_RING,
-                    CollectiveKind.ALLREDUCE_PAIR):
-            assert call.dtype is not None and call.op is not None
-            if kind is CollectiveKind.ALLREDUCE_PAIR:
-                if self.world != 2:
-                    raise ValueError("the pair exchange needs a world of exactly 2")
-                return PairExchange(call.buf, call.dtype, call.op, self.rank, 1 - self.rank,
-                                    self._scratch, self._send_scratch)
-            if kind is CollectiveKind.ALLREDUCE_RING:
-                # the plan fills the buffer that is then retained as it makes the result
-                # (not a result too large to be kept, except at world size 2, where that
-                # buffer also stages the allgather for the resume's sake)
-                keep = (self.recovery.ring_keep(len(call.buf), (self.version, self.seqno))
-                        if self.recovery is not None else None)
-                return RingAllreduce(call.buf, call.dtype, call.op, self.rank, self.world,
-                                     self._scratch, keep)
-            topo = topology(self.rank, self.world)
-            # with recovery on, the root's children stage its result (docs/recovery.md)
-            return TreeAllreduce(call.buf, call.dtype, call.op, topo.parent, topo.children,
-                                 self._scratch, self.tree_chunk,
-                                 stage_down=self.recovery is not None and topo.parent == 0)
-        if kind is CollectiveKind.BROADCAST:
-            in_link, out_links = broadcast_route(self.rank, call.root, self.world)
-            if call.receive is not None and in_link < 0:
-                raise ValueError("the root of a broadcast must know what it sends")
-            return TreeBroadcast(list(call.pieces) or [call.buf], in_link, out_links,
-                                 call.receive, call.head_size)
-        return RingAllgather(call.buf, call.blocks, self.rank, self.world)
-
-    def _scratch(self, peer: int, nbytes: int) -> memoryview:
-        """The link's scratch.  Once a call needs 1 MiB or more of it, it is allocated at the
-        landing ring's size at least, in ordinary pages (``fresh_buffer``): its pages are
-        touched only as calls use them, and the calls of a GBDT tree's growing levels do not
-        each fault in a fresh, larger buffer (``bench/README.md``, "Landing ring").  Smaller
-        ones come from the allocator, which may hand back memory the process already
-        touched."""
-        link = self.links[peer]
-        if link.scratch.nbytes < nbytes:
-            link.scratch = fresh_buffer(
-                nbytes if nbytes < SCRATCH_RESERVE_FROM else max(nbytes, schedule.LANDING_RING))
-        return link.scratch.data[:nbytes]
-
-    def _send_scratch(self, peer: int, nbytes: int) -> memoryview:
-        link = self.links[peer]
-        if link.send_scratch.nbytes < nbytes:
-            link.send_scratch = np.empty(nbytes, dtype=np.uint8)
-        return link.send_scratch.data[:nbytes]
-
-    def pump(self, active: ActiveCall, cmds: list[Command]) -> None:
-        """Send every out-stream byte that has become ready."""
-        if active.fetching or active.resume_wait is not None:
-            return  # a restarted rank sends nothing until the result it resumes from is in
-        plan = active.plan
-        desc = active.desc
-        version, seqno = active.call_id
-        final = active.final
-        links = self.links
-        for peer, stream in plan.out_streams.items():
-            link = links[peer]
-            if link.awaiting_need or link.awaiting_state or not link.up:
-                continue
-            sent = active.sent.get(peer, 0)
-            if sent == stream.length and sent:
-                continue  # (the common case once a call's input went out)
-            if stream.length == 0:
-                if peer not in active.started_empty:
-                    active.started_empty.add(peer)
-                    header = pack_header(FrameKind.DATA, desc, version, seqno, 0, 0)
-                    cmds.append(Send(peer, [header]))
-                    self._frames_sent += 1
-                continue
-            ready = stream.length if final else plan.out_ready(peer)
-            if link.checked:
-                # frames the receiver can verify before it uses them: one piece of the
-                # stream at most (a broadcast's head on its own) and CHECKED_FRAME bytes
-                while ready > sent:
-                    view = stream.view(sent, min(ready - sent, CHECKED_FRAME))
-                    n = len(view)
-                    header = pack_header(FrameKind.DATA, desc, version, seqno, sent, n, 0,
-                                         checksum(view))
-                    cmds.append(Send(peer, [header, view]))
-                    self._bytes_sent += n
-                    self._frames_sent += 1
-                    sent += n
-            while ready > sent:
-                end = min(ready, sent + MAX_PAYLOAD)  # a frame's length is a u32
-                header = pack_header(FrameKind.DATA, desc, version, seqno, sent, end - sent)
-                cmds.append(Send(peer, [header, *stream.views(sent, end)]))
-                self._bytes_sent += end - sent
-                self._frames_sent += 1
-                sent = end
-            active.sent[peer] = sent
 
     def maybe_complete(self, active: ActiveCall, cmds: list[Command]) -> None:
         if self.active is not active:
@@ -707,29 +547,16 @@ class Agent:
         self.error = error
         call_id = self.active.call_id if self.active is not None else None
         if flood:
-            self._flood_raw(_ERROR_NAMES.get(type(error), "protocol"), reason, origin, cmds,
-                            source)
+            self.sender.flood_error(_ERROR_NAMES.get(type(error), "protocol"), reason, origin,
+                                    cmds, source)
         self.active = None
         cmds.append(CallFailed(call_id, error))
-
-    def _flood_raw(self, error_type: str, reason: str, origin: int, cmds: list[Command],
-                   source: int) -> None:
-        """Tell every other neighbour, so that every rank fails with the same error type."""
-        payload = encode_error(error_type, reason, origin)
-        desc = CallDescriptor(CollectiveKind.BROADCAST, NONE_U8, NONE_U8, NONE_U16, 0)
-        crc = checksum(payload)  # (an error frame is small: checked on any link that checks)
-        for peer, link in self.links.items():
-            if peer != source:
-                header = pack_header(FrameKind.ERROR, desc, self.version, self.seqno, 0,
-                                     len(payload), 0, crc if link.checked else None)
-                cmds.append(Send(peer, [header, payload]))
-                self._frames_sent += 1
 
     # ------------------------------------------------------------------ introspection
 
     def statistics(self) -> AgentStats:
-        return AgentStats(self.state.value, self._calls_completed, self._bytes_sent,
-                          self.receiver.bytes_received, self._frames_sent,
+        return AgentStats(self.state.value, self._calls_completed, self.sender.bytes_sent,
+                          self.receiver.bytes_received, self.sender.frames_sent,
                           self.receiver.frames_received)
 
     def recovery_statistics(self) -> dict[str, int]:
@@ -767,17 +594,15 @@ class Agent:
 
     # ------------------------------------------------------------------ sending
 
+    def pump(self, active: ActiveCall, cmds: list[Command]) -> None:
+        """Send every out-stream byte of the call that has become ready."""
+        self.sender.pump(active, cmds)
+
     def send_control(self, peer: int, msg: dict[str, Any], cmds: list[Command]) -> None:
-        """Send a CONTROL frame carrying ``msg`` (checked on a link that checks)."""
-        body = encode_body(msg)
-        crc = checksum(body) if self.links[peer].checked else None
-        header = pack_header(FrameKind.CONTROL, NO_CALL, self.version, self.seqno, 0,
-                             len(body), self.incarnation, crc)
-        self.send_frame(peer, [header, body], cmds)
+        """Send a CONTROL frame carrying ``msg``."""
+        self.sender.send_control(peer, msg, cmds)
 
     def send_frame(self, peer: int, parts: Sequence[bytes | memoryview],
                    cmds: list[Command]) -> None:
         """Send one frame: a packed header and its payload."""
-        cmds.append(Send(peer, list(parts)))
-        self._frames_sent += 1
-
+        self.sender.send_frame(peer, parts, cmds)
