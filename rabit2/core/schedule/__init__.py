@@ -39,7 +39,7 @@ LANDING_RING = 4 * 1024 * 1024
 most: a call that needs less takes less).  No call, however large, grows the link's
 scratch beyond it.  A 1 MiB ring, which stays in the cache, made 16 MiB calls with
 recovery on 5-13 % slower (several times as many reads and frames per call); 4 MiB was
-level with an unbounded landing (``bench/README.md``, "Landing ring")."""
+level with an unbounded landing (``docs/performance.md``, "Landing ring")."""
 
 
 class Stream:
