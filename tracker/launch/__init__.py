@@ -7,8 +7,8 @@
   environment, whole output lines, the summary;
 * :mod:`~tracker.launch.tasks`: one process per task, restarted by this launcher
   (``--cluster local`` and ``ssh``);
-* :mod:`~tracker.launch.local`: CPU binding for ``--cluster local``;
-* :mod:`~tracker.launch.ssh`: the ``ssh HOST`` command line and the environment sent to
+* :mod:`~tracker.launch.local`: a worker started here, on its CPUs (``--cluster local``);
+* :mod:`~tracker.launch.ssh`: a worker started through ``ssh HOST`` and
   :mod:`tracker.remote` (``--cluster ssh``);
 * :mod:`~tracker.launch.group`: one srun or mpirun for every worker, each under
   :mod:`tracker.slot` (``--cluster slurm`` and ``mpi``).

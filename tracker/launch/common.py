@@ -34,6 +34,17 @@ class TaskRun:
     readers: list[threading.Thread] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Attempt:
+    """How one worker attempt is started: what :mod:`tracker.launch.local` or
+    :mod:`tracker.launch.ssh` hands to the per-task launcher."""
+
+    argv: list[str]
+    env: dict[str, str] | None  # None: the launcher's own environment
+    header: bytes | None = None  # written to the process's stdin, which then stays open
+    cpus: tuple[int, ...] | None = None  # the CPUs it starts on (None: not pinned)
+
+
 def build_worker_env(
     base: Mapping[str, str],
     tracker_env: Mapping[str, str],

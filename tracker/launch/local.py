@@ -5,7 +5,20 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+
+from tracker.launch.common import Attempt, build_worker_env
+from tracker.launch.options import LaunchOptions
+
+
+def local_attempt(options: LaunchOptions, job_env: Mapping[str, str], task_id: int,
+                  attempt: int) -> Attempt:
+    """Attempt ``attempt`` of task ``task_id``: the command itself, with the launcher's
+    environment plus the job's, started on the task's CPUs."""
+    cpus = bind_cpus_for(task_id, options.num_workers, options.bind)
+    env = build_worker_env(os.environ, job_env, task_id, attempt, options.env, cpus,
+                           recover=options.max_attempts > 1)
+    return Attempt(list(options.command), env, cpus=cpus)
 
 
 def bind_cpus_for(task_id: int, num_workers: int, bind: str,

@@ -3,10 +3,24 @@ runs it and stops it when the launcher's ssh goes away."""
 
 from __future__ import annotations
 
+import os
 import shlex
 from collections.abc import Mapping
 
+from tracker.launch.common import Attempt, build_worker_env
 from tracker.launch.options import Host, LaunchOptions
+from tracker.remote import encode_header
+
+
+def ssh_attempt(options: LaunchOptions, job_env: Mapping[str, str], task_id: int,
+                attempt: int) -> Attempt:
+    """Attempt ``attempt`` of task ``task_id`` on its host."""
+    # the job's variables go to tracker.remote on ssh's stdin (never on a command
+    # line); ssh itself runs with the launcher's environment, and is not pinned
+    env = build_worker_env(forwarded_env(os.environ), job_env, task_id, attempt, options.env,
+                           None, options.max_attempts > 1)
+    return Attempt(ssh_argv(options, options.hosts[task_id]), None,
+                   header=encode_header(env, options.kill_grace))
 
 
 def ssh_argv(options: LaunchOptions, host: Host) -> list[str]:

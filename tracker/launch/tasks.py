@@ -1,10 +1,10 @@
 """One process per task, restarted by this launcher: ``--cluster local`` and ``ssh``.
 
-:class:`TaskLauncher` starts every task (here, or through ``ssh``), relays its output as
-``[rank r]`` lines, restarts it when it exits non-zero until ``--max-attempts``, gives up on
-the job (through the tracker) when a task runs out of attempts, the job times out or the
-launcher is interrupted, stops every process group on the way out and prints the per-task
-summary.
+:class:`TaskLauncher` starts every task (through :mod:`tracker.launch.local` or
+:mod:`tracker.launch.ssh`), relays its output as ``[rank r]`` lines, restarts it when it
+exits non-zero until ``--max-attempts``, gives up on the job (through the tracker) when a
+task runs out of attempts, the job times out or the launcher is interrupted, stops every
+process group on the way out and prints the per-task summary.
 """
 
 from __future__ import annotations
@@ -26,13 +26,11 @@ from tracker.launch.common import (
     Interrupted,
     LineWriter,
     TaskRun,
-    build_worker_env,
     format_summary,
 )
-from tracker.launch.local import bind_cpus_for, pinned
+from tracker.launch.local import local_attempt, pinned
 from tracker.launch.options import LaunchOptions
-from tracker.launch.ssh import forwarded_env, ssh_argv
-from tracker.remote import encode_header
+from tracker.launch.ssh import ssh_attempt
 from tracker.server import TrackerThread
 
 
@@ -162,39 +160,24 @@ class TaskLauncher:
             self.tracker.mark_failed(str(task_id), reason)
 
     def _spawn(self, task: TaskRun) -> None:
-        options = self.options
-        recover = options.max_attempts > 1
-        header = None
-        if options.cluster == "ssh":
-            # the job's variables go to tracker.remote on ssh's stdin (never on a command
-            # line); ssh itself runs with the launcher's environment, and is not pinned
-            cpus = None
-            argv = ssh_argv(options, options.hosts[task.task_id])
-            env = build_worker_env(forwarded_env(os.environ), self.tracker.worker_env(),
-                                   task.task_id, task.attempts, options.env, None, recover)
-            header = encode_header(env, options.kill_grace)
-            popen_env = None
-        else:
-            cpus = bind_cpus_for(task.task_id, options.num_workers, options.bind)
-            argv = list(options.command)
-            popen_env = build_worker_env(os.environ, self.tracker.worker_env(), task.task_id,
-                                         task.attempts, options.env, cpus, recover=recover)
+        start = ssh_attempt if self.options.cluster == "ssh" else local_attempt
+        attempt = start(self.options, self.tracker.worker_env(), task.task_id, task.attempts)
         # A session of its own: Ctrl-C in the terminal reaches only the launcher (which then
         # stops the workers in order), and killpg also reaches the worker's own children.
-        with pinned(cpus):
+        with pinned(attempt.cpus):
             proc = subprocess.Popen(
-                argv,
-                env=popen_env,
-                stdin=subprocess.DEVNULL if header is None else subprocess.PIPE,
+                attempt.argv,
+                env=attempt.env,
+                stdin=subprocess.DEVNULL if attempt.header is None else subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
             )
-        if header is not None and proc.stdin is not None:
+        if attempt.header is not None and proc.stdin is not None:
             # a few KiB into an empty pipe: never blocks.  The pipe then stays open: its end
             # (this process or its ssh gone) is what stops the remote worker
             with contextlib.suppress(BrokenPipeError):
-                proc.stdin.write(header)
+                proc.stdin.write(attempt.header)
                 proc.stdin.flush()
         task.proc = proc
         task.attempts += 1
