@@ -17,14 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from tracker.launch.common import TaskRun, build_worker_env, format_summary
 from tracker.submit import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
     LaunchOptions,
-    TaskRun,
-    build_worker_env,
-    format_summary,
     parse_args,
     run_job,
 )
@@ -239,7 +237,7 @@ def test_cli_interrupt_leaves_no_worker(worker: Path) -> None:
 
 
 def test_bind_cpus_for_groups_or_round_robin() -> None:
-    from tracker.submit import bind_cpus_for  # noqa: PLC0415
+    from tracker.launch.local import bind_cpus_for  # noqa: PLC0415
 
     two = [2, 5]
     assert [bind_cpus_for(t, 2, "auto", two) for t in range(2)] == [(2,), (5,)]
@@ -262,11 +260,11 @@ def test_bind_cpus_for_groups_or_round_robin() -> None:
 def test_workers_start_pinned() -> None:
     """The launcher starts each worker on its CPUs (not only RABIT2_BIND_CPU), so that
     thread pools made at import time are sized for them; its own mask is unchanged."""
-    from tracker.submit import _pinned  # noqa: PLC0415
+    from tracker.launch.local import pinned  # noqa: PLC0415
 
     cpu = sorted(os.sched_getaffinity(0))[-1]
     before = os.sched_getaffinity(0)
-    with _pinned((cpu,)):
+    with pinned((cpu,)):
         out = subprocess.run(
             [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
             capture_output=True, text=True, check=True, timeout=30)
@@ -287,7 +285,7 @@ def test_bind_and_heartbeat_options_are_parsed_and_checked() -> None:
 
 
 def test_parse_host_file() -> None:
-    from tracker.submit import Host, parse_host_file  # noqa: PLC0415
+    from tracker.launch.options import Host, parse_host_file  # noqa: PLC0415
 
     hosts = parse_host_file(
         "# cluster\n\nnode1\nalice@node2:2222 slots=3   # a comment\n"
@@ -312,14 +310,14 @@ def test_parse_host_file() -> None:
     ],
 )
 def test_parse_host_file_errors(text: str, message: str) -> None:
-    from tracker.submit import parse_host_file  # noqa: PLC0415
+    from tracker.launch.options import parse_host_file  # noqa: PLC0415
 
     with pytest.raises(ValueError, match=message):
         parse_host_file(text)
 
 
 def test_hosts_are_filled_slot_by_slot_then_cycled() -> None:
-    from tracker.submit import Host, hosts_by_slot  # noqa: PLC0415
+    from tracker.launch.options import Host, hosts_by_slot  # noqa: PLC0415
 
     a, b = Host("a", slots=2), Host("b")
     assert hosts_by_slot([a, b], 7) == (a, a, b, a, a, b, a)
@@ -327,7 +325,8 @@ def test_hosts_are_filled_slot_by_slot_then_cycled() -> None:
 
 
 def test_ssh_argv_quotes_the_command_and_keeps_the_secret_off_it() -> None:
-    from tracker.submit import Host, remote_python_for, ssh_argv  # noqa: PLC0415
+    from tracker.launch.options import Host, remote_python_for  # noqa: PLC0415
+    from tracker.launch.ssh import ssh_argv  # noqa: PLC0415
 
     opts = LaunchOptions(num_workers=1, command=("/opt/py/bin/python3", "t.py", "a b", "it's"),
                          ssh=("ssh", "-F", "cfg"), remote_dir="/data/my job",
@@ -350,7 +349,7 @@ def test_ssh_argv_quotes_the_command_and_keeps_the_secret_off_it() -> None:
 
 
 def test_ssh_workers_get_the_job_variables_not_this_machines_environment() -> None:
-    from tracker.submit import forwarded_env  # noqa: PLC0415
+    from tracker.launch.ssh import forwarded_env  # noqa: PLC0415
 
     forwarded = forwarded_env({"PATH": "/bin", "HOME": "/root", "RABIT2_RECOVER": "0",
                                "RABIT2_SPIN_US": "0", "DMLC_TASK_ID": "9"})
@@ -362,7 +361,7 @@ def test_ssh_workers_get_the_job_variables_not_this_machines_environment() -> No
 
 
 def test_parse_args_ssh(tmp_path: Path) -> None:
-    from tracker.submit import Host  # noqa: PLC0415
+    from tracker.launch.options import Host  # noqa: PLC0415
 
     hosts = tmp_path / "hosts"
     hosts.write_text("127.0.0.1:2299 slots=2\nlocalhost\n")
@@ -402,7 +401,7 @@ def test_parse_args_ssh_unknown_host(tmp_path: Path, capsys: pytest.CaptureFixtu
 
 
 def test_group_argv_runs_every_worker_under_a_slot() -> None:
-    from tracker.submit import group_argv  # noqa: PLC0415
+    from tracker.launch.group import group_argv  # noqa: PLC0415
 
     opts = LaunchOptions(num_workers=4, command=("python", "t.py", "k=v"), cluster="slurm",
                          group=("srun", "-N", "2"), remote_python="python", max_attempts=2,
@@ -416,7 +415,7 @@ def test_group_argv_runs_every_worker_under_a_slot() -> None:
 
 
 def test_group_env_leaves_task_ids_to_the_slots() -> None:
-    from tracker.submit import group_env  # noqa: PLC0415
+    from tracker.launch.group import group_env  # noqa: PLC0415
 
     env = group_env({"PATH": "/bin", "DMLC_TASK_ID": "7", "DMLC_NUM_ATTEMPT": "2"},
                     {"RABIT2_SECRET": "ab", "DMLC_NUM_WORKER": "4"}, [("X", "1")])

@@ -1,0 +1,260 @@
+"""The launcher's options: :class:`LaunchOptions`, the command line and host files."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shlex
+import socket
+from collections.abc import Sequence
+
+CLUSTERS = ("local", "ssh", "slurm", "mpi")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Host:
+    """One line of a ``--host-file``: ``name`` (``[user@]host``), ``:port``, ``slots=N``."""
+
+    name: str
+    port: int | None = None
+    slots: int = 1
+
+    @property
+    def address(self) -> str:
+        """The host part alone (what ``ssh`` connects to, without ``user@``)."""
+        return self.name.rpartition("@")[2]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LaunchOptions:
+    """Everything the launcher needs; built by :func:`parse_args` or directly by tests."""
+
+    num_workers: int
+    command: tuple[str, ...]
+    max_attempts: int = 3
+    restart_delay: float = 0.0
+    tracker_host: str = "127.0.0.1"
+    tracker_port: int = 0
+    env: tuple[tuple[str, str], ...] = ()
+    timeout: float | None = None
+    kill_grace: float = 5.0
+    bind: str = "auto"
+    heartbeat_timeout: float = 30.0
+    classic: str = "loopback"  # from where classic rabit workers (XGBoost 1.x/2.0) are served
+    cluster: str = "local"
+    hosts: tuple[Host, ...] = ()  # --cluster ssh: one entry per slot, in fill order
+    ssh: tuple[str, ...] = ("ssh",)
+    remote_dir: str = ""  # --cluster ssh: where the command runs ("": the login directory)
+    remote_python: str = "python3"  # --cluster ssh/slurm/mpi: runs tracker.remote/.slot
+    group: tuple[str, ...] = ()  # --cluster slurm/mpi: the srun/mpirun command and options
+    dry_run: bool = False
+
+
+def parse_host_file(text: str) -> tuple[Host, ...]:
+    """The hosts of a host file (pure); raises ``ValueError`` naming the bad line.
+
+    One host per line: ``host``, ``user@host``, ``host:port`` (the ssh port), optionally
+    followed by ``slots=N`` (Open MPI's hostfile spelling: N workers on that host before the
+    next host gets any).  ``#`` starts a comment; blank lines are skipped.
+    """
+    hosts: list[Host] = []
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        words = line.split()
+        name, port_text = words[0], None
+        if ":" in name:
+            name, port_text = name.rsplit(":", 1)
+        slots = 1
+        try:
+            if not name or name.startswith("-") or any(c in name for c in "'\"\\$`;&|<>"):
+                raise ValueError(f"bad host name {words[0]!r}")
+            port = None if port_text is None else int(port_text)
+            if port is not None and not 0 < port < 65536:
+                raise ValueError(f"port {port} out of range")
+            for word in words[1:]:
+                key, sep, value = word.partition("=")
+                if key not in ("slots", "max_slots") or not sep:
+                    raise ValueError(f"unknown field {word!r} (expected slots=N)")
+                if key == "slots":
+                    slots = int(value)
+                    if slots < 1:
+                        raise ValueError("slots must be >= 1")
+        except ValueError as exc:
+            raise ValueError(f"host file line {number} ({raw.strip()!r}): {exc}") from None
+        hosts.append(Host(name, port, slots))
+    if not hosts:
+        raise ValueError("the host file names no host")
+    return tuple(hosts)
+
+
+def hosts_by_slot(hosts: Sequence[Host], num_workers: int) -> tuple[Host, ...]:
+    """The host of each task, filling each host's slots in turn and starting over from the
+    first host when every slot is taken (pure)."""
+    slots = [host for host in hosts for _ in range(host.slots)]
+    return tuple(slots[i % len(slots)] for i in range(num_workers))
+
+
+def tracker_host_for(hosts: Sequence[Host]) -> str:
+    """The local address the workers on ``hosts`` reach the tracker at: the one that routes
+    to the first host (no packet is sent), or loopback when every host is this machine.
+    Raises ``ValueError`` if a host name does not resolve."""
+    addresses: list[str] = []
+    for host in hosts:
+        try:
+            infos = socket.getaddrinfo(host.address, host.port or 22, socket.AF_INET,
+                                       socket.SOCK_STREAM)
+        except OSError as exc:
+            raise ValueError(f"cannot resolve host {host.address!r} ({exc}); pass "
+                             "--tracker-host with an address the workers can reach") from None
+        addresses.append(str(infos[0][4][0]))
+    if all(address.startswith("127.") for address in addresses):
+        return "127.0.0.1"
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with probe:
+        try:
+            probe.connect((addresses[0], 9))
+        except OSError as exc:
+            raise ValueError(f"no route to host {hosts[0].address!r} ({exc})") from None
+        return str(probe.getsockname()[0])
+
+
+def remote_python_for(command: Sequence[str]) -> str:
+    """The interpreter that runs :mod:`tracker.remote` on the hosts: the command's own when
+    it is a Python (it has rabit2, so it has ``tracker``), else ``python3``."""
+    first = os.path.basename(command[0]) if command else ""
+    return command[0] if first.startswith("python") else "python3"
+
+
+def parse_args(argv: Sequence[str]) -> LaunchOptions:
+    """Parse ``[options] -- command...``; exits with status 2 on bad usage (argparse)."""
+    argv = list(argv)
+    if "--" in argv:
+        split = argv.index("--")
+        argv, command = argv[:split], argv[split + 1 :]
+    else:
+        command = []
+    parser = argparse.ArgumentParser(
+        prog="rabit2-submit",
+        description="Launch a rabit2 job: a tracker plus N workers running COMMAND.",
+        usage="%(prog)s --cluster {local,ssh,slurm,mpi} -n N [options] -- command [args...]",
+    )
+    parser.add_argument("--cluster", default="local", help=f"one of: {', '.join(CLUSTERS)}")
+    parser.add_argument("-n", "--num-workers", type=int, required=True)
+    parser.add_argument("--max-attempts", type=int, default=3,
+                        help="runs per task in all, the first included (default 3)")
+    parser.add_argument("--restart-delay", type=float, default=0.0, metavar="S")
+    parser.add_argument("--tracker-host", default=None,
+                        help="tracker listen address (default: 127.0.0.1; with ssh, the "
+                             "local address that routes to the first host; with slurm and "
+                             "mpi, every interface, advertised by this host's name)")
+    parser.add_argument("--tracker-port", type=int, default=0)
+    parser.add_argument("--env", action="append", default=[], metavar="K=V",
+                        help="extra environment for every worker (repeatable)")
+    parser.add_argument("--timeout", type=float, default=None, metavar="S",
+                        help="give up on the whole job after S seconds")
+    parser.add_argument("--kill-grace", type=float, default=5.0, metavar="S",
+                        help="seconds between SIGTERM and SIGKILL when stopping workers")
+    parser.add_argument("--bind", choices=("auto", "core", "none"), default="auto",
+                        help="auto (default): start each worker on an equal group of the "
+                             "CPUs (one CPU each, round-robin, when there are more workers "
+                             "than CPUs); core: worker i on CPU i mod ncpu; none: no pinning")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the commands that would start the workers, and exit")
+    parser.add_argument("--heartbeat-timeout", type=float, default=30.0, metavar="S",
+                        help="a worker silent this long (e.g. a paused process) is lost "
+                             "and killed; with recovery on it is restarted and its "
+                             "neighbours wait, else their calls fail (default 30)")
+    parser.add_argument("--classic", choices=("loopback", "any", "none"), default="loopback",
+                        help="from where workers that speak the classic rabit protocol "
+                             "(XGBoost 1.x/2.0; it carries no secret) are served "
+                             "(default loopback)")
+    ssh = parser.add_argument_group("--cluster ssh")
+    ssh.add_argument("--host-file", metavar="F",
+                     help="hosts, one per line: [user@]host[:port] [slots=N]")
+    ssh.add_argument("--ssh", default="ssh", metavar="CMD",
+                     help="ssh command and options, e.g. 'ssh -F ./ssh_config' (default ssh)")
+    ssh.add_argument("--remote-dir", default=None, metavar="DIR",
+                     help="directory the command runs in on the hosts (default: this one; "
+                          "'' for the login directory)")
+    ssh.add_argument("--remote-python", default=None, metavar="PY",
+                     help="Python with rabit2 on the hosts (default: the command's own "
+                          "interpreter if it is a python, else python3; also for slurm "
+                          "and mpi)")
+    group = parser.add_argument_group("--cluster slurm / mpi")
+    group.add_argument("--srun", default="srun", metavar="CMD",
+                       help="srun command and options, e.g. 'srun -N 2' (default srun)")
+    group.add_argument("--mpirun", default="mpirun", metavar="CMD",
+                       help="mpirun command and options, e.g. 'mpirun --hostfile H' "
+                            "(default mpirun)")
+    parser.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    command = list(args.rest) + command
+    if args.cluster not in CLUSTERS:
+        parser.error(f"--cluster {args.cluster!r} is not supported; available: "
+                     f"{', '.join(CLUSTERS)}")
+    if args.num_workers < 1:
+        parser.error("-n must be >= 1")
+    if args.max_attempts < 1:
+        parser.error("--max-attempts must be >= 1")
+    if args.restart_delay < 0 or args.kill_grace < 0:
+        parser.error("--restart-delay and --kill-grace must be >= 0")
+    if not args.heartbeat_timeout > 0:
+        parser.error("--heartbeat-timeout must be > 0")
+    if args.timeout is not None and args.timeout <= 0:
+        parser.error("--timeout must be > 0")
+    if not command:
+        parser.error("no command given (put it after --)")
+    hosts: tuple[Host, ...] = ()
+    tracker_host = args.tracker_host
+    if args.cluster == "ssh":
+        if not args.host_file:
+            parser.error("--cluster ssh needs --host-file")
+        try:
+            with open(args.host_file, encoding="utf-8") as f:
+                hosts = parse_host_file(f.read())
+            if tracker_host is None:
+                tracker_host = tracker_host_for(hosts)
+        except (OSError, ValueError) as exc:
+            parser.error(str(exc))
+        hosts = hosts_by_slot(hosts, args.num_workers)
+    elif args.host_file is not None:
+        parser.error("--host-file is for --cluster ssh")
+    elif args.cluster in ("slurm", "mpi") and tracker_host is None:
+        tracker_host = "0.0.0.0"  # the workers may run on any node
+    group_command = tuple(shlex.split(args.srun if args.cluster == "slurm" else args.mpirun))
+    if args.cluster in ("slurm", "mpi") and not group_command:
+        parser.error(f"--{'srun' if args.cluster == 'slurm' else 'mpirun'} must name a command")
+    ssh_command = tuple(shlex.split(args.ssh))
+    if not ssh_command:
+        parser.error("--ssh must name a command")
+    env: list[tuple[str, str]] = []
+    for item in args.env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            parser.error(f"--env expects K=V, got {item!r}")
+        env.append((key, value))
+    return LaunchOptions(
+        num_workers=args.num_workers,
+        command=tuple(command),
+        max_attempts=args.max_attempts,
+        restart_delay=args.restart_delay,
+        tracker_host="127.0.0.1" if tracker_host is None else tracker_host,
+        tracker_port=args.tracker_port,
+        env=tuple(env),
+        timeout=args.timeout,
+        kill_grace=args.kill_grace,
+        bind=args.bind,
+        heartbeat_timeout=args.heartbeat_timeout,
+        classic=args.classic,
+        dry_run=args.dry_run,
+        cluster=args.cluster,
+        hosts=hosts,
+        ssh=ssh_command,
+        remote_dir=os.getcwd() if args.remote_dir is None else args.remote_dir,
+        remote_python=(remote_python_for(command) if args.remote_python is None
+                       else args.remote_python),
+        group=group_command if args.cluster in ("slurm", "mpi") else (),
+    )

@@ -1,0 +1,239 @@
+"""One process per task, restarted by this launcher: ``--cluster local`` and ``ssh``.
+
+:class:`TaskLauncher` starts every task (through :mod:`tracker.launch.local` or
+:mod:`tracker.launch.ssh`), relays its output as ``[rank r]`` lines, restarts it when it
+exits non-zero until ``--max-attempts``, gives up on the job (through the tracker) when a
+task runs out of attempts, the job times out or the launcher is interrupted, stops every
+process group on the way out and prints the per-task summary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import threading
+import time
+from typing import IO, TextIO
+
+from tracker.launch.common import (
+    ABORT_GRACE_SEC,
+    EXIT_FAILED,
+    EXIT_INTERRUPTED,
+    EXIT_OK,
+    POLL_SEC,
+    Interrupted,
+    LineWriter,
+    TaskRun,
+    format_summary,
+)
+from tracker.launch.local import local_attempt, pinned
+from tracker.launch.options import LaunchOptions
+from tracker.launch.ssh import ssh_attempt
+from tracker.server import TrackerThread
+
+
+class TaskLauncher:
+    """Runs the workers of one job on this machine against an already started tracker."""
+
+    def __init__(
+        self,
+        options: LaunchOptions,
+        tracker: TrackerThread,
+        out: TextIO,
+        err: TextIO,
+        writer: LineWriter | None = None,
+    ) -> None:
+        self.options = options
+        self.tracker = tracker
+        self.tasks = [TaskRun(task_id=i) for i in range(options.num_workers)]
+        self._out = out
+        self._err = err
+        self._writer = writer or LineWriter()
+        self._abort_seen_at: float | None = None
+        self._done_seen_at: float | None = None
+
+    def _note(self, message: str) -> None:
+        self._writer.write(self._err, f"[rabit2-submit] {message}")
+
+    def run(self) -> int:
+        """Run the job to the end; return the exit status.  Never leaves a worker running."""
+        options = self.options
+        deadline = None if options.timeout is None else time.monotonic() + options.timeout
+        interrupted = False
+        try:
+            for task in self.tasks:
+                self._spawn(task)
+            while not all(task.status in ("ok", "failed", "killed") for task in self.tasks):
+                now = time.monotonic()
+                if deadline is not None and now >= deadline:
+                    self._give_up(f"the job timed out after {options.timeout:g}s")
+                    break
+                if not self._step(now):
+                    break
+                time.sleep(POLL_SEC)
+        except (KeyboardInterrupt, Interrupted):
+            interrupted = True
+            self._give_up("the launcher was interrupted")
+        finally:
+            self._terminate_all()
+            for task in self.tasks:
+                for reader in task.readers:
+                    # bounded: a grandchild that escaped the process group may hold the pipe
+                    reader.join(self.options.kill_grace + 1.0)
+        result = self.tracker.result()
+        for task in self.tasks:
+            task.rank = self.tracker.rank_of(str(task.task_id))
+        self._note("summary:")
+        self._writer.write(self._err, format_summary(self.tasks, None if result is None
+                                                  else result.reason))
+        if interrupted:
+            return EXIT_INTERRUPTED
+        return EXIT_OK if all(task.exit_code == 0 for task in self.tasks) else EXIT_FAILED
+
+    def _step(self, now: float) -> bool:
+        """Reap, restart or give up; False when the job is over for good."""
+        result = self.tracker.result()
+        if result is not None and not result.success and self._abort_seen_at is None:
+            self._abort_seen_at = now
+            self._note(f"job aborted: {result.reason}")
+        if self._abort_seen_at is not None and now - self._abort_seen_at > ABORT_GRACE_SEC:
+            self._note("workers did not exit after the abort; stopping them")
+            return False
+        if result is not None and result.success:
+            # every rank told the tracker it is done: a process that still does not exit
+            # (stopped, or stuck after finalize) must not keep the launcher waiting
+            if self._done_seen_at is None:
+                self._done_seen_at = now
+            elif now - self._done_seen_at > ABORT_GRACE_SEC:
+                self._note("workers did not exit after the job finished; stopping them")
+                return False
+        silent = set(self.tracker.take_silent())
+        for task in self.tasks:
+            if str(task.task_id) in silent and task.proc is not None and task.status == "running":
+                # a paused or wedged worker keeps its process alive but answers nothing: stop
+                # it, so that the usual restart-or-give-up logic runs instead of waiting
+                self._note(f"task {task.task_id} went silent; killing it")
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(task.proc.pid, signal.SIGKILL)
+            if task.status == "restarting" and now >= task.restart_at:
+                self._spawn(task)
+            if task.proc is None or task.status != "running":
+                continue
+            code = task.proc.poll()
+            if code is None:
+                continue
+            self.tracker.worker_exited(str(task.task_id))  # (no rejoin will come)
+            _close_stdin(task.proc)
+            task.proc = None
+            task.exit_code = code
+            if code == 0:
+                task.status = "ok"
+            elif self._abort_seen_at is not None:
+                task.status = "failed"  # the job is over: a restart could only hang
+            elif self.tracker.has_finished(str(task.task_id)):
+                # it shut down with the tracker before exiting (e.g. after a typed error it
+                # reported): the tracker refuses a replacement, so do not start one
+                task.status = "failed"
+                self._note(f"task {task.task_id} exited with {code} after shutting down; "
+                           "not restarting it")
+            elif task.attempts < self.options.max_attempts:
+                task.status = "restarting"
+                task.restart_at = now + self.options.restart_delay
+                self._note(f"task {task.task_id} exited with {code} (attempt {task.attempts}/"
+                           f"{self.options.max_attempts}); restarting")
+            else:
+                task.status = "failed"
+                self._give_up(f"task {task.task_id} exited with {code} after "
+                              f"{task.attempts} attempts", task_id=task.task_id)
+                # the tracker aborts the job: the others raise JobAbortedError and exit on
+                # their own; whoever is still running after the grace period is stopped
+                self._abort_seen_at = now
+        return True
+
+    def _give_up(self, reason: str, task_id: int | None = None) -> None:
+        self._note(reason)
+        if task_id is None:
+            self.tracker.abort(reason)
+        else:
+            self.tracker.mark_failed(str(task_id), reason)
+
+    def _spawn(self, task: TaskRun) -> None:
+        start = ssh_attempt if self.options.cluster == "ssh" else local_attempt
+        attempt = start(self.options, self.tracker.worker_env(), task.task_id, task.attempts)
+        # A session of its own: Ctrl-C in the terminal reaches only the launcher (which then
+        # stops the workers in order), and killpg also reaches the worker's own children.
+        with pinned(attempt.cpus):
+            proc = subprocess.Popen(
+                attempt.argv,
+                env=attempt.env,
+                stdin=subprocess.DEVNULL if attempt.header is None else subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+            )
+        if attempt.header is not None and proc.stdin is not None:
+            # a few KiB into an empty pipe: never blocks.  The pipe then stays open: its end
+            # (this process or its ssh gone) is what stops the remote worker
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.write(attempt.header)
+                proc.stdin.flush()
+        task.proc = proc
+        task.attempts += 1
+        task.status = "running"
+        task.exit_code = None
+        for pipe, stream in ((proc.stdout, self._out), (proc.stderr, self._err)):
+            if pipe is None:
+                continue
+            reader = threading.Thread(target=self._relay, args=(task.task_id, pipe, stream),
+                                      daemon=True, name=f"rabit2-submit-relay-{task.task_id}")
+            reader.start()
+            task.readers.append(reader)
+
+    def _relay(self, task_id: int, pipe: IO[bytes], stream: TextIO) -> None:
+        with pipe:
+            for raw in iter(pipe.readline, b""):
+                rank = self.tracker.rank_of(str(task_id))
+                label = task_id if rank is None else rank
+                text = raw.decode("utf-8", errors="replace").rstrip("\n")
+                self._writer.write(stream, f"[rank {label}] {text}")
+
+    def _terminate_all(self) -> None:
+        running = [task for task in self.tasks if task.proc is not None]
+        for task in running:
+            _signal_group(task, signal.SIGTERM)
+        deadline = time.monotonic() + self.options.kill_grace
+        for task in running:
+            proc = task.proc
+            if proc is None:
+                continue
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                _signal_group(task, signal.SIGKILL)
+                proc.wait()
+            _close_stdin(proc)
+            task.exit_code = proc.returncode
+            task.status = "ok" if proc.returncode == 0 else "killed"
+            task.proc = None
+        for task in self.tasks:
+            if task.status in ("pending", "restarting"):
+                task.status = "killed"
+
+
+def _close_stdin(proc: subprocess.Popen[bytes]) -> None:
+    if proc.stdin is not None:
+        with contextlib.suppress(OSError):
+            proc.stdin.close()
+
+
+def _signal_group(task: TaskRun, signum: signal.Signals) -> None:
+    if task.proc is None:
+        return
+    try:
+        os.killpg(task.proc.pid, signum)
+    except ProcessLookupError:
+        pass  # already gone
+    except PermissionError:
+        task.proc.send_signal(signum)  # the group changed hands (the worker called setsid)
