@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 
 from rabit2.config import Config, load_config
-from rabit2.core.agent import Call
 from rabit2.core.framing import CollectiveKind
 from rabit2.core.ops import Op, check_op_dtype, dtype_code, dtype_from_code
+from rabit2.core.records import Call
 from rabit2.errors import JobAbortedError, MismatchError, NotInitializedError, RabitError
 
 logger = logging.getLogger("rabit2")
@@ -289,7 +289,7 @@ def allreduce(data: Any, op: Any, prepare_fun: Callable[[Any], None] | None = No
     inplace = flags.c_contiguous and flags.writeable
     work = data if inplace else np.ascontiguousarray(data).copy()
     buf = _flat_bytes(work)
-    _run(Call(engine.agent.choose_allreduce(len(buf), dtype.itemsize), buf, dtype, opv))
+    _run(Call(engine.choose_allreduce(len(buf), dtype.itemsize), buf, dtype, opv))
     if not inplace and data.flags.writeable:
         data[...] = work
         return data

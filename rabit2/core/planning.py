@@ -37,6 +37,22 @@ SCRATCH_RESERVE_FROM = 1 << 20
 """A link scratch this large or larger is allocated at the landing ring's size at least."""
 
 
+def choose_allreduce(nbytes: int, itemsize: int, world: int,
+                     ring_mincount: int | None) -> CollectiveKind:
+    """Tree for small calls, ring above ``AUTO_RING_MIN_BYTES``, or above ``ring_mincount``
+    elements where that is set (rabit's ``rabit_reduce_ring_mincount``).
+
+    At world size 2 the tree degenerates into a relay through rank 0; a direct exchange
+    does the same work in one hop instead of two.
+    """
+    if world > 1 and (nbytes > AUTO_RING_MIN_BYTES if ring_mincount is None
+                      else nbytes // itemsize > ring_mincount):
+        return CollectiveKind.ALLREDUCE_RING
+    if world == 2:
+        return CollectiveKind.ALLREDUCE_PAIR
+    return CollectiveKind.ALLREDUCE_TREE
+
+
 class Planner:
     """Descriptors and plans for one agent's calls (loop thread only)."""
 
@@ -71,19 +87,7 @@ class Planner:
         return desc
 
     def choose_allreduce(self, nbytes: int, itemsize: int) -> CollectiveKind:
-        """Tree for small calls, ring above ``AUTO_RING_MIN_BYTES``, or above
-        ``rabit_reduce_ring_mincount`` elements where that is set (rabit's rule).
-
-        At world size 2 the tree degenerates into a relay through rank 0; a direct exchange
-        does the same work in one hop instead of two.
-        """
-        mincount = self.ring_mincount
-        if self.agent.world > 1 and (nbytes > AUTO_RING_MIN_BYTES if mincount is None
-                               else nbytes // itemsize > mincount):
-            return CollectiveKind.ALLREDUCE_RING
-        if self.agent.world == 2:
-            return CollectiveKind.ALLREDUCE_PAIR
-        return CollectiveKind.ALLREDUCE_TREE
+        return choose_allreduce(nbytes, itemsize, self.agent.world, self.ring_mincount)
 
     def plan(self, call: Call) -> Plan:
         """The schedule of ``call`` on this rank.  Raises ValueError for a call that cannot

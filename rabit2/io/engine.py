@@ -39,6 +39,8 @@ from rabit2.core.agent import (
     ResumeReading,
     Send,
 )
+from rabit2.core.framing import CollectiveKind
+from rabit2.core.planning import choose_allreduce
 from rabit2.core.topology import topology
 from rabit2.errors import (
     CollectiveTimeoutError,
@@ -979,6 +981,12 @@ class Engine:
     def restarted(self) -> bool:
         """This worker replaces a lost one and replays (decided at init)."""
         return self.agent.restarted
+
+    def choose_allreduce(self, nbytes: int, itemsize: int) -> CollectiveKind:
+        """The allreduce algorithm for ``nbytes`` of ``itemsize``-byte elements (the API
+        thread asks: from the assignment and the settings, not from the agent)."""
+        world = self.assignment.world_size if self.assignment is not None else 1
+        return choose_allreduce(nbytes, itemsize, world, self.config.reduce_ring_mincount)
 
     def replays_next(self) -> bool:
         """The next call's result comes from a neighbour (``prepare_fun`` is skipped)."""

@@ -1,0 +1,82 @@
+"""The layers stay sealed: a pure core, the I/O layer over it, the API over both, and the
+tracker apart (docs/design.md, "Layers").  Checked on the source, so a stray import fails
+here rather than in a review."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "rabit2"
+
+# what the sans-I/O core must never touch: it is driven by events and told the time
+FORBIDDEN_IN_CORE = {"asyncio", "socket", "time", "threading", "selectors", "select",
+                     "uvloop", "subprocess", "signal"}
+
+
+def _imports(path: Path) -> set[str]:
+    """Top-level names of every module ``path`` imports (relative imports resolved)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                names.add("rabit2")  # (relative imports stay inside the package)
+            elif node.module is not None:
+                names.add(node.module)
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def _modules(folder: Path) -> list[Path]:
+    return sorted(folder.rglob("*.py"))
+
+
+@pytest.mark.parametrize("path", _modules(PACKAGE / "core"), ids=lambda p: p.name)
+def test_core_is_sans_io(path: Path) -> None:
+    bad = {name for name in _imports(path) if name.split(".")[0] in FORBIDDEN_IN_CORE}
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: the core does no I/O"
+
+
+@pytest.mark.parametrize("path", _modules(PACKAGE / "core"), ids=lambda p: p.name)
+def test_core_imports_nothing_above_it(path: Path) -> None:
+    above = {name for name in _imports(path)
+             if name.startswith(("rabit2.io", "rabit2.api", "rabit2.aio", "rabit2.xgboost",
+                                 "rabit2.collective", "tracker"))}
+    assert not above, f"{path.relative_to(ROOT)} imports {sorted(above)}"
+
+
+@pytest.mark.parametrize("path", _modules(PACKAGE / "io"), ids=lambda p: p.name)
+def test_io_does_not_import_the_api(path: Path) -> None:
+    above = {name for name in _imports(path)
+             if name.startswith(("rabit2.api", "rabit2.aio", "rabit2.xgboost",
+                                 "rabit2.collective", "tracker"))}
+    assert not above, f"{path.relative_to(ROOT)} imports {sorted(above)}"
+
+
+@pytest.mark.parametrize("path", _modules(PACKAGE), ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_library_does_not_import_the_tracker(path: Path) -> None:
+    bad = {name for name in _imports(path) if name.split(".")[0] == "tracker"}
+    assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: the tracker is apart"
+
+
+def test_api_does_not_touch_the_agent() -> None:
+    """The API thread talks to the engine; only the engine's loop thread drives the agent."""
+    for name in ("api.py", "aio.py", "collective.py"):
+        tree = ast.parse((PACKAGE / name).read_text())
+        touched = [node.lineno for node in ast.walk(tree)
+                   if isinstance(node, ast.Attribute) and node.attr == "agent"]
+        assert not touched, f"rabit2/{name} reaches into the agent at lines {touched}"
+        assert not any(n.startswith("rabit2.core.agent") for n in _imports(PACKAGE / name))
+
+
+def test_the_checker_sees_a_forbidden_import(tmp_path: Path) -> None:
+    """(A checker that finds nothing proves nothing: it must see one.)"""
+    bad = tmp_path / "bad.py"
+    bad.write_text("import time\nfrom asyncio import sleep\nfrom . import x\n")
+    assert {"time", "asyncio", "rabit2"} <= _imports(bad)
