@@ -534,7 +534,7 @@ class Agent:
     def fail(self, error: RabitError, cmds: list[Command], *, source: int = -1,
               close: int = -1, flood: bool = True) -> None:
         if self.state not in (State.FAILED, State.TASK_COMPLETE):
-            self.go(Event.OP_FAILED if self.state is not State.READY else Event.PRIORITY)
+            self.go(Event.OP_FAILED)
         if close >= 0:
             cmds.append(CloseLink(close, str(error)))
         if self.error is not None:

@@ -6,9 +6,10 @@ is generated from this table by :func:`render_markdown` (a test fails when it is
 
 Function-call events come from the API and the bootstrap code (``START``, ``CONNECT_TRACKER``,
 ``CONNECT_PEERS``, ``ACCEPT_PEERS``, ``CALL_*``, ``SHUTDOWN``); network events come from the
-links (``READABLE``, ``WRITABLE``, ``PRIORITY`` for an out-of-band error notice from a peer,
-``ERROR``, ``HANGUP``); ``OP_COMPLETE``, ``OP_FAILED`` and ``TIMEOUT`` are raised by the agent
-itself when a schedule finishes, cannot finish, or stops making progress.  Lazy recovery adds
+links (``READABLE``, ``PRIORITY`` for an out-of-band error notice from a peer, ``HANGUP``);
+``OP_COMPLETE`` and ``TIMEOUT`` are raised by the agent itself when a schedule finishes or
+a tick checks the deadlines, and ``OP_FAILED`` whenever this rank fails, from any state
+that can (the one failure event: the failure is recorded, whatever state it came in).  Lazy recovery adds
 ``LINK_UP`` (a link connected or reconnected), ``PEER_DOWN`` (with recovery on, a link whose
 input the call still needs was lost: the call waits in ``PEER_ERROR`` for the replacement
 instead of failing) and ``RESUME_*`` (every lost input is back: the call goes on).
@@ -53,9 +54,7 @@ class Event(enum.Enum):
     CALL_ALLGATHER = "call-allgather"
     SHUTDOWN = "shutdown"
     READABLE = "readable"
-    WRITABLE = "writable"
     PRIORITY = "priority"
-    ERROR = "error"
     HANGUP = "hang-up"
     OP_COMPLETE = "op-complete"
     OP_FAILED = "op-failed"
@@ -73,7 +72,6 @@ class InvalidTransition(RabitError):
 
 
 S, E = State, Event
-_NETWORK = (E.READABLE, E.WRITABLE)
 _IN_CALL = (S.ALLREDUCE, S.BROADCAST, S.ALLGATHER)
 
 _table: dict[tuple[State, Event], State] = {
@@ -93,20 +91,17 @@ _table: dict[tuple[State, Event], State] = {
     (S.READY, E.CALL_BROADCAST): S.BROADCAST,
     (S.READY, E.CALL_ALLGATHER): S.ALLGATHER,
     (S.READY, E.READABLE): S.READY,
-    (S.READY, E.WRITABLE): S.READY,
     # a link that closes between calls is remembered; the next call that needs it fails
     (S.READY, E.HANGUP): S.READY,
-    (S.READY, E.ERROR): S.READY,
     (S.READY, E.PRIORITY): S.FAILED,
+    (S.READY, E.OP_FAILED): S.FAILED,  # e.g. a reset peer's need this rank cannot serve
     (S.READY, E.TIMEOUT): S.READY,
     (S.READY, E.SHUTDOWN): S.TASK_COMPLETE,
     (S.READY, E.LINK_UP): S.READY,
     # a call blocked on a crashed input: every other link keeps moving; the replacement's
     # link comes up, the call resumes at the byte offsets both sides hold
     (S.PEER_ERROR, E.READABLE): S.PEER_ERROR,
-    (S.PEER_ERROR, E.WRITABLE): S.PEER_ERROR,
     (S.PEER_ERROR, E.HANGUP): S.PEER_ERROR,
-    (S.PEER_ERROR, E.ERROR): S.PEER_ERROR,
     (S.PEER_ERROR, E.PEER_DOWN): S.PEER_ERROR,
     (S.PEER_ERROR, E.LINK_UP): S.PEER_ERROR,
     (S.PEER_ERROR, E.PRIORITY): S.FAILED,
@@ -120,9 +115,7 @@ _table: dict[tuple[State, Event], State] = {
     (S.PEER_ERROR, E.SHUTDOWN): S.TASK_COMPLETE,
     # after a failure every call raises the recorded error; network noise is ignored
     (S.FAILED, E.READABLE): S.FAILED,
-    (S.FAILED, E.WRITABLE): S.FAILED,
     (S.FAILED, E.HANGUP): S.FAILED,
-    (S.FAILED, E.ERROR): S.FAILED,
     (S.FAILED, E.PRIORITY): S.FAILED,
     (S.FAILED, E.TIMEOUT): S.FAILED,
     (S.FAILED, E.OP_FAILED): S.FAILED,
@@ -133,9 +126,7 @@ _table: dict[tuple[State, Event], State] = {
     (S.FAILED, E.ACCEPT_PEERS): S.FAILED,
     # peers close their links once they are done
     (S.TASK_COMPLETE, E.READABLE): S.TASK_COMPLETE,
-    (S.TASK_COMPLETE, E.WRITABLE): S.TASK_COMPLETE,
     (S.TASK_COMPLETE, E.HANGUP): S.TASK_COMPLETE,
-    (S.TASK_COMPLETE, E.ERROR): S.TASK_COMPLETE,
     (S.TASK_COMPLETE, E.SHUTDOWN): S.TASK_COMPLETE,
     (S.TASK_COMPLETE, E.TIMEOUT): S.TASK_COMPLETE,
     # with recovery on, finalize holds until every rank finalized: a restarted neighbour's
@@ -148,9 +139,7 @@ for _state in (S.CONNECTING_PEERS, S.ACCEPTING_PEERS):
     _table.update(
         {
             (_state, E.READABLE): _state,
-            (_state, E.WRITABLE): _state,
             (_state, E.HANGUP): _state,
-            (_state, E.ERROR): _state,
             (_state, E.PRIORITY): S.FAILED,
             (_state, E.LINK_UP): _state,
         }
@@ -159,14 +148,12 @@ for _state in _IN_CALL:
     _table.update(
         {
             (_state, E.READABLE): _state,
-            (_state, E.WRITABLE): _state,
             (_state, E.TIMEOUT): _state,  # a tick: the agent checks its progress deadline
             (_state, E.OP_COMPLETE): S.READY,
             (_state, E.OP_FAILED): S.FAILED,
             (_state, E.PRIORITY): S.FAILED,
             # a closed link fails the call only if the call still needs it (agent decides)
             (_state, E.HANGUP): _state,
-            (_state, E.ERROR): _state,
             (_state, E.PEER_DOWN): S.PEER_ERROR,
             (_state, E.LINK_UP): _state,
         }
