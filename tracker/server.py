@@ -3,13 +3,14 @@
 What it does (``docs/protocol.md``, "Tracker protocol"):
 
 * authenticates every connection with the job secret (``rabit2.io.handshake``);
-* collects ``n_workers`` registrations, assigns ranks (stable per task id: a task that
-  registers again gets its old rank back with ``incarnation + 1``) and sends each worker its
-  tree/ring links and its neighbours' addresses (``rabit2.core.topology``);
-* relays ``print``s, watches liveness (EOF or no message for ``heartbeat_timeout``), pushes
-  ``peer_lost``/``peer_recovered`` notices to the neighbours of a lost/returning rank, aborts
-  the job on a worker's ``error`` or :meth:`Tracker.mark_failed`, and knows when every rank has
-  shut down.
+* reads each connection's messages, relays ``print``s, watches liveness (EOF or no message
+  for ``heartbeat_timeout``) and answers ``status``;
+* hands every event of the job to its :class:`~tracker.registry.Registry` (registrations,
+  rejoins, ends of connections, errors, unreachable ranks, shutdowns, the launcher's word)
+  and applies what it decides: the messages to send (ranks and links, ``peer_lost``/
+  ``peer_recovered`` notices, ``abort``, ``bye``), the connections to close, the hooks to
+  call, the rejoin graces to time and the job's end;
+* serves workers of the classic rabit protocol instead (``tracker/classic.py``).
 
 A connection that misbehaves (wrong magic, bad MAC, garbage, a huge length, silence) is closed
 with a reason logged on ``rabit2.tracker``; it never disturbs the job.
@@ -22,7 +23,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import logging
-import re
 import socket
 import sys
 import threading
@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from rabit2.core.control import REFUSE_HELLO, FrameDecoder, encode_frame
-from rabit2.core.topology import topology
 from rabit2.errors import CollectiveTimeoutError, ProtocolError, RabitError
 from rabit2.io.handshake import (
     RateLimitedLog,
@@ -41,24 +40,15 @@ from rabit2.io.handshake import (
     tune_socket,
 )
 from tracker.classic import CLASSIC_MAGIC, ClassicJob
+from tracker.decisions import Decision, Fence, Finish, Grace, Hook, Release, Send
+from tracker.registry import REJOIN_GRACE_SEC, SILENCE_REASON, Registry, job_status, natural_key
 
 logger = logging.getLogger("rabit2.tracker")
-SILENCE_REASON = "no message for"  # how a heartbeat timeout is reported
-# a rank that another cannot reach counts as alive if it was heard from this recently (its
-# heartbeats come every rabit2_heartbeat_sec, 1 s by default)
-_ALIVE_WITHIN_SEC = 5.0
-REJOIN_GRACE_SEC = 5.0
-"""A worker whose connection ended (EOF, reset: a blip on the path, or a death that its
-neighbours see on their own links at once) may rejoin within this many seconds, as the same
-process and incarnation, before it counts as lost; silence (heartbeats) counts at once."""
 
 _READ_SIZE = 65536
-_MAX_TASK_ID = 256  # task ids are labels; bound them like every other wire length
-_NULL_TASK = "NULL"  # what classic workers send when DMLC_TASK_ID is unset
 _ACCEPT_ERROR_PAUSE_SEC = 0.1  # e.g. EMFILE: back off instead of spinning on accept
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 _STATUS_TASKS_ON_WIRE = 2000  # ~200 bytes each: a status_reply stays well under MAX_FRAME
-_MAX_REASON = 64 * 1024  # characters of an abort reason (UTF-8: <= 256 KiB < MAX_FRAME)
 _MAX_WRITE_BUFFER = 8 * 1024 * 1024  # per connection: ~8 status replies or 100k notices
 
 
@@ -71,43 +61,13 @@ class JobResult:
     status: dict[str, Any]
 
 
-def natural_key(text: str) -> tuple[tuple[int, int | str], ...]:
-    """Sort key that orders digit runs numerically: "2" < "10", "task2" < "task10"."""
-    return tuple(
-        (0, int(part)) if part.isascii() and part.isdigit() else (1, part)
-        for part in re.split(r"([0-9]+)", text)
-        if part
-    )
-
-
-@dataclass(slots=True, eq=False)
-class _Task:
-    task_id: str
-    arrival: int
-    attempt: int = 0
-    incarnation: int = 0
-    rank: int | None = None
-    host: str = ""
-    port: int = 0
-    conn: _Conn | None = None
-    finished: bool = False
-    held: bool = False  # finished, and still serving until every rank has (shutdown hold)
-    losses: int = 0  # times this task's worker was lost (connection or heartbeats)
-    # its connection ended, not in silence: the same process may rejoin within the grace
-    # (REJOIN_GRACE_SEC) before it counts as lost; the timer and the reason
-    pending_loss: asyncio.TimerHandle | None = None
-    loss_reason: str = ""
-
-
 @dataclass(slots=True, eq=False)
 class _Conn:
     writer: asyncio.StreamWriter
     host: str  # the source IP we saw: the address neighbours dial (as classic rabit)
     peer: str  # host:port, for logs
     role: str
-    task: _Task | None = None
     fenced: bool = False  # replaced by a newer registration of the same task
-    heard: float = 0.0  # loop time of the last message from it
 
     def send(self, msg: dict[str, Any]) -> None:
         if self.writer.is_closing():
@@ -162,15 +122,13 @@ class Tracker:
         self._secret = secret
         self._sortby = sortby
         self._heartbeat_timeout = heartbeat_timeout
-        self._rejoin_grace = rejoin_grace
+        self._registry: Registry[_Conn] = Registry(n_workers, sortby=sortby,
+                                                   rejoin_grace=rejoin_grace)
+        self._graces: dict[str, asyncio.TimerHandle] = {}  # task id -> its rejoin grace
         self._classic_from = classic
         self._classic: ClassicJob | None = None  # made by the first classic worker
-        self._adopted = False  # some worker rejoined from a previous tracker
         self._handshake_timeout = handshake_timeout
         self._print_fn = print_fn or _print_stdout
-        self._tasks: dict[str, _Task] = {}
-        self._by_rank: dict[int, _Task] = {}
-        self._anonymous = 0
         self._prints = 0
         self._conns: set[_Conn] = set()
         self._handlers: set[asyncio.Task[None]] = set()
@@ -230,12 +188,10 @@ class Tracker:
             self._listener.close()
             self._listener = None
         for conn in list(self._conns):
-            conn.task = None  # closing is ours: not a worker loss
-            conn.writer.close()
-        for task in self._tasks.values():
-            if task.pending_loss is not None:
-                task.pending_loss.cancel()
-                task.pending_loss = None
+            conn.writer.close()  # (closing is ours: not a worker loss)
+        for grace in self._graces.values():
+            grace.cancel()
+        self._graces.clear()
         for handler in list(self._handlers):
             handler.cancel()
         await asyncio.gather(*self._handlers, return_exceptions=True)
@@ -271,55 +227,23 @@ class Tracker:
 
     def abort(self, reason: str) -> None:
         """Abort the job: push ``abort{reason}`` to every connected worker.  Idempotent."""
-        self._abort(reason, exclude=None)
+        self._apply(self._registry.abort(reason))
 
     def worker_exited(self, task_id: str) -> None:
         """The launcher saw ``task_id``'s process end: if its connection ended too, it will
         not rejoin, so it is lost now rather than at the end of the rejoin grace."""
-        task = self._tasks.get(task_id)
-        if task is not None and task.pending_loss is not None:
-            self._declare_lost(task, task.loss_reason)
+        self._apply(self._registry.worker_exited(task_id))
 
     def mark_failed(self, task_id: str, reason: str) -> None:
         """The launcher gave up on ``task_id``: abort the job, naming the task and reason."""
-        task = self._tasks.get(task_id)
-        who = f"task {task_id}" if task is None else _describe(task)
-        self._abort(f"{who} failed for good: {reason}", exclude=None)
+        self._apply(self._registry.mark_failed(task_id, reason))
 
     def status(self, only: str | None = None) -> dict[str, Any]:
         """A msgpack-able snapshot for humans and monitoring; ``only``: list that task alone
         in ``tasks`` (the totals still count every task)."""
-        tasks = sorted(self._tasks.values(), key=lambda t: (t.rank is None, t.rank, t.arrival))
-        listed = tasks if only is None else [task for task in tasks if task.task_id == only]
         if self._classic is not None and self._classic.started:
             return self._classic_status(only)
-        return {
-            "world_size": self.n_workers,
-            "port": self.port,
-            "registered": len(self._tasks),
-            "assigned": bool(self._by_rank),
-            "finished": sum(task.finished for task in tasks),
-            "done": self._result is not None,
-            "success": None if self._result is None else self._result.success,
-            "reason": None if self._result is None else self._result.reason,
-            "prints": self._prints,
-            "failures": sum(task.losses for task in tasks),
-            "restarts": sum(task.incarnation for task in tasks),
-            "tasks": [
-                {
-                    "task_id": task.task_id,
-                    "rank": task.rank,
-                    "incarnation": task.incarnation,
-                    "attempt": task.attempt,
-                    "host": task.host,
-                    "port": task.port,
-                    "connected": task.conn is not None,
-                    "finished": task.finished,
-                    "losses": task.losses,
-                }
-                for task in listed
-            ],
-        }
+        return self._registry.status(only, port=self.port, prints=self._prints)
 
     def _relay_classic_print(self, line: str) -> None:
         self._prints += 1
@@ -329,17 +253,9 @@ class Tracker:
         """:meth:`status` of a job of classic workers (``tracker/classic.py``)."""
         assert self._classic is not None
         tasks = self._classic.status()
-        listed = tasks if only is None else [t for t in tasks if t["task_id"] == only]
-        return {
-            "world_size": self.n_workers, "port": self.port, "registered": len(tasks),
-            "assigned": len(tasks) == self.n_workers,
-            "finished": sum(t["finished"] for t in tasks), "done": self._result is not None,
-            "success": None if self._result is None else self._result.success,
-            "reason": None if self._result is None else self._result.reason,
-            "prints": self._prints, "failures": sum(t["losses"] for t in tasks),
-            "restarts": sum(t["incarnation"] for t in tasks), "tasks": listed,
-            "protocol": "classic",
-        }
+        status = job_status(self.n_workers, self.port, self._prints, self._registry.outcome,
+                            tasks, only, assigned=len(tasks) == self.n_workers)
+        return {**status, "protocol": "classic"}
 
     # -- connections -----------------------------------------------------------------------
 
@@ -420,20 +336,22 @@ class Tracker:
         finally:
             self._conns.discard(conn)
             writer.close()
-            self._connection_ended(conn, reason, broken)
+            if not self._closing:  # (closing is ours: not a worker loss)
+                self._connection_ended(conn, reason, broken)
 
     async def _serve_classic(self, sock: socket.socket, host: str, peer: str) -> None:
         """A worker of the classic rabit protocol (XGBoost 1.x/2.0, dmlc/rabit)."""
         why = None
+        outcome = self._registry.outcome
         if self._classic_from == "none" or (
                 self._classic_from == "loopback" and not is_loopback(host)):
             why = (f"classic rabit workers are served from {self._classic_from} addresses "
                    "only (the classic protocol has no secret; rabit2-tracker --classic any)")
-        elif self._tasks:
+        elif self._registry.tasks:
             why = ("this job's workers speak rabit2's protocol; a classic rabit worker "
                    "(XGBoost 1.x/2.0) cannot join it")
-        elif self._result is not None:
-            why = f"the job has ended ({self._result.reason})"
+        elif outcome is not None:
+            why = f"the job has ended ({outcome.reason})"
         if why is not None:
             sock.close()
             self._refusals.warning("classic rabit worker from %s refused: %s", peer, why)
@@ -441,7 +359,7 @@ class Tracker:
         if self._classic is None:
             self._classic = ClassicJob(
                 self.n_workers, self._relay_classic_print,
-                on_done=lambda: self._finish(True, "every rank shut down"),
+                on_done=lambda: self._apply(self._registry.finish(True, "every rank shut down")),
                 sort_key=(lambda t: (natural_key(t), t)) if self._sortby == "task" else None,
                 timeout=self._handshake_timeout,
                 on_rank=lambda task_id, rank: _call_hook(self.on_rank_assigned, task_id, rank))
@@ -466,11 +384,13 @@ class Tracker:
 
     async def _serve(self, conn: _Conn, reader: asyncio.StreamReader) -> str:
         """Read and handle frames until the connection ends; return why it ended."""
+        loop = asyncio.get_running_loop()
         decoder = FrameDecoder()
         while True:
             # Before registering a worker gets the handshake budget; after, silence longer
             # than the heartbeat timeout means it is dead or paused.
-            timeout = self._handshake_timeout if conn.task is None else self._heartbeat_timeout
+            registered = self._registry.task_of(conn) is not None
+            timeout = self._heartbeat_timeout if registered else self._handshake_timeout
             try:
                 data = await asyncio.wait_for(reader.read(_READ_SIZE), timeout)
             except TimeoutError as exc:
@@ -479,7 +399,7 @@ class Tracker:
                 return f"{SILENCE_REASON} {timeout:g}s"
             if not data:
                 return "connection closed by the worker"
-            conn.heard = asyncio.get_running_loop().time()
+            self._registry.heard(conn, loop.time())
             for msg in decoder.feed(data):
                 if not self._on_message(conn, msg):
                     return "worker shut down"
@@ -499,26 +419,24 @@ class Tracker:
             conn.send({"t": "status_reply", "status": status})
             return True
         if kind == "give_up" and conn.role == "monitor":
-            # a supervisor (tracker.slot) ran out of attempts for one task: like the
-            # launcher's own give-up, the job ends at once instead of waiting for it
-            task_id = msg["task_id"]
-            if not 0 < len(task_id) <= _MAX_TASK_ID:
-                raise ProtocolError(f"task_id must have 1..{_MAX_TASK_ID} characters")
-            reason = msg["reason"][:_MAX_REASON]
-            logger.error("task %s given up by its supervisor: %s", task_id, reason)
-            self.mark_failed(task_id, reason)
+            self._apply(self._registry.give_up(msg["task_id"], msg["reason"]))
             return True
         if conn.role != "worker":
             raise ProtocolError(f"a {conn.role} connection may only send status or give_up, "
                                 f"not {kind}")
-        task = conn.task
+        registry = self._registry
+        now = asyncio.get_running_loop().time()
+        task = registry.task_of(conn)
         if task is None:
             if kind == "rejoin":
-                self._rejoin(conn, msg)
+                self._apply(registry.rejoin(conn, msg, host=conn.host, peer=conn.peer, now=now))
                 return True
             if kind != "register":
                 raise ProtocolError(f"expected register, got {kind}")
-            self._register(conn, msg)
+            if self._classic is not None and self._classic.started:
+                raise ProtocolError("this job's workers speak the classic rabit protocol "
+                                    "(XGBoost 1.x/2.0); a rabit2 worker cannot join it")
+            self._apply(registry.register(conn, msg, host=conn.host, peer=conn.peer, now=now))
             return True
         if kind == "heartbeat":
             return True  # reading it already reset the liveness deadline
@@ -528,268 +446,52 @@ class Tracker:
             self._print_fn(f"[{label}] {msg['msg']}")
             return True
         if kind == "error":
-            self._abort(f"{_describe(task)} signalled an error: {msg['msg']}", exclude=conn)
+            self._apply(registry.error(conn, msg["msg"]))
             return True
         if kind == "unreachable":
-            self._unreachable(task, msg["rank"], msg["reason"][:_MAX_REASON])
+            self._apply(registry.unreachable(conn, msg["rank"], msg["reason"], now))
             return True
         if kind == "shutdown":
-            task.finished = True
-            if not msg["hold"] or self._result is not None:
-                # (after an abort nothing is held: the task is done for good either way)
-                _call_hook(self.on_task_finished, task.task_id)
-            logger.info("%s shut down", _describe(task))
-            everyone = bool(self._by_rank) and all(t.finished for t in self._by_rank.values())
-            if msg["hold"] and not everyone and self._result is None:
-                # recovery on: it keeps serving a restarted neighbour until every rank has
-                # finished (then bye), and is treated as lost if it dies meanwhile
-                task.held = True
-                return True
-            task.held = False  # (a held worker that gave up waiting says shutdown again)
-            conn.send({"t": "bye"})
-            if everyone:
-                for other in self._by_rank.values():
-                    if other.held and other.conn is not None:
-                        other.conn.send({"t": "bye"})
-                    other.held = False
-                if self._result is None:  # (an aborted job stays aborted)
-                    self._finish(True, "every rank shut down")
-            return False
+            decisions = registry.shutdown(conn, msg["hold"])
+            self._apply(decisions)
+            return not any(isinstance(d, Release) for d in decisions)
         raise ProtocolError(f"unexpected {kind} from a registered worker")
 
-    def _register(self, conn: _Conn, msg: dict[str, Any]) -> None:
-        """Record a registration; raises ProtocolError (sent back as refuse) to reject it."""
-        if self._classic is not None and self._classic.started:
-            raise ProtocolError("this job's workers speak the classic rabit protocol "
-                                "(XGBoost 1.x/2.0); a rabit2 worker cannot join it")
-        task_id: str = msg["task_id"]
-        if not 0 < len(task_id) <= _MAX_TASK_ID:
-            raise ProtocolError(f"task_id must have 1..{_MAX_TASK_ID} characters")
-        if not 0 < msg["port"] < 65536:
-            raise ProtocolError(f"port {msg['port']} is not a TCP port")
-        if msg["world_size"] not in (-1, self.n_workers):
-            raise ProtocolError(
-                f"worker expects world size {msg['world_size']}, job has {self.n_workers}"
-            )
-        if task_id == _NULL_TASK:
-            # Without a task id a restart cannot be recognised; give it a fresh identity.
-            task_id = f"{_NULL_TASK}#{self._anonymous}"
-            self._anonymous += 1
-            logger.warning("worker at %s has no DMLC_TASK_ID; restarts will not keep its rank",
-                           conn.peer)
-        task = self._tasks.get(task_id)
-        if task is None:
-            if len(self._tasks) >= self.n_workers:
-                raise ProtocolError(
-                    f"unknown task id {task_id!r}: the job already has {self.n_workers} tasks"
-                )
-            task = _Task(task_id=task_id, arrival=len(self._tasks))
-            if self._adopted:
-                # a job taken over from a previous tracker: a worker that died meanwhile
-                # comes back as its attempt (the previous tracker's incarnations are gone)
-                task.incarnation = msg["attempt"]
-            self._tasks[task_id] = task
-        else:
-            if task.finished:
-                raise ProtocolError(f"task {task_id!r} already shut down")
-            if task.pending_loss is not None:
-                # a restart within the grace: the old process is lost after all (its
-                # neighbours hear of that incarnation before they hear of the new one)
-                self._declare_lost(task, task.loss_reason)
-            task.incarnation += 1
-            if task.conn is not None:
-                # The newer process wins (incarnation fencing): the old one is a zombie.
-                old, task.conn = task.conn, None
-                old.task = None
-                old.fenced = True
-                old.writer.close()
-                logger.warning("%s registered again; closed its previous connection",
-                               _describe(task))
-        task.attempt = msg["attempt"]
-        task.host = conn.host
-        task.port = msg["port"]
-        task.conn = conn
-        conn.task = task
-        logger.info("task %s registered from %s:%d (attempt %d, incarnation %d)",
-                    task_id, conn.host, task.port, task.attempt, task.incarnation)
-        if task.rank is not None:
-            conn.send(self._assign_msg(task, task.rank))
-            self._notify_neighbors(task, {"t": "peer_recovered", "host": task.host,
-                                          "port": task.port})
-        elif len(self._tasks) == self.n_workers:
-            self._assign_ranks()
-        if self._result is not None and not self._result.success:
-            conn.send({"t": "abort", "reason": self._result.reason})
-
-    def _may_adopt(self, msg: dict[str, Any]) -> bool:
-        """A rejoin from a task this tracker never saw: a tracker restarted at the address of
-        one that went away takes its job over from the workers that rejoin it, while ranks
-        are free for them (docs/protocol.md, "Tracker side")."""
-        rank = msg["rank"]
-        return (self._result is None and len(self._tasks) < self.n_workers
-                and 0 <= rank < self.n_workers and rank not in self._by_rank
-                and msg["incarnation"] >= 0 and 0 < msg["port"] < 65536
-                and 0 < len(msg["task_id"]) <= _MAX_TASK_ID)
-
-    def _adopt(self, conn: _Conn, msg: dict[str, Any]) -> _Task:
-        task = _Task(task_id=msg["task_id"], arrival=len(self._tasks),
-                     incarnation=msg["incarnation"], attempt=msg["incarnation"],
-                     rank=msg["rank"], host=conn.host, port=msg["port"])
-        self._tasks[task.task_id] = task
-        self._by_rank[msg["rank"]] = task
-        self._adopted = True
-        logger.warning("%s joined this tracker from a previous one (%d of %d)",
-                       _describe(task), len(self._by_rank), self.n_workers)
-        return task
-
-    def _assign_ranks(self) -> None:
-        if self._sortby == "task":
-            order = sorted(self._tasks.values(), key=lambda t: (natural_key(t.task_id), t.task_id))
-        else:
-            order = sorted(self._tasks.values(), key=lambda t: t.arrival)
-        # (tasks that rejoined from a previous tracker keep their ranks; the rest take the
-        # free ones in order)
-        free = iter(r for r in range(self.n_workers) if r not in self._by_rank)
-        for task in order:
-            if task.rank is None:
-                task.rank = next(free)
-                self._by_rank[task.rank] = task
-            _call_hook(self.on_rank_assigned, task.task_id, task.rank)
-        order = [self._by_rank[r] for r in range(self.n_workers)]
-        logger.info("all %d workers registered; ranks: %s", self.n_workers,
-                    ", ".join(f"{t.task_id}->{t.rank}" for t in order))
-        for rank, task in enumerate(order):
-            if task.conn is not None:
-                task.conn.send(self._assign_msg(task, rank))
-
-    def _assign_msg(self, task: _Task, rank: int) -> dict[str, Any]:
-        links = topology(rank, self.n_workers)
-        peers = {
-            str(rank): [self._by_rank[rank].host, self._by_rank[rank].port]
-            for rank in links.neighbors
-        }
-        return {
-            "t": "assign",
-            "rank": rank,
-            "world_size": self.n_workers,
-            "parent": links.parent,
-            "children": list(links.children),
-            "ring_prev": links.ring_prev,
-            "ring_next": links.ring_next,
-            "peers": peers,
-            "incarnation": task.incarnation,
-            # what each neighbour may present when it dials (fencing: no other incarnation)
-            "incarnations": {str(r): self._by_rank[r].incarnation for r in links.neighbors},
-        }
-
-    def _notify_neighbors(self, task: _Task, notice: dict[str, Any]) -> None:
-        if task.rank is None:
-            return
-        for rank in topology(task.rank, self.n_workers).neighbors:
-            neighbor = self._by_rank[rank]
-            if neighbor.conn is not None and (neighbor.held or not neighbor.finished):
-                neighbor.conn.send({**notice, "rank": task.rank, "incarnation": task.incarnation})
-
     def _connection_ended(self, conn: _Conn, reason: str, broken: bool) -> None:
-        task = conn.task
-        if task is None:
-            if not (self._closing or conn.fenced) and (broken or conn.role == "worker"):
+        if self._registry.task_of(conn) is None:
+            if not conn.fenced and (broken or conn.role == "worker"):
                 logger.warning("connection from %s (%s, unregistered) closed: %s",
                                conn.peer, conn.role, reason)
             return
-        conn.task = None
-        task.conn = None
-        if task.finished and not task.held:
-            return
-        if reason.startswith(SILENCE_REASON) or task.rank is None or self._closing:
-            self._declare_lost(task, reason)
-            return
-        # the process may live (a blip on the path to it): it may rejoin within the grace
-        logger.info("%s: connection ended (%s); it may rejoin within %g s", _describe(task),
-                    reason, self._rejoin_grace)
-        task.loss_reason = reason
-        task.pending_loss = asyncio.get_running_loop().call_later(
-            self._rejoin_grace, self._declare_lost, task, reason)
+        self._apply(self._registry.connection_ended(conn, reason))
 
-    def _declare_lost(self, task: _Task, reason: str) -> None:
-        if task.pending_loss is not None:
-            task.pending_loss.cancel()
-            task.pending_loss = None
-        if task.conn is not None:
-            return  # (it rejoined or registered again meanwhile)
-        # a held worker that dies was serving its neighbours: it is lost like any other (the
-        # launcher restarts it, and its replacement replays and finalizes again)
-        task.finished = task.held = False
-        task.losses += 1
-        # Fault tolerance hook point: the launcher may restart the task (it then registers
-        # again) or give up (mark_failed).  Until then the job waits.
-        logger.warning("%s lost: %s", _describe(task), reason)
-        self._notify_neighbors(task, {"t": "peer_lost", "reason": reason})
-        _call_hook(self.on_worker_lost, task.task_id, task.rank, reason)
+    # -- the registry's decisions ----------------------------------------------------------
 
-    def _rejoin(self, conn: _Conn, msg: dict[str, Any]) -> None:
-        """The same process, whose connection ended, connected again (``rejoin``): it takes
-        its place back with no restart and no notice to its neighbours, if it comes within
-        the grace.  Raises ProtocolError (sent back as refuse) otherwise."""
-        task = self._tasks.get(msg["task_id"])
-        adopted = task is None and self._may_adopt(msg)
-        if adopted:
-            task = self._adopt(conn, msg)
-        if task is None or task.rank != msg["rank"] or task.incarnation != msg["incarnation"]:
-            raise ProtocolError(f"rejoin of task {msg['task_id']!r} as rank {msg['rank']}, "
-                                f"incarnation {msg['incarnation']}: no such worker here")
-        if task.finished and not task.held:
-            raise ProtocolError(f"task {task.task_id!r} already shut down")
-        if task.conn is None and task.pending_loss is None and not adopted:
-            raise ProtocolError(f"{_describe(task)} was declared lost (no rejoin within "
-                                f"{self._rejoin_grace:g} s): a restart takes its place")
-        if task.pending_loss is not None:
-            task.pending_loss.cancel()
-            task.pending_loss = None
-        if task.conn is not None:  # (the old connection still looked open from here)
-            old, task.conn = task.conn, None
-            old.task = None
-            old.fenced = True
-            old.writer.close()
-        task.conn = conn
-        conn.task = task
-        logger.warning("%s rejoined from %s after its connection ended", _describe(task),
-                       conn.peer)
-        conn.send({"t": "rejoined"})
-        if self._result is not None and not self._result.success:
-            conn.send({"t": "abort", "reason": self._result.reason})
+    def _apply(self, decisions: list[Decision[_Conn]]) -> None:
+        """Carry out what the registry decided, in order."""
+        for decision in decisions:
+            match decision:
+                case Send(conn=conn, msg=msg):
+                    conn.send(msg)
+                case Fence(conn=conn):
+                    conn.fenced = True
+                    conn.writer.close()
+                case Hook(name=name, args=args):
+                    _call_hook(getattr(self, name), *args)
+                case Grace(task_id=task_id, delay=delay, token=token):
+                    previous = self._graces.pop(task_id, None)
+                    if previous is not None:
+                        previous.cancel()
+                    self._graces[task_id] = asyncio.get_running_loop().call_later(
+                        delay, self._grace_over, task_id, token)
+                case Finish(success=success, reason=reason):
+                    self._finish(success, reason)
+                case Release():
+                    pass  # (the caller stops reading that connection)
 
-    def _unreachable(self, task: _Task, rank: int, reason: str) -> None:
-        """A worker's link to ``rank`` has been down for a while and cannot be rebuilt.  If
-        ``rank`` is alive (heard from within the last few heartbeats, so neither dead nor
-        paused: those are for recovery), the two cannot reach each other while both reach
-        the tracker: a partition between them, which no restart mends.  The job ends, every
-        rank naming the link (docs/recovery.md, "Partial partitions")."""
-        other = self._by_rank.get(rank)
-        if other is None or other.conn is None or other.finished or task.rank is None:
-            return
-        quiet = asyncio.get_running_loop().time() - other.conn.heard
-        if quiet > _ALIVE_WITHIN_SEC:
-            logger.info("%s cannot reach rank %d, which has been quiet for %.1f s: left to "
-                        "recovery", _describe(task), rank, quiet)
-            return
-        self._abort(f"ranks {task.rank} and {rank} cannot reach each other while both reach "
-                    f"the tracker: a network partition between their hosts ({task.host} and "
-                    f"{other.host}); {reason}", exclude=None)
-
-    def _abort(self, reason: str, exclude: _Conn | None) -> None:
-        if len(reason) > _MAX_REASON:
-            # a worker's error text is part of the reason; it must fit in one abort frame
-            reason = reason[:_MAX_REASON] + " ...[truncated]"
-        if self._result is not None:
-            logger.info("abort after the job ended ignored: %s", reason)
-            return
-        logger.error("job aborted: %s", reason)
-        for conn in self._conns:
-            task = conn.task
-            if conn is not exclude and task is not None and (task.held or not task.finished):
-                conn.send({"t": "abort", "reason": reason})
-        self._finish(False, reason)
+    def _grace_over(self, task_id: str, token: int) -> None:
+        self._graces.pop(task_id, None)
+        self._apply(self._registry.grace_over(task_id, token))
 
     def _finish(self, success: bool, reason: str) -> None:
         # Record the outcome first so that the final status snapshot reports it.
@@ -810,12 +512,6 @@ async def _streams(sock: socket.socket,
     except BaseException:
         sock.close()
         raise
-
-
-def _describe(task: _Task) -> str:
-    if task.rank is None:
-        return f"task {task.task_id}"
-    return f"rank {task.rank} (task {task.task_id})"
 
 
 def _print_stdout(line: str) -> None:
