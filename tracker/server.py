@@ -2,7 +2,7 @@
 
 What it does (``docs/protocol.md``, "Tracker protocol"):
 
-* authenticates every connection with the job secret (``rabit2.io.handshake``);
+* authenticates every connection with the job secret (``tracker/listener.py``);
 * reads each connection's messages, relays ``print``s, watches liveness (EOF or no message
   for ``heartbeat_timeout``) and answers ``status``;
 * hands every event of the job to its :class:`~tracker.registry.Registry` (registrations,
@@ -31,22 +31,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from rabit2.core.control import REFUSE_HELLO, FrameDecoder, encode_frame
-from rabit2.errors import CollectiveTimeoutError, ProtocolError, RabitError
-from rabit2.io.handshake import (
-    RateLimitedLog,
-    is_loopback,
-    server_handshake,
-    sock_read_exact,
-    tune_socket,
-)
-from tracker.classic import CLASSIC_MAGIC, ClassicJob
+from rabit2.errors import CollectiveTimeoutError, ProtocolError
+from rabit2.io.handshake import RateLimitedLog, is_loopback
+from tracker.classic import ClassicJob
 from tracker.decisions import Decision, Fence, Finish, Grace, Hook, Release, Send
+from tracker.listener import Listener
 from tracker.registry import REJOIN_GRACE_SEC, SILENCE_REASON, Registry, job_status, natural_key
 
 logger = logging.getLogger("rabit2.tracker")
 
 _READ_SIZE = 65536
-_ACCEPT_ERROR_PAUSE_SEC = 0.1  # e.g. EMFILE: back off instead of spinning on accept
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 _STATUS_TASKS_ON_WIRE = 2000  # ~200 bytes each: a status_reply stays well under MAX_FRAME
 _MAX_WRITE_BUFFER = 8 * 1024 * 1024  # per connection: ~8 status replies or 100k notices
@@ -131,15 +125,11 @@ class Tracker:
         self._print_fn = print_fn or _print_stdout
         self._prints = 0
         self._conns: set[_Conn] = set()
-        self._handlers: set[asyncio.Task[None]] = set()
-        # Handshakes in flight are bounded so that a flood of silent connections cannot
-        # exhaust file descriptors; each one also ends at handshake_timeout.
-        self._max_handshakes = 4 * n_workers + 64
-        self._handshakes = 0
-        self._in_handshake: dict[asyncio.Task[Any], float] = {}  # -> when it was accepted
         self._refusals = RateLimitedLog(logger)
-        self._listener: socket.socket | None = None
-        self._accept_task: asyncio.Task[None] | None = None
+        self._door = Listener(secret=secret, handshake_timeout=handshake_timeout,
+                              max_handshakes=4 * n_workers + 64, check_hello=self._check_hello,
+                              serve=self._serve_connection, serve_classic=self._serve_classic,
+                              refusals=self._refusals)
         self._result: JobResult | None = None
         self._done = asyncio.Event()
         self._closing = False
@@ -154,47 +144,20 @@ class Tracker:
 
         Raises ``OSError`` if the address cannot be bound.
         """
-        loop = asyncio.get_running_loop()
-        infos = await loop.getaddrinfo(
-            self.host or None, self.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )
-        family, kind, proto, _, address = infos[0]
-        listener = socket.socket(family, kind, proto)
-        try:
-            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            listener.bind(address)
-            listener.listen(max(128, 2 * self.n_workers))
-            listener.setblocking(False)
-        except BaseException:
-            listener.close()
-            raise
-        self._listener = listener
-        self.port = listener.getsockname()[1]
-        self._accept_task = asyncio.create_task(
-            self._accept_loop(listener), name="rabit2-tracker-accept"
-        )
+        self.port = await self._door.start(self.host, self.port, max(128, 2 * self.n_workers))
         logger.info("tracker listening on %s:%d for %d workers", self.host, self.port,
                     self.n_workers)
 
     async def close(self) -> None:
         """Stop accepting, close every connection and wait for the handlers.  Idempotent."""
         self._closing = True
-        if self._accept_task is not None:
-            self._accept_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._accept_task
-            self._accept_task = None
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        await self._door.stop_accepting()
         for conn in list(self._conns):
             conn.writer.close()  # (closing is ours: not a worker loss)
         for grace in self._graces.values():
             grace.cancel()
         self._graces.clear()
-        for handler in list(self._handlers):
-            handler.cancel()
-        await asyncio.gather(*self._handlers, return_exceptions=True)
+        await self._door.cancel_handlers()
 
     def worker_env(self) -> dict[str, str]:
         """The environment a worker needs to join this job."""
@@ -259,60 +222,9 @@ class Tracker:
 
     # -- connections -----------------------------------------------------------------------
 
-    async def _accept_loop(self, listener: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                sock, address = await loop.sock_accept(listener)
-            except OSError as exc:
-                logger.warning("accept failed: %s", exc)
-                await asyncio.sleep(_ACCEPT_ERROR_PAUSE_SEC)
-                continue
-            peer = f"{address[0]}:{address[1]}"
-            if self._handshakes >= self._max_handshakes and self._in_handshake:
-                # fair admission: the oldest unfinished handshake makes room.  A worker
-                # finishes its handshake in milliseconds, so under a flood of idle or slow
-                # connections it is the flood that is dropped, and a registration gets in
-                oldest = min(self._in_handshake, key=self._in_handshake.__getitem__)
-                del self._in_handshake[oldest]
-                oldest.cancel()
-                self._refusals.warning(
-                    "dropped the oldest of %d unfinished handshakes to admit %s",
-                    self._handshakes, peer)
-            self._handshakes += 1  # counted here: a burst of accepts must see the count
-            handler = asyncio.create_task(self._handle(sock, str(address[0]), peer))
-            self._handlers.add(handler)
-            self._in_handshake[handler] = loop.time()
-            handler.add_done_callback(self._handlers.discard)
-
-    async def _handle(self, sock: socket.socket, host: str, peer: str) -> None:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self._handshake_timeout
-        classic = False
-        try:
-            sock.setblocking(False)
-            tune_socket(sock)
-            # the first 4 bytes tell the protocols apart: rabit2's magic, or classic rabit's
-            first = await sock_read_exact(loop, sock, len(CLASSIC_MAGIC), deadline)
-            classic = first == CLASSIC_MAGIC
-            if not classic:
-                hello = await server_handshake(loop, sock, self._secret, deadline,
-                                               self._check_hello, prefix=first)
-        except (RabitError, OSError) as exc:
-            sock.close()
-            self._refusals.warning("connection from %s closed during handshake: %s", peer, exc)
-            return
-        except asyncio.CancelledError:
-            sock.close()  # dropped to admit a newer connection, or the tracker closes
-            raise
-        finally:
-            self._handshakes -= 1
-            task = asyncio.current_task()
-            if task is not None:
-                self._in_handshake.pop(task, None)
-        if classic:
-            await self._serve_classic(sock, host, peer)
-            return
+    async def _serve_connection(self, sock: socket.socket, hello: dict[str, Any], host: str,
+                                peer: str) -> None:
+        """A rabit2 connection, its handshake done: serve it until it ends."""
         streams = await _streams(sock, f"connection from {peer} after the handshake")
         if streams is None:
             return
