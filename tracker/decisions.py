@@ -1,5 +1,5 @@
 """What the registry (``tracker/registry.py``) decides: plain values that the tracker
-(``tracker/server.py``) carries out in order, each with the reason it was taken.  ``C`` is the
+(``tracker/service.py``) carries out in order, each with the reason it was taken.  ``C`` is the
 tracker's handle of a connection."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The tracker's front door: it listens, accepts, and authenticates every connection before
-the tracker (``tracker/server.py``) sees it.
+the tracker (``tracker/service.py``) sees it.
 
 The first 4 bytes of a connection tell the protocols apart: rabit2's magic starts the
 authenticated handshake (``rabit2.io.handshake``), classic rabit's is a worker of the classic

@@ -1,6 +1,6 @@
 """The job as the tracker sees it: registrations, ranks, losses and the job's end.
 
-Pure: no sockets, no event loop, no clock.  The tracker (``tracker/server.py``) feeds it
+Pure: no sockets, no event loop, no clock.  The tracker (``tracker/service.py``) feeds it
 events - a registration or rejoin on a connection, a connection that ended, a rank reported
 unreachable, a worker's error or shutdown, the launcher's word that a process exited or failed
 for good - and applies what each returns: a list of decisions (``tracker/decisions.py``), each
