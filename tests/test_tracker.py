@@ -314,10 +314,10 @@ async def test_a_worker_whose_connection_breaks_rejoins_without_a_loss(
     first.on_peer_lost = lambda *args: notices.append(args)
     aborts: list[str] = []
     second.on_abort = aborts.append
-    conn = tracker._tasks["1"].conn
+    conn = tracker._registry.tasks["1"].conn
     assert conn is not None
     conn.writer.transport.abort()
-    await wait_until(lambda: tracker._tasks["1"].conn not in (None, conn))
+    await wait_until(lambda: tracker._registry.tasks["1"].conn not in (None, conn))
     second.print("said while the connection was down")  # (over the new one)
     prints = tracker._print_fn
     assert isinstance(prints, Prints)
@@ -563,7 +563,7 @@ async def test_an_unreachable_live_rank_is_a_partition_and_ends_the_job(
     """A worker says its link to a rank cannot be rebuilt.  A rank that has been quiet (dead
     or paused) is left to recovery; one that is heard from is alive, so the two cannot reach
     each other while both reach the tracker: the job is aborted, naming the link."""
-    monkeypatch.setattr("tracker.server._ALIVE_WITHIN_SEC", 0.5)
+    monkeypatch.setattr("tracker.registry._ALIVE_WITHIN_SEC", 0.5)
     tracker = await make_tracker(3)
     clients = list(await asyncio.gather(
         TrackerClient.connect(config(tracker, "0"), 20000),

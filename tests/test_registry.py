@@ -1,0 +1,300 @@
+"""The tracker's registry on its own: events in, decisions out; no sockets, no clock.
+
+Connections are plain strings here ("c0", "c1", ...), times plain numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from rabit2.core.topology import topology
+from rabit2.errors import ProtocolError
+from tracker.decisions import Decision, Fence, Finish, Grace, Hook, Release, Send
+from tracker.registry import SILENCE_REASON, Registry
+
+Decisions = list[Decision[str]]
+
+
+def register_msg(task_id: str, port: int = 9000, attempt: int = 0,
+                 world_size: int = -1) -> dict[str, Any]:
+    return {"t": "register", "task_id": task_id, "attempt": attempt, "port": port,
+            "world_size": world_size}
+
+
+def rejoin_msg(task_id: str, rank: int, incarnation: int = 0,
+               port: int = 9000) -> dict[str, Any]:
+    return {"t": "rejoin", "task_id": task_id, "rank": rank, "incarnation": incarnation,
+            "port": port}
+
+
+def register(registry: Registry[str], conn: str, task_id: str, now: float = 0.0,
+             **kwargs: Any) -> Decisions:
+    return registry.register(conn, register_msg(task_id, **kwargs), host=f"10.0.0.{conn[1:]}",
+                             peer=f"{conn}:1", now=now)
+
+
+def sends(decisions: Decisions, kind: str) -> dict[str, Send[str]]:
+    """The messages of type ``kind`` among ``decisions``, by the task they go to."""
+    return {d.task_id: d for d in decisions if isinstance(d, Send) and d.msg["t"] == kind}
+
+
+def hooks(decisions: Decisions, name: str) -> list[Hook]:
+    return [d for d in decisions if isinstance(d, Hook) and d.name == name]
+
+
+def job(n: int, **kwargs: Any) -> tuple[Registry[str], Decisions]:
+    """A registry with tasks "0".."n-1" registered on connections "c0".."c<n-1>"."""
+    registry: Registry[str] = Registry(n, **kwargs)
+    decisions: Decisions = []
+    for i in range(n):
+        decisions += register(registry, f"c{i}", str(i), port=9000 + i)
+    return registry, decisions
+
+
+def test_ranks_are_assigned_once_every_task_registered_with_a_reason() -> None:
+    registry: Registry[str] = Registry(3)
+    assert register(registry, "c0", "task10") == []
+    assert register(registry, "c1", "task2") == []
+    decisions = register(registry, "c2", "task1")
+    assigned = {hook.args[0]: hook.args[1] for hook in hooks(decisions, "on_rank_assigned")}
+    assert assigned == {"task1": 0, "task2": 1, "task10": 2}  # natural order of the ids
+    assigns = sends(decisions, "assign")
+    assert set(assigns) == {"task1", "task2", "task10"}
+    assert assigns["task10"].conn == "c0"
+    for send in assigns.values():
+        assert send.reason == "all 3 workers registered; ranks by task id"
+        links = topology(send.msg["rank"], 3)
+        assert send.msg["parent"] == links.parent and send.msg["incarnation"] == 0
+        assert set(send.msg["peers"]) == {str(r) for r in links.neighbors}
+    # each names its neighbours' addresses: the host the registration came from, its port
+    assert assigns["task1"].msg["peers"]["2"] == ["10.0.0.0", 9000]
+    assert registry.status()["assigned"] and registry.status()["registered"] == 3
+
+
+def test_ranks_by_arrival() -> None:
+    registry: Registry[str] = Registry(2, sortby="arrival")
+    register(registry, "c0", "b")
+    decisions = register(registry, "c1", "a")
+    assert [hook.args for hook in hooks(decisions, "on_rank_assigned")] == [("b", 0), ("a", 1)]
+    assert "ranks by arrival" in hooks(decisions, "on_rank_assigned")[0].reason
+
+
+def test_registrations_that_do_not_fit_the_job_are_refused() -> None:
+    registry, _ = job(2)
+    with pytest.raises(ProtocolError, match="already has 2 tasks"):
+        register(registry, "c9", "stranger")
+    with pytest.raises(ProtocolError, match="world size 3"):
+        register(registry, "c9", "0", world_size=3)
+    with pytest.raises(ProtocolError, match="not a TCP port"):
+        register(registry, "c9", "0", port=0)
+    with pytest.raises(ProtocolError, match="characters"):
+        register(registry, "c9", "x" * 257)
+
+
+def test_a_silent_worker_is_lost_at_once_and_its_neighbours_are_told() -> None:
+    registry, _ = job(4)
+    decisions = registry.connection_ended("c1", f"{SILENCE_REASON} 30s")
+    lost = sends(decisions, "peer_lost")
+    assert set(lost) == {str(r) for r in topology(1, 4).neighbors}
+    for send in lost.values():
+        assert send.msg == {"t": "peer_lost", "reason": f"{SILENCE_REASON} 30s", "rank": 1,
+                            "incarnation": 0}
+        assert send.reason == f"rank 1 (task 1) lost: {SILENCE_REASON} 30s"
+    (hook,) = hooks(decisions, "on_worker_lost")
+    assert hook.args == ("1", 1, f"{SILENCE_REASON} 30s")
+    status = registry.status()
+    assert status["failures"] == 1 and not status["tasks"][1]["connected"]
+
+
+def test_a_rejoin_within_the_grace_is_no_loss() -> None:
+    registry, _ = job(2, rejoin_grace=5.0)
+    (grace,) = registry.connection_ended("c1", "connection closed by the worker")
+    assert isinstance(grace, Grace)
+    assert (grace.task_id, grace.delay) == ("1", 5.0)
+    assert "may rejoin" in grace.reason
+    decisions = registry.rejoin("c7", rejoin_msg("1", rank=1), host="10.0.0.7", peer="c7:1",
+                                now=1.0)
+    (rejoined,) = decisions
+    assert isinstance(rejoined, Send)
+    assert (rejoined.conn, rejoined.msg) == ("c7", {"t": "rejoined"})
+    assert rejoined.reason == "rank 1 (task 1) rejoined within the grace"
+    assert registry.grace_over("1", grace.token) == []  # it came back: nothing happens
+    assert registry.status()["failures"] == 0
+    assert registry.task_of("c7") is registry.tasks["1"]
+
+
+def test_a_grace_ends_only_by_its_own_token() -> None:
+    """The connection ends, the worker rejoins, its new connection ends too: the first
+    grace running out does not cut the second one short."""
+    registry, _ = job(2)
+    (first,) = registry.connection_ended("c1", "connection reset")
+    registry.rejoin("c5", rejoin_msg("1", rank=1), host="h", peer="c5:1", now=1.0)
+    (second,) = registry.connection_ended("c5", "connection reset")
+    assert isinstance(first, Grace) and isinstance(second, Grace)
+    assert first.token != second.token
+    assert registry.grace_over("1", first.token) == []
+    assert hooks(registry.grace_over("1", second.token), "on_worker_lost")
+
+
+def test_no_rejoin_within_the_grace_is_a_loss_and_a_late_rejoin_is_refused() -> None:
+    registry, _ = job(2)
+    (grace,) = registry.connection_ended("c0", "connection reset")
+    assert isinstance(grace, Grace)
+    decisions = registry.grace_over("0", grace.token)
+    assert sends(decisions, "peer_lost")["1"].msg["reason"] == "connection reset"
+    assert hooks(decisions, "on_worker_lost")[0].args == ("0", 0, "connection reset")
+    with pytest.raises(ProtocolError, match="declared lost"):
+        registry.rejoin("c5", rejoin_msg("0", rank=0), host="h", peer="c5:1", now=9.0)
+    with pytest.raises(ProtocolError, match="no such worker"):
+        registry.rejoin("c5", rejoin_msg("1", rank=1, incarnation=3), host="h", peer="p", now=9)
+
+
+def test_the_launcher_seeing_the_process_exit_ends_the_grace() -> None:
+    registry, _ = job(2)
+    registry.connection_ended("c0", "connection reset")
+    decisions = registry.worker_exited("0")
+    assert hooks(decisions, "on_worker_lost")
+    assert registry.worker_exited("0") == []  # (once)
+
+
+def test_a_restart_gets_its_rank_back_and_its_neighbours_hear_of_it() -> None:
+    registry, _ = job(3)
+    registry.connection_ended("c1", "connection closed by the worker")
+    decisions = register(registry, "c9", "1", port=9100, attempt=1)
+    # within the grace: the old process is lost first, then the new one recovers
+    kinds = [d.msg["t"] if isinstance(d, Send) else type(d).__name__ for d in decisions]
+    assert (kinds.index("peer_lost") < kinds.index("Hook") < kinds.index("assign")
+            < kinds.index("peer_recovered"))
+    lost = sends(decisions, "peer_lost")
+    assert {send.msg["incarnation"] for send in lost.values()} == {0}
+    assign = sends(decisions, "assign")["1"]
+    assert (assign.conn, assign.msg["rank"], assign.msg["incarnation"]) == ("c9", 1, 1)
+    assert assign.reason == "rank 1 (task 1) registered again as incarnation 1"
+    recovered = sends(decisions, "peer_recovered")
+    assert set(recovered) == {str(r) for r in topology(1, 3).neighbors}
+    assert all(s.msg == {"t": "peer_recovered", "host": "10.0.0.9", "port": 9100, "rank": 1,
+                         "incarnation": 1} for s in recovered.values())
+    status = registry.status()
+    assert (status["failures"], status["restarts"]) == (1, 1)
+
+
+def test_a_newer_registration_fences_the_old_connection() -> None:
+    registry, _ = job(2)
+    decisions = register(registry, "c9", "0", attempt=1)
+    (fence,) = [d for d in decisions if isinstance(d, Fence)]
+    assert (fence.task_id, fence.conn) == ("0", "c0")
+    assert fence.reason == "rank 0 (task 0) registered again"
+    assert registry.task_of("c0") is None
+    assert registry.connection_ended("c0", "connection closed by the worker") == []
+    assert sends(decisions, "assign")["0"].msg["incarnation"] == 1
+
+
+def test_a_new_tracker_adopts_the_workers_that_rejoin_it() -> None:
+    """After a tracker restart, workers rejoin with their ranks; a task that died meanwhile
+    registers and takes the free rank, as incarnation = its attempt."""
+    registry: Registry[str] = Registry(3)
+    for rank, task_id in ((2, "c"), (0, "a")):
+        (rejoined,) = registry.rejoin(f"c{rank}", rejoin_msg(task_id, rank, incarnation=4),
+                                      host="h", peer="p", now=0.0)
+        assert isinstance(rejoined, Send) and rejoined.msg == {"t": "rejoined"}
+        assert rejoined.reason.endswith("rejoined from a previous tracker")
+    assert registry.tasks["c"].rank == 2 and registry.tasks["c"].incarnation == 4
+    decisions = register(registry, "c1", "b", attempt=2)
+    assigned = {hook.args for hook in hooks(decisions, "on_rank_assigned")}
+    assert assigned == {("a", 0), ("b", 1), ("c", 2)}
+    assign = sends(decisions, "assign")
+    assert assign["b"].msg["rank"] == 1 and assign["b"].msg["incarnation"] == 2
+    assert assign["b"].msg["incarnations"] == {"0": 4, "2": 4}
+    # a rank already taken is not adopted twice
+    with pytest.raises(ProtocolError, match="no such worker"):
+        registry.rejoin("c8", rejoin_msg("d", rank=0), host="h", peer="p", now=0.0)
+
+
+def test_an_abort_reaches_every_worker_and_keeps_the_first_reason() -> None:
+    registry: Registry[str] = Registry(3)
+    register(registry, "c0", "0")
+    register(registry, "c1", "1")
+    decisions = registry.error("c1", "disk full")
+    reason = "task 1 signalled an error: disk full"
+    assert set(sends(decisions, "abort")) == {"0"}  # not the one that said it
+    assert decisions[-1] == Finish(False, reason)
+    assert registry.abort("a second reason") == []
+    assert registry.mark_failed("0", "gave up") == []
+    assert registry.outcome == Finish(False, reason)
+    # a worker that registers after the abort hears why at once
+    late = register(registry, "c2", "2")
+    assert sends(late, "abort")["2"].msg == {"t": "abort", "reason": reason}
+    assert registry.status()["reason"] == reason and not registry.status()["success"]
+
+
+def test_an_abort_reason_is_bounded() -> None:
+    registry, _ = job(1)
+    decisions = registry.abort("x" * 100_000)
+    assert sends(decisions, "abort")["0"].msg["reason"].endswith(" ...[truncated]")
+    assert len(sends(decisions, "abort")["0"].msg["reason"]) < 70_000
+
+
+def test_a_supervisor_give_up_names_the_task() -> None:
+    registry, _ = job(2)
+    decisions = registry.give_up("1", "3 attempts failed")
+    assert decisions[-1] == Finish(False, "rank 1 (task 1) failed for good: 3 attempts failed")
+    with pytest.raises(ProtocolError):
+        registry.give_up("", "why")
+
+
+def test_an_unreachable_rank_that_is_alive_is_a_partition() -> None:
+    registry, _ = job(3)
+    registry.heard("c1", 100.0)
+    registry.heard("c2", 90.0)
+    quiet = registry.unreachable("c0", 2, "link down for 15 s", now=100.0)
+    assert quiet == []  # rank 2 quiet for 10 s: left to recovery
+    decisions = registry.unreachable("c0", 1, "link down for 15 s", now=100.0)
+    (finish,) = [d for d in decisions if isinstance(d, Finish)]
+    assert not finish.success
+    assert finish.reason.startswith("ranks 0 and 1 cannot reach each other while both reach "
+                                    "the tracker: a network partition between their hosts "
+                                    "(10.0.0.0 and 10.0.0.1)")
+    assert set(sends(decisions, "abort")) == {"0", "1", "2"}
+
+
+def test_shutdown_holds_until_every_rank_finished_then_bye_and_success() -> None:
+    registry, _ = job(2)
+    held = registry.shutdown("c0", hold=True)
+    assert held == []  # keeps serving its neighbour: no bye, not done for good
+    assert registry.tasks["0"].held
+    decisions = registry.shutdown("c1", hold=True)
+    assert [hook.args for hook in hooks(decisions, "on_task_finished")] == []
+    assert set(sends(decisions, "bye")) == {"0", "1"}
+    assert [d.conn for d in decisions if isinstance(d, Release)] == ["c1"]
+    assert decisions[-1] == Finish(True, "every rank shut down")
+    assert registry.status()["finished"] == 2 and registry.status()["done"]
+
+
+def test_a_shutdown_that_does_not_hold_is_final() -> None:
+    registry, _ = job(2)
+    decisions = registry.shutdown("c0", hold=False)
+    assert [hook.args for hook in hooks(decisions, "on_task_finished")] == [("0",)]
+    assert set(sends(decisions, "bye")) == {"0"}
+    assert registry.connection_ended("c0", "worker shut down") == []  # no loss
+    with pytest.raises(ProtocolError, match="already shut down"):
+        register(registry, "c9", "0")
+
+
+def test_a_held_worker_that_dies_is_lost() -> None:
+    registry, _ = job(2)
+    registry.shutdown("c0", hold=True)
+    decisions = registry.connection_ended("c0", f"{SILENCE_REASON} 30s")
+    assert hooks(decisions, "on_worker_lost")
+    assert not registry.tasks["0"].finished and not registry.tasks["0"].held
+
+
+def test_status_lists_one_task_and_counts_all() -> None:
+    registry, _ = job(3)
+    status = registry.status("1", port=1234, prints=7)
+    assert (status["port"], status["prints"], status["registered"]) == (1234, 7, 3)
+    assert [task["task_id"] for task in status["tasks"]] == ["1"]
+    assert status["tasks"][0] == {"task_id": "1", "rank": 1, "incarnation": 0, "attempt": 0,
+                                  "host": "10.0.0.1", "port": 9001, "connected": True,
+                                  "finished": False, "losses": 0}

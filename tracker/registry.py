@@ -1,0 +1,499 @@
+"""The job as the tracker sees it: registrations, ranks, losses and the job's end.
+
+Pure: no sockets, no event loop, no clock.  The tracker (``tracker/service.py``) feeds it
+events - a registration or rejoin on a connection, a connection that ended, a rank reported
+unreachable, a worker's error or shutdown, the launcher's word that a process exited or failed
+for good - and applies what each returns: a list of decisions (``tracker/decisions.py``), each
+with the reason it was taken.  A connection is an opaque hashable handle of the caller's; time
+is the caller's ``now``.  A registration or rejoin that must be refused raises
+``ProtocolError`` (the tracker sends it back as ``refuse``).
+
+What it decides (``docs/protocol.md``, "Tracker protocol"): ranks once ``n_workers`` tasks have
+registered (stable per task id: a task that registers again gets its old rank back with
+``incarnation + 1``), each worker's ``assign`` (its tree/ring links and its neighbours'
+addresses, ``rabit2.core.topology``), ``peer_lost``/``peer_recovered`` notices to the
+neighbours of a lost/returning rank, a rejoin within the grace, the adoption of workers that
+rejoin from a previous tracker, the abort of the job and its end when every rank has shut down.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any, Generic
+
+from rabit2.core.topology import topology
+from rabit2.errors import ProtocolError
+from tracker.decisions import C, Decision, Fence, Finish, Grace, Hook, Release, Send
+
+logger = logging.getLogger("rabit2.tracker")
+SILENCE_REASON = "no message for"  # how a heartbeat timeout is reported
+# a rank that another cannot reach counts as alive if it was heard from this recently (its
+# heartbeats come every rabit2_heartbeat_sec, 1 s by default)
+_ALIVE_WITHIN_SEC = 5.0
+REJOIN_GRACE_SEC = 5.0
+"""A worker whose connection ended (EOF, reset: a blip on the path, or a death that its
+neighbours see on their own links at once) may rejoin within this many seconds, as the same
+process and incarnation, before it counts as lost; silence (heartbeats) counts at once."""
+
+_MAX_TASK_ID = 256  # task ids are labels; bound them like every other wire length
+_NULL_TASK = "NULL"  # what classic workers send when DMLC_TASK_ID is unset
+_MAX_REASON = 64 * 1024  # characters of an abort reason (UTF-8: <= 256 KiB < MAX_FRAME)
+
+
+def natural_key(text: str) -> tuple[tuple[int, int | str], ...]:
+    """Sort key that orders digit runs numerically: "2" < "10", "task2" < "task10"."""
+    return tuple(
+        (0, int(part)) if part.isascii() and part.isdigit() else (1, part)
+        for part in re.split(r"([0-9]+)", text)
+        if part
+    )
+
+
+@dataclass(slots=True, eq=False)
+class Task(Generic[C]):
+    """One task of the job: the launcher's label ``task_id`` and what its workers told."""
+
+    task_id: str
+    arrival: int
+    attempt: int = 0
+    incarnation: int = 0
+    rank: int | None = None
+    host: str = ""
+    port: int = 0
+    conn: C | None = None
+    finished: bool = False
+    held: bool = False  # finished, and still serving until every rank has (shutdown hold)
+    losses: int = 0  # times this task's worker was lost (connection or heartbeats)
+    heard: float = 0.0  # when its connection last delivered a message (the caller's clock)
+    # its connection ended, not in silence: the same process may rejoin within the grace
+    # (REJOIN_GRACE_SEC) before it counts as lost; the grace's token and the reason
+    pending_loss: int | None = None
+    loss_reason: str = ""
+
+
+class Registry(Generic[C]):
+    """The tasks of one job of ``n_workers`` and every decision about them."""
+
+    def __init__(self, n_workers: int, *, sortby: str = "task",
+                 rejoin_grace: float = REJOIN_GRACE_SEC) -> None:
+        """``sortby``: ranks by task id ("task", in natural order) or by arrival.
+        ``rejoin_grace``: how long a worker whose connection ended keeps its place."""
+        self.n_workers = n_workers
+        self._sortby = sortby
+        self._rejoin_grace = rejoin_grace
+        self.tasks: dict[str, Task[C]] = {}
+        self.by_rank: dict[int, Task[C]] = {}
+        self._by_conn: dict[C, Task[C]] = {}
+        self._anonymous = 0
+        self._adopted = False  # some worker rejoined from a previous tracker
+        self._grace_tokens = 0  # handed out so far
+        self.outcome: Finish | None = None
+
+    def task_of(self, conn: C) -> Task[C] | None:
+        """The task registered on ``conn``, if any."""
+        return self._by_conn.get(conn)
+
+    # -- events from a worker's connection --------------------------------------------------
+
+    def heard(self, conn: C, now: float) -> None:
+        """``conn`` delivered data at ``now``."""
+        task = self._by_conn.get(conn)
+        if task is not None:
+            task.heard = now
+
+    def register(self, conn: C, msg: dict[str, Any], *, host: str, peer: str,
+                 now: float) -> list[Decision[C]]:
+        """A ``register`` on ``conn`` from ``host`` (``peer``: host:port, for logs).  Raises
+        ProtocolError (sent back as refuse) to reject it."""
+        task_id: str = msg["task_id"]
+        if not 0 < len(task_id) <= _MAX_TASK_ID:
+            raise ProtocolError(f"task_id must have 1..{_MAX_TASK_ID} characters")
+        if not 0 < msg["port"] < 65536:
+            raise ProtocolError(f"port {msg['port']} is not a TCP port")
+        if msg["world_size"] not in (-1, self.n_workers):
+            raise ProtocolError(
+                f"worker expects world size {msg['world_size']}, job has {self.n_workers}"
+            )
+        if task_id == _NULL_TASK:
+            # Without a task id a restart cannot be recognised; give it a fresh identity.
+            task_id = f"{_NULL_TASK}#{self._anonymous}"
+            self._anonymous += 1
+            logger.warning("worker at %s has no DMLC_TASK_ID; restarts will not keep its rank",
+                           peer)
+        out: list[Decision[C]] = []
+        task = self.tasks.get(task_id)
+        if task is None:
+            if len(self.tasks) >= self.n_workers:
+                raise ProtocolError(
+                    f"unknown task id {task_id!r}: the job already has {self.n_workers} tasks"
+                )
+            task = Task(task_id=task_id, arrival=len(self.tasks))
+            if self._adopted:
+                # a job taken over from a previous tracker: a worker that died meanwhile
+                # comes back as its attempt (the previous tracker's incarnations are gone)
+                task.incarnation = msg["attempt"]
+            self.tasks[task_id] = task
+        else:
+            if task.finished:
+                raise ProtocolError(f"task {task_id!r} already shut down")
+            if task.pending_loss is not None:
+                # a restart within the grace: the old process is lost after all (its
+                # neighbours hear of that incarnation before they hear of the new one)
+                out += self._declare_lost(task, task.loss_reason)
+            task.incarnation += 1
+            if task.conn is not None:
+                # The newer process wins (incarnation fencing): the old one is a zombie.
+                out.append(self._fence(task, f"{describe(task)} registered again"))
+                logger.warning("%s registered again; closed its previous connection",
+                               describe(task))
+        task.attempt = msg["attempt"]
+        task.host = host
+        task.port = msg["port"]
+        self._attach(task, conn, now)
+        logger.info("task %s registered from %s:%d (attempt %d, incarnation %d)",
+                    task_id, host, task.port, task.attempt, task.incarnation)
+        if task.rank is not None:
+            why = f"{describe(task)} registered again as incarnation {task.incarnation}"
+            out.append(Send(task_id, conn, self._assign_msg(task, task.rank), why))
+            out += self._notify_neighbors(
+                task, {"t": "peer_recovered", "host": task.host, "port": task.port}, why)
+        elif len(self.tasks) == self.n_workers:
+            out += self._assign_ranks()
+        out += self._aborted_notice(task)
+        return out
+
+    def rejoin(self, conn: C, msg: dict[str, Any], *, host: str, peer: str,
+               now: float) -> list[Decision[C]]:
+        """The same process, whose connection ended, connected again (``rejoin``): it takes
+        its place back with no restart and no notice to its neighbours, if it comes within
+        the grace.  Raises ProtocolError (sent back as refuse) otherwise."""
+        task = self.tasks.get(msg["task_id"])
+        adopted = task is None and self._may_adopt(msg)
+        if adopted:
+            task = self._adopt(msg, host)
+        if task is None or task.rank != msg["rank"] or task.incarnation != msg["incarnation"]:
+            raise ProtocolError(f"rejoin of task {msg['task_id']!r} as rank {msg['rank']}, "
+                                f"incarnation {msg['incarnation']}: no such worker here")
+        if task.finished and not task.held:
+            raise ProtocolError(f"task {task.task_id!r} already shut down")
+        if task.conn is None and task.pending_loss is None and not adopted:
+            raise ProtocolError(f"{describe(task)} was declared lost (no rejoin within "
+                                f"{self._rejoin_grace:g} s): a restart takes its place")
+        task.pending_loss = None  # (its grace ends for nothing)
+        out: list[Decision[C]] = []
+        if task.conn is not None:  # (the old connection still looked open from here)
+            out.append(self._fence(task, f"{describe(task)} rejoined on a new connection"))
+        self._attach(task, conn, now)
+        logger.warning("%s rejoined from %s after its connection ended", describe(task), peer)
+        why = ("rejoined from a previous tracker" if adopted
+               else "rejoined within the grace")
+        out.append(Send(task.task_id, conn, {"t": "rejoined"}, f"{describe(task)} {why}"))
+        out += self._aborted_notice(task)
+        return out
+
+    def error(self, conn: C, text: str) -> list[Decision[C]]:
+        """The worker on ``conn`` signalled an error: the job is aborted."""
+        task = self._by_conn[conn]
+        return self.abort(f"{describe(task)} signalled an error: {text}", exclude=conn)
+
+    def unreachable(self, conn: C, rank: int, reason: str, now: float) -> list[Decision[C]]:
+        """A worker's link to ``rank`` has been down for a while and cannot be rebuilt.  If
+        ``rank`` is alive (heard from within the last few heartbeats, so neither dead nor
+        paused: those are for recovery), the two cannot reach each other while both reach
+        the tracker: a partition between them, which no restart mends.  The job ends, every
+        rank naming the link (docs/recovery.md, "Partial partitions")."""
+        task = self._by_conn[conn]
+        reason = reason[:_MAX_REASON]
+        other = self.by_rank.get(rank)
+        if other is None or other.conn is None or other.finished or task.rank is None:
+            return []
+        quiet = now - other.heard
+        if quiet > _ALIVE_WITHIN_SEC:
+            logger.info("%s cannot reach rank %d, which has been quiet for %.1f s: left to "
+                        "recovery", describe(task), rank, quiet)
+            return []
+        return self.abort(f"ranks {task.rank} and {rank} cannot reach each other while both "
+                          f"reach the tracker: a network partition between their hosts "
+                          f"({task.host} and {other.host}); {reason}")
+
+    def shutdown(self, conn: C, hold: bool) -> list[Decision[C]]:
+        """The worker on ``conn`` finished (``shutdown``); ``hold``: it keeps serving its
+        neighbours until every rank has finished (recovery on)."""
+        task = self._by_conn[conn]
+        out: list[Decision[C]] = []
+        task.finished = True
+        if not hold or self.outcome is not None:
+            # (after an abort nothing is held: the task is done for good either way)
+            out.append(Hook("on_task_finished", (task.task_id,),
+                            f"{describe(task)} shut down for good"))
+        logger.info("%s shut down", describe(task))
+        everyone = bool(self.by_rank) and all(t.finished for t in self.by_rank.values())
+        if hold and not everyone and self.outcome is None:
+            # recovery on: it keeps serving a restarted neighbour until every rank has
+            # finished (then bye), and is treated as lost if it dies meanwhile
+            task.held = True
+            return out
+        task.held = False  # (a held worker that gave up waiting says shutdown again)
+        out.append(Send(task.task_id, conn, {"t": "bye"}, f"{describe(task)} shut down"))
+        out.append(Release(task.task_id, conn, "worker shut down"))
+        if everyone:
+            for other in self.by_rank.values():
+                if other.held and other.conn is not None:
+                    out.append(Send(other.task_id, other.conn, {"t": "bye"},
+                                    "every rank shut down"))
+                other.held = False
+            if self.outcome is None:  # (an aborted job stays aborted)
+                out += self.finish(True, "every rank shut down")
+        return out
+
+    def connection_ended(self, conn: C, reason: str) -> list[Decision[C]]:
+        """``conn`` closed (``reason``; it starts with SILENCE_REASON after a heartbeat
+        timeout).  A registered worker that may live gets the rejoin grace (:class:`Grace`);
+        one that went silent, or had no rank yet, is lost at once."""
+        task = self._by_conn.pop(conn, None)
+        if task is None:
+            return []
+        task.conn = None
+        if task.finished and not task.held:
+            return []
+        if reason.startswith(SILENCE_REASON) or task.rank is None:
+            return self._declare_lost(task, reason)
+        # the process may live (a blip on the path to it): it may rejoin within the grace
+        logger.info("%s: connection ended (%s); it may rejoin within %g s", describe(task),
+                    reason, self._rejoin_grace)
+        self._grace_tokens += 1
+        task.pending_loss = self._grace_tokens
+        task.loss_reason = reason
+        return [Grace(task.task_id, self._rejoin_grace, self._grace_tokens,
+                      f"{describe(task)}: connection ended ({reason}); it may rejoin")]
+
+    def grace_over(self, task_id: str, token: int) -> list[Decision[C]]:
+        """The grace given with ``token`` ended: the task is lost unless it came back."""
+        task = self.tasks.get(task_id)
+        if task is None or task.pending_loss != token:
+            return []
+        return self._declare_lost(task, task.loss_reason)
+
+    # -- events from the launcher ------------------------------------------------------------
+
+    def worker_exited(self, task_id: str) -> list[Decision[C]]:
+        """The launcher saw ``task_id``'s process end: if its connection ended too, it will
+        not rejoin, so it is lost now rather than at the end of the rejoin grace."""
+        task = self.tasks.get(task_id)
+        if task is not None and task.pending_loss is not None:
+            return self._declare_lost(task, task.loss_reason)
+        return []
+
+    def mark_failed(self, task_id: str, reason: str) -> list[Decision[C]]:
+        """The launcher gave up on ``task_id``: abort the job, naming the task and reason."""
+        task = self.tasks.get(task_id)
+        who = f"task {task_id}" if task is None else describe(task)
+        return self.abort(f"{who} failed for good: {reason}")
+
+    def give_up(self, task_id: str, reason: str) -> list[Decision[C]]:
+        """A supervisor (tracker.slot) ran out of attempts for one task: like the
+        launcher's own give-up, the job ends at once instead of waiting for it."""
+        if not 0 < len(task_id) <= _MAX_TASK_ID:
+            raise ProtocolError(f"task_id must have 1..{_MAX_TASK_ID} characters")
+        reason = reason[:_MAX_REASON]
+        logger.error("task %s given up by its supervisor: %s", task_id, reason)
+        return self.mark_failed(task_id, reason)
+
+    def abort(self, reason: str, exclude: C | None = None) -> list[Decision[C]]:
+        """Abort the job: ``abort{reason}`` to every connected worker but ``exclude``'s,
+        then :class:`Finish`.  Nothing once the job has ended (the first reason stays)."""
+        if len(reason) > _MAX_REASON:
+            # a worker's error text is part of the reason; it must fit in one abort frame
+            reason = reason[:_MAX_REASON] + " ...[truncated]"
+        if self.outcome is not None:
+            logger.info("abort after the job ended ignored: %s", reason)
+            return []
+        logger.error("job aborted: %s", reason)
+        out: list[Decision[C]] = [
+            Send(task.task_id, task.conn, {"t": "abort", "reason": reason}, "job aborted")
+            for task in self.tasks.values()
+            if task.conn is not None and task.conn != exclude
+            and (task.held or not task.finished)
+        ]
+        return out + self.finish(False, reason)
+
+    def finish(self, success: bool, reason: str) -> list[Decision[C]]:
+        """The job ended (every rank shut down, or aborted)."""
+        self.outcome = Finish(success, reason)
+        return [self.outcome]
+
+    # -- reports ----------------------------------------------------------------------------
+
+    def status(self, only: str | None = None, *, port: int = 0,
+               prints: int = 0) -> dict[str, Any]:
+        """A msgpack-able snapshot for humans and monitoring; ``only``: list that task alone
+        in ``tasks`` (the totals still count every task).  ``port`` and ``prints`` (lines
+        relayed) are the tracker's own."""
+        tasks = sorted(self.tasks.values(), key=lambda t: (t.rank is None, t.rank, t.arrival))
+        rows = [
+            {
+                "task_id": task.task_id,
+                "rank": task.rank,
+                "incarnation": task.incarnation,
+                "attempt": task.attempt,
+                "host": task.host,
+                "port": task.port,
+                "connected": task.conn is not None,
+                "finished": task.finished,
+                "losses": task.losses,
+            }
+            for task in tasks
+        ]
+        return job_status(self.n_workers, port, prints, self.outcome, rows, only,
+                          assigned=bool(self.by_rank))
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _attach(self, task: Task[C], conn: C, now: float) -> None:
+        task.conn = conn
+        task.heard = now
+        self._by_conn[conn] = task
+
+    def _fence(self, task: Task[C], reason: str) -> Fence[C]:
+        """Take ``task``'s connection from it (the caller closes it)."""
+        old = task.conn
+        assert old is not None
+        del self._by_conn[old]
+        task.conn = None
+        return Fence(task.task_id, old, reason)
+
+    def _aborted_notice(self, task: Task[C]) -> list[Decision[C]]:
+        """A worker that (re)joins an aborted job hears why at once."""
+        if self.outcome is None or self.outcome.success or task.conn is None:
+            return []
+        return [Send(task.task_id, task.conn, {"t": "abort", "reason": self.outcome.reason},
+                     "the job was aborted")]
+
+    def _may_adopt(self, msg: dict[str, Any]) -> bool:
+        """A rejoin from a task this tracker never saw: a tracker restarted at the address of
+        one that went away takes its job over from the workers that rejoin it, while ranks
+        are free for them (docs/protocol.md, "Tracker side")."""
+        rank = msg["rank"]
+        return (self.outcome is None and len(self.tasks) < self.n_workers
+                and 0 <= rank < self.n_workers and rank not in self.by_rank
+                and msg["incarnation"] >= 0 and 0 < msg["port"] < 65536
+                and 0 < len(msg["task_id"]) <= _MAX_TASK_ID)
+
+    def _adopt(self, msg: dict[str, Any], host: str) -> Task[C]:
+        task: Task[C] = Task(task_id=msg["task_id"], arrival=len(self.tasks),
+                             incarnation=msg["incarnation"], attempt=msg["incarnation"],
+                             rank=msg["rank"], host=host, port=msg["port"])
+        self.tasks[task.task_id] = task
+        self.by_rank[msg["rank"]] = task
+        self._adopted = True
+        logger.warning("%s joined this tracker from a previous one (%d of %d)",
+                       describe(task), len(self.by_rank), self.n_workers)
+        return task
+
+    def _assign_ranks(self) -> list[Decision[C]]:
+        if self._sortby == "task":
+            order = sorted(self.tasks.values(), key=lambda t: (natural_key(t.task_id), t.task_id))
+            why = f"all {self.n_workers} workers registered; ranks by task id"
+        else:
+            order = sorted(self.tasks.values(), key=lambda t: t.arrival)
+            why = f"all {self.n_workers} workers registered; ranks by arrival"
+        out: list[Decision[C]] = []
+        # (tasks that rejoined from a previous tracker keep their ranks; the rest take the
+        # free ones in order)
+        free = iter(r for r in range(self.n_workers) if r not in self.by_rank)
+        for task in order:
+            if task.rank is None:
+                task.rank = next(free)
+                self.by_rank[task.rank] = task
+            out.append(Hook("on_rank_assigned", (task.task_id, task.rank), why))
+        order = [self.by_rank[r] for r in range(self.n_workers)]
+        logger.info("all %d workers registered; ranks: %s", self.n_workers,
+                    ", ".join(f"{t.task_id}->{t.rank}" for t in order))
+        for rank, task in enumerate(order):
+            if task.conn is not None:
+                out.append(Send(task.task_id, task.conn, self._assign_msg(task, rank), why))
+        return out
+
+    def _assign_msg(self, task: Task[C], rank: int) -> dict[str, Any]:
+        links = topology(rank, self.n_workers)
+        peers = {
+            str(rank): [self.by_rank[rank].host, self.by_rank[rank].port]
+            for rank in links.neighbors
+        }
+        return {
+            "t": "assign",
+            "rank": rank,
+            "world_size": self.n_workers,
+            "parent": links.parent,
+            "children": list(links.children),
+            "ring_prev": links.ring_prev,
+            "ring_next": links.ring_next,
+            "peers": peers,
+            "incarnation": task.incarnation,
+            # what each neighbour may present when it dials (fencing: no other incarnation)
+            "incarnations": {str(r): self.by_rank[r].incarnation for r in links.neighbors},
+        }
+
+    def _notify_neighbors(self, task: Task[C], notice: dict[str, Any],
+                          reason: str) -> list[Decision[C]]:
+        if task.rank is None:
+            return []
+        out: list[Decision[C]] = []
+        for rank in topology(task.rank, self.n_workers).neighbors:
+            neighbor = self.by_rank[rank]
+            if neighbor.conn is not None and (neighbor.held or not neighbor.finished):
+                out.append(Send(neighbor.task_id, neighbor.conn,
+                                {**notice, "rank": task.rank, "incarnation": task.incarnation},
+                                reason))
+        return out
+
+    def _declare_lost(self, task: Task[C], reason: str) -> list[Decision[C]]:
+        task.pending_loss = None
+        if task.conn is not None:
+            return []  # (it rejoined or registered again meanwhile)
+        # a held worker that dies was serving its neighbours: it is lost like any other (the
+        # launcher restarts it, and its replacement replays and finalizes again)
+        task.finished = task.held = False
+        task.losses += 1
+        # Fault tolerance hook point: the launcher may restart the task (it then registers
+        # again) or give up (mark_failed).  Until then the job waits.
+        logger.warning("%s lost: %s", describe(task), reason)
+        why = f"{describe(task)} lost: {reason}"
+        out = self._notify_neighbors(task, {"t": "peer_lost", "reason": reason}, why)
+        out.append(Hook("on_worker_lost", (task.task_id, task.rank, reason), why))
+        return out
+
+
+def job_status(world_size: int, port: int, prints: int, outcome: Finish | None,
+               tasks: list[dict[str, Any]], only: str | None, *,
+               assigned: bool) -> dict[str, Any]:
+    """The status of a job whose ``tasks`` are listed (each as :meth:`Registry.status` lists
+    it, for either protocol); ``only``: list that task alone (the totals count every task)."""
+    listed = tasks if only is None else [task for task in tasks if task["task_id"] == only]
+    return {
+        "world_size": world_size,
+        "port": port,
+        "registered": len(tasks),
+        "assigned": assigned,
+        "finished": sum(task["finished"] for task in tasks),
+        "done": outcome is not None,
+        "success": None if outcome is None else outcome.success,
+        "reason": None if outcome is None else outcome.reason,
+        "prints": prints,
+        "failures": sum(task["losses"] for task in tasks),
+        "restarts": sum(task["incarnation"] for task in tasks),
+        "tasks": listed,
+    }
+
+
+def describe(task: Task[Any]) -> str:
+    """How logs and reasons name a task: its rank if it has one, and its id."""
+    if task.rank is None:
+        return f"task {task.task_id}"
+    return f"rank {task.rank} (task {task.task_id})"
+
+
+__all__ = ["REJOIN_GRACE_SEC", "SILENCE_REASON", "Registry", "Task", "describe", "job_status",
+           "natural_key"]
