@@ -4,8 +4,8 @@ Run it under the launcher (``bench/run.py`` does this for you)::
 
     rabit2-submit --cluster local -n 2 -- python bench/bench_collectives.py --out r.jsonl
 
-The harness matches the peer baselines (docs: reference/peer-baselines.md) so the figures are
-comparable: per iteration a 1-element allreduce as a barrier, then the timed collective
+The harness matches the side-by-side benchmark's (``bench/peers/harness.py``), so the figures
+are comparable: per iteration a 1-element allreduce as a barrier, then the timed collective
 (``time.perf_counter`` around the call only), then a check of every element of the result
 against its closed form (untimed). The per-iteration times are reduced with MAX across ranks
 afterwards, so each figure is the slowest rank's. Rank 0 writes one JSON line per (op, size)::

@@ -7,7 +7,8 @@ by side (alternating jobs, so both settings see the same machine noise).
 Each job runs ``bench_collectives.py`` under ``rabit2-submit`` (recovery on, the default
 launch); a round runs one job per setting, in alternating order.  Printed: per (op, N, size)
 the median over rounds of each setting's median call time, and their ratio (on / off).
-Figures and their date and machine are kept in ``bench/README.md`` ("Checksums").
+The figures, their date and machine: ``docs/performance.md`` ("Checksums"); every run:
+``bench/results/checksums.csv``.
 """
 
 from __future__ import annotations

@@ -11,11 +11,11 @@ Three probes (two processes on loopback, unpinned, like the Python peers):
   one thread with a non-blocking socket on a second connection with the kernel's default
   (auto-tuned) buffers, sending what the socket takes and receiving what has arrived, asleep
   in ``poll`` only when neither moved. (Until 2026-11-24 this used a sender thread started per
-  iteration, which cost 25-50 % at 1-64 MiB: the limits of runs a-k in ``bench/README.md`` are
-  that slower probe.) Each iteration is preceded by an 8-byte exchange as a barrier and timed
-  from the first process entering to the last leaving, exactly like a collective. This is the
-  floor for an N=2 allreduce in Python: each rank must ship its S bytes and receive the
-  peer's.
+  iteration, which cost 25-50 % at 1-64 MiB: the limits of the earlier runs in
+  ``bench/results/`` are that slower probe.) Each iteration is preceded by an 8-byte exchange
+  as a barrier and timed from the first process entering to the last leaving, exactly like a
+  collective. This is the floor for an N=2 allreduce in Python: each rank must ship its S
+  bytes and receive the peer's.
 * ``tcp-exchange-reno``: the same with TCP congestion control ``reno`` on both connections,
   as rabit2 sets on its links by default (``rabit2_tcp_congestion``); on a machine whose
   default is BBR (this VM) this is the faster of the two, so it is the limit to compare with.

@@ -1,4 +1,4 @@
-"""The issue-4 speed targets, judged from one run of the side-by-side benchmark.
+"""The speed targets, judged from one run of the side-by-side benchmark.
 
     python bench/peers/targets.py bench/results/peers-<stamp>/results.jsonl
 
