@@ -264,7 +264,7 @@ def allreduce(data: Any, op: Any, prepare_fun: Callable[[Any], None] | None = No
     when ranks disagree on size, dtype or op; other ``RabitError`` s when the job fails.
     """
     # (every call right after a training round's compute runs with cold caches, where each
-    # Python call on this path costs microseconds: bench/README.md, "Per-call cost after
+    # Python call on this path costs microseconds: docs/performance.md, "Per-call cost after
     # compute")
     if not isinstance(data, np.ndarray):
         if _is_cupy(data):

@@ -9,10 +9,12 @@ Function-call events come from the API and the bootstrap code (``START``, ``CONN
 links (``READABLE``, ``PRIORITY`` for an out-of-band error notice from a peer, ``HANGUP``);
 ``OP_COMPLETE`` and ``TIMEOUT`` are raised by the agent itself when a schedule finishes or
 a tick checks the deadlines, and ``OP_FAILED`` whenever this rank fails, from any state
-that can (the one failure event: the failure is recorded, whatever state it came in).  Lazy recovery adds
-``LINK_UP`` (a link connected or reconnected), ``PEER_DOWN`` (with recovery on, a link whose
-input the call still needs was lost: the call waits in ``PEER_ERROR`` for the replacement
-instead of failing) and ``RESUME_*`` (every lost input is back: the call goes on).
+that can (the one failure event: the failure is recorded, whatever state it came in).
+
+Lazy recovery adds ``LINK_UP`` (a link connected or reconnected), ``PEER_DOWN`` (with
+recovery on, a link whose input the call still needs was lost: the call waits in
+``PEER_ERROR`` for the replacement instead of failing) and ``RESUME_*`` (every lost input is
+back: the call goes on).
 """
 
 from __future__ import annotations
