@@ -263,9 +263,17 @@ class Agent:
         if self.dead_links and any(not self.links[p].up and active.needs_input(p)
                                    for p in plan.in_streams):
             self.go(Event.PEER_DOWN)  # a lost neighbour's input: wait for its replacement
-        self.pump(active, cmds)
-        self.maybe_complete(active, cmds)
+        self.advance(cmds)
         return cmds
+
+    def advance(self, cmds: list[Command]) -> None:
+        """The transitions an input derives, taken in one pass after it (after each frame,
+        for bytes): send every out-stream byte that became ready, and complete the call if
+        nothing more is due in or out.  Handlers change records; only this moves a call on."""
+        active = self.active
+        if active is not None and self.error is None:
+            self.sender.pump(active, cmds)
+            self.maybe_complete(active, cmds)
 
     def maybe_complete(self, active: ActiveCall, cmds: list[Command]) -> None:
         if self.active is not active:
@@ -420,7 +428,7 @@ class Agent:
                 if self.state is not State.PEER_ERROR:
                     self.go(Event.PEER_DOWN)  # wait for the replacement, only on this input
             else:
-                self.maybe_complete(active, cmds)  # its share is served later, if at all
+                self.advance(cmds)  # its share is served later, if at all
         return cmds
 
     def on_peer_dead(self, peer: int, now: float) -> list[Command]:
@@ -437,7 +445,7 @@ class Agent:
         active = self.active
         if active is not None:
             recovery.skip_announce(active, peer)
-            self.maybe_complete(active, cmds)
+            self.advance(cmds)
         del now
         return cmds
 
@@ -593,10 +601,6 @@ class Agent:
         return self.recovery is not None and self.recovery.replay.replays_next()
 
     # ------------------------------------------------------------------ sending
-
-    def pump(self, active: ActiveCall, cmds: list[Command]) -> None:
-        """Send every out-stream byte of the call that has become ready."""
-        self.sender.pump(active, cmds)
 
     def send_control(self, peer: int, msg: dict[str, Any], cmds: list[Command]) -> None:
         """Send a CONTROL frame carrying ``msg``."""

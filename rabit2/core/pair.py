@@ -124,8 +124,7 @@ class Receiver:
                         return cmds
                     link.mode = Mode.HEADER
                     self._verified(peer, link, active.plan)
-                self.agent.pump(active, cmds)
-                self.agent.maybe_complete(active, cmds)
+                self.agent.advance(cmds)
             elif link.mode is Mode.HEADER:
                 if not link.up:
                     return cmds  # (bytes read before a link reset for corruption took effect)
@@ -139,6 +138,7 @@ class Receiver:
                     self._on_body(peer, link, now, cmds)
                 else:
                     return cmds
+                self.agent.advance(cmds)
                 self._drain(peer, link, now, cmds)
             elif link.mode is Mode.BLOB:
                 self.agent.last_progress = now
@@ -147,6 +147,7 @@ class Receiver:
                 if not link.remaining:
                     self._check_whole(link, link.blob)
                     self._blob_done(link, cmds)
+                    self.agent.advance(cmds)
                     self._drain(peer, link, now, cmds)
             else:
                 raise ProtocolError(f"bytes from rank {peer} while its link is held")
@@ -178,10 +179,7 @@ class Receiver:
             self._take_staged(peer, link, now, cmds)
             if self.agent.error is not None:
                 return
-            active = self.agent.active
-            if active is not None:  # finish this call before looking at the next frame
-                self.agent.pump(active, cmds)
-                self.agent.maybe_complete(active, cmds)
+            self.agent.advance(cmds)  # finish this call before looking at the next frame
         if link.mode is Mode.HELD:
             return  # the held frame's payload stays staged until its call starts
         if link.start == link.end:
@@ -438,8 +436,7 @@ class Receiver:
                 if len(link.check_buf) < length:
                     link.check_buf = memoryview(bytearray(CHECKED_FRAME))
         else:
-            link.mode = Mode.HEADER
-            self.agent.maybe_complete(active, cmds)
+            link.mode = Mode.HEADER  # (an announce: the pass after this frame completes)
 
     def release_held(self, held: list[int], active: ActiveCall, now: float,
                      cmds: list[Command]) -> bool:

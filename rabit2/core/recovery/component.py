@@ -322,10 +322,6 @@ class Recovery:
                 self._resend_after_reset(peer, link, state, cmds)
         else:
             self._settle_state(peer, link, state, cmds)
-        active = self.agent.active
-        if active is not None and self.agent.error is None:
-            self.agent.pump(active, cmds)
-            self.agent.maybe_complete(active, cmds)
 
     def _settle_state(self, peer: int, link: Link, state: PeerState,
                       cmds: list[Command]) -> None:

@@ -206,7 +206,6 @@ class Fetches:
             fetch = Fetch(0, peer, "discard", call, True, memoryview(bytearray(size)))
             if active is not None and call == current:
                 active.skip_in.add(peer)
-                agent.maybe_complete(active, cmds)
         elif request == 0:
             # our need reached a rank that had finished the call: it sent the result
             if active is None or active.call_id != call:
@@ -294,8 +293,6 @@ class Fetches:
         elif fetch.request == 0:
             active.call.buf[:] = fetch.dest  # an unasked result, whole now
         active.fetching -= 1
-        self.agent.pump(active, cmds)
-        self.agent.maybe_complete(active, cmds)
 
     def _refilled(self, active: ActiveCall, fetch: Fetch, cmds: list[Command]) -> None:
         """The skipped in-stream bytes are back: reduce them in, then serve the need that
@@ -311,8 +308,6 @@ class Fetches:
         if link.up and link.awaiting_need:
             link.awaiting_need = False
             self.owner.needs.apply(active, peer, offset, seen=seen)
-        self.agent.pump(active, cmds)
-        self.agent.maybe_complete(active, cmds)
 
     def drop_stand_in(self, link: Link, peer: int) -> None:
         """The link that was bringing an unasked result of the current call went down half

@@ -101,13 +101,10 @@ class Needs:
         active.sent[peer] = offset
         active.started_empty.discard(peer)
 
-    def _release(self, active: ActiveCall, peer: int, offset: int,
-                 cmds: list[Command]) -> None:
+    def _release(self, active: ActiveCall, peer: int, offset: int) -> None:
         """A stream held back for ``peer`` goes on from ``offset``."""
         self.agent.links[peer].awaiting_need = False
         self.apply(active, peer, offset)
-        self.agent.pump(active, cmds)
-        self.agent.maybe_complete(active, cmds)
 
     def on_need(self, peer: int, link: Link, call: CallId, offset: int,
                 cmds: list[Command], caught_up: bool = False, held: bool = False) -> None:
@@ -128,7 +125,7 @@ class Needs:
             if (active is not None and call < current and link.awaiting_need
                     and sends_to(active.plan, peer)):
                 # held back for it in a later call: it will need all of that stream
-                self._release(active, peer, 0, cmds)
+                self._release(active, peer, 0)
         if active is not None and call == current:
             owner.replay.answer_wait(active, peer, offset, cmds)  # (a neighbour restarted too)
             if (held and peer in active.plan.in_streams and peer not in active.skip_in
@@ -142,8 +139,6 @@ class Needs:
                 return  # the stream was not held back: it is flowing from its start
             link.awaiting_need = False
             self.apply(active, peer, offset, cmds=cmds)
-            agent.pump(active, cmds)
-            agent.maybe_complete(active, cmds)
         elif call < current:
             if offset < 0:
                 return
@@ -160,7 +155,7 @@ class Needs:
             if active is not None and link.awaiting_need:
                 # held back for it, but it is past this call (it resumed from a later
                 # checkpoint than this rank): it needs none of that stream
-                self._release(active, peer, -1, cmds)
+                self._release(active, peer, -1)
             owner.watch_replays = True
         else:
             raise ProtocolError(f"rank {peer} sent needs for more than {MAX_PENDING_NEEDS} "

@@ -34,12 +34,6 @@ class AgentPort(Protocol):
     def go(self, event: fsm.Event) -> None:
         """Take a transition of the agent's table."""
 
-    def pump(self, active: ActiveCall, cmds: list[Command]) -> None:
-        """Send every out-stream byte of the call that has become ready."""
-
-    def maybe_complete(self, active: ActiveCall, cmds: list[Command]) -> None:
-        """Finish the call if nothing more is due in or out."""
-
     def fail(self, error: RabitError, cmds: list[Command]) -> None:
         """Fail the call in progress (or the next one) with ``error``, and tell the
         neighbours."""
