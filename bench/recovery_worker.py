@@ -29,7 +29,7 @@ event("start", START)
 event("init")
 version, model = rabit2.load_checkpoint()
 event("loaded")
-engine = rabit2.api._state.engine
+engine = rabit2.api._comm.engine
 replaying = True
 big = 4 << 20  # float32 elements: 16 MiB
 for it in range(version, 6):

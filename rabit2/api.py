@@ -36,7 +36,7 @@ _DESC_PICKLE, _DESC_ARRAY = 1, 2
 _MAX_NDIM = 8
 
 
-class _State:
+class _Communicator:
     """The process-wide communicator (rabit has exactly one per process)."""
 
     def __init__(self) -> None:
@@ -53,13 +53,13 @@ class _State:
         self.must_load = False  # a restarted worker whose checkpoint is with its neighbours
 
 
-_state = _State()
+_comm = _Communicator()
 
 
-def _require() -> _State:
-    if _state.config is None:
+def _require() -> _Communicator:
+    if _comm.config is None:
         raise NotInitializedError("call rabit2.init() first")
-    return _state
+    return _comm
 
 
 # ----------------------------------------------------------------------------- lifecycle
@@ -75,28 +75,28 @@ def init(args: Iterable[str | bytes] | None = None, **kwargs: Any) -> None:
     within the connect deadline.  A second call while initialised is ignored with a warning,
     as in rabit.
     """
-    with _state.lock:
-        if _state.config is not None:
+    with _comm.lock:
+        if _comm.config is not None:
             logger.warning("rabit2.init() called twice; ignoring the second call")
             return
         config = load_config(args, kwargs)
         logging.getLogger("rabit2").setLevel(config.log_level.upper())
-        _state.version = _state.seqno = 0
-        _state.global_model = _state.local_model = _state.lazy_model = None
+        _comm.version = _comm.seqno = 0
+        _comm.global_model = _comm.local_model = _comm.lazy_model = None
         if config.distributed:
             from rabit2.io.engine import Engine  # noqa: PLC0415 - keeps single mode light
 
             engine = Engine(config)
             engine.start()
             assert engine.assignment is not None
-            _state.engine = engine
-            _state.rank = engine.assignment.rank
-            _state.world = engine.assignment.world_size
-            _state.must_load = engine.restarted
+            _comm.engine = engine
+            _comm.rank = engine.assignment.rank
+            _comm.world = engine.assignment.world_size
+            _comm.must_load = engine.restarted
         else:
-            _state.engine = None
-            _state.rank, _state.world = 0, 1
-        _state.config = config
+            _comm.engine = None
+            _comm.rank, _comm.world = 0, 1
+        _comm.config = config
         if config.distributed:
             _install_excepthook()
 
@@ -108,11 +108,11 @@ def abort_for(error: BaseException) -> None:
     :class:`~rabit2.errors.JobAbortedError` is the job's already: this only leaves (a
     RabitError that every rank saw is said again, which the tracker ignores after the first).
     Safe to call when not initialised; never raises a RabitError."""
-    with _state.lock:
-        if _state.engine is not None and not isinstance(error, JobAbortedError):
+    with _comm.lock:
+        if _comm.engine is not None and not isinstance(error, JobAbortedError):
             text = " ".join(str(error).split())
-            _state.engine.signal_error(
-                f"rank {_state.rank} raised {type(error).__name__}"
+            _comm.engine.signal_error(
+                f"rank {_comm.rank} raised {type(error).__name__}"
                 + (f": {text}" if text else ""))
         with contextlib.suppress(RabitError):
             finalize()
@@ -138,7 +138,7 @@ def _install_excepthook() -> None:
     _previous_excepthook.append(sys.excepthook)
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        if _state.config is not None and not isinstance(value, KeyboardInterrupt):
+        if _comm.config is not None and not isinstance(value, KeyboardInterrupt):
             with contextlib.suppress(Exception):
                 abort_for(value)
         _previous_excepthook[0](kind, value, tb)
@@ -152,29 +152,29 @@ def finalize() -> None:
     With recovery on this first waits (up to ``timeout_sec``), still serving the neighbours,
     until every rank has finalized, so that a worker restarted after its last collective
     can replay; raises :class:`~rabit2.errors.JobAbortedError` if the job is aborted then."""
-    with _state.lock:
-        engine, _state.engine, _state.config = _state.engine, None, None
+    with _comm.lock:
+        engine, _comm.engine, _comm.config = _comm.engine, None, None
         if engine is not None:
             engine.finalize()
 
 
 def current_config() -> Config | None:
     """The configuration this process joined with (None when not initialised)."""
-    return _state.config
+    return _comm.config
 
 
 def get_rank() -> int:
     """This process's rank (0 when not initialised, as in rabit)."""
-    return _state.rank if _state.config is not None else 0
+    return _comm.rank if _comm.config is not None else 0
 
 
 def get_world_size() -> int:
     """The number of workers (1 when not initialised, as in rabit)."""
-    return _state.world if _state.config is not None else 1
+    return _comm.world if _comm.config is not None else 1
 
 
 def is_distributed() -> bool:
-    return _state.engine is not None
+    return _comm.engine is not None
 
 
 def get_processor_name() -> str:
@@ -184,7 +184,7 @@ def get_processor_name() -> str:
 def tracker_print(msg: Any) -> None:
     """Print ``msg`` on the tracker's console (locally when not distributed)."""
     text = str(msg)
-    engine = _state.engine
+    engine = _comm.engine
     if engine is None:
         print(text, flush=True)
     else:
@@ -193,7 +193,7 @@ def tracker_print(msg: Any) -> None:
 
 def signal_error(msg: str = "signal_error() called") -> None:
     """Ask the tracker to abort the job: every other worker raises ``JobAbortedError``."""
-    engine = _state.engine
+    engine = _comm.engine
     if engine is not None:
         engine.signal_error(msg)
 
@@ -209,33 +209,33 @@ def _mock_hit(kind: str) -> tuple[int, int, bool]:
     with the rank whose link to reset instead of dying (-1: die), and whether to damage a
     byte from that rank instead of resetting.
     """
-    cfg = _state.config
+    cfg = _comm.config
     if cfg is None or not cfg.mock:
         return -1, -1, False
-    key = (_state.rank, _state.version, _state.seqno, cfg.num_attempt)
+    key = (_comm.rank, _comm.version, _comm.seqno, cfg.num_attempt)
     for spec in cfg.mock:
         if (spec.rank, spec.version, spec.seqno, spec.trial) != key:
             continue
         if spec.after_bytes >= 0 and kind != "checkpoint":
             return spec.after_bytes, spec.reset_peer, bool(spec.damage)
-        logger.error("[%d]@@@Hit Mock Error:%s at %s", _state.rank, kind, key)
+        logger.error("[%d]@@@Hit Mock Error:%s at %s", _comm.rank, kind, key)
         os.kill(os.getpid(), signal.SIGKILL)
     return -1, -1, False
 
 
 def _run(call: Call) -> None:
-    state = _require()
-    engine = state.engine
+    comm = _require()
+    engine = comm.engine
     if engine is None:
         return
     # one collective at a time per process: calls from several threads queue here (their
     # order must still be the same on every rank, or the ranks get a MismatchError)
-    with state.lock:
-        if state.config is not None and state.config.mock:
+    with comm.lock:
+        if comm.config is not None and comm.config.mock:
             engine.run_call(call, *_mock_hit(call.kind.name.lower()))
         else:
             engine.run_call(call)
-        state.seqno += 1
+        comm.seqno += 1
 
 
 # ----------------------------------------------------------------------------- allreduce
@@ -279,11 +279,11 @@ def allreduce(data: Any, op: Any, prepare_fun: Callable[[Any], None] | None = No
             _VALID[key] = opv, dtype
     except TypeError:  # an unhashable op: check_op_dtype says what is wrong with it
         opv, dtype = check_op_dtype(op, data.dtype)
-    state = _require()
-    engine = state.engine
+    comm = _require()
+    engine = comm.engine
     if prepare_fun is not None and not (engine is not None and engine.replays_next()):
         prepare_fun(data)  # (a restarted worker replaying a finished call gets its result)
-    if engine is None or (data.size == 0 and state.world == 1):
+    if engine is None or (data.size == 0 and comm.world == 1):
         return data
     flags = data.flags
     inplace = flags.c_contiguous and flags.writeable
@@ -323,15 +323,15 @@ def broadcast(data: Any, root: int) -> Any:
     ``ValueError`` for a root outside ``[0, world)`` and ``TypeError`` if the root's object
     cannot be pickled, before anything is sent.
     """
-    state = _require()
-    if not isinstance(root, (int, np.integer)) or not 0 <= int(root) < state.world:
-        raise ValueError(f"root must be a rank in [0, {state.world}), got {root!r}")
+    comm = _require()
+    if not isinstance(root, (int, np.integer)) or not 0 <= int(root) < comm.world:
+        raise ValueError(f"root must be a rank in [0, {comm.world}), got {root!r}")
     root = int(root)
-    if state.engine is None:
+    if comm.engine is None:
         if not isinstance(data, np.ndarray):
             _pickle(data)  # the same TypeError alone as in a job
         return data
-    if state.rank == root:
+    if comm.rank == root:
         desc = bytearray(_DESC.size)
         if isinstance(data, np.ndarray) and data.ndim <= _MAX_NDIM and _supported(data.dtype):
             payload = _flat_bytes(np.ascontiguousarray(data))
@@ -408,17 +408,17 @@ def allgather(data: Any) -> np.ndarray:
     if not isinstance(data, np.ndarray):
         raise TypeError(f"allgather takes a numpy array, got {type(data).__name__}")
     code = dtype_code(data.dtype)
-    state = _require()
+    comm = _require()
     arr = np.ascontiguousarray(data).reshape(data.shape if data.ndim else (1,))
-    if state.engine is None:
+    if comm.engine is None:
         return arr.copy()
     trailing = hash(tuple(arr.shape[1:])) & (2**63 - 1)
-    info = np.zeros(state.world * _GATHER_INFO, dtype=np.uint64)
-    mine = slice(state.rank * _GATHER_INFO, (state.rank + 1) * _GATHER_INFO)
+    info = np.zeros(comm.world * _GATHER_INFO, dtype=np.uint64)
+    mine = slice(comm.rank * _GATHER_INFO, (comm.rank + 1) * _GATHER_INFO)
     info[mine] = (arr.nbytes, code, arr.shape[0], trailing)
-    blocks = tuple((r * _GATHER_INFO * 8, (r + 1) * _GATHER_INFO * 8) for r in range(state.world))
+    blocks = tuple((r * _GATHER_INFO * 8, (r + 1) * _GATHER_INFO * 8) for r in range(comm.world))
     _run(Call(CollectiveKind.ALLGATHER, _flat_bytes(info), blocks=blocks))
-    table = info.reshape(state.world, _GATHER_INFO)
+    table = info.reshape(comm.world, _GATHER_INFO)
     if len({(int(c), int(t)) for _, c, _, t in table}) != 1:
         raise MismatchError(
             "allgather: ranks passed different dtypes or trailing shapes: "
@@ -429,8 +429,8 @@ def allgather(data: Any) -> np.ndarray:
     rows = int(table[:, 2].sum())
     out = np.empty((rows, *arr.shape[1:]), dtype=arr.dtype)
     flat = _flat_bytes(out)
-    flat[offsets[state.rank] : offsets[state.rank + 1]] = _flat_bytes(arr)
-    gblocks = tuple((int(offsets[r]), int(offsets[r + 1])) for r in range(state.world))
+    flat[offsets[comm.rank] : offsets[comm.rank + 1]] = _flat_bytes(arr)
+    gblocks = tuple((int(offsets[r]), int(offsets[r + 1])) for r in range(comm.world))
     _run(Call(CollectiveKind.ALLGATHER, flat, blocks=gblocks))
     return out
 
@@ -451,13 +451,13 @@ def checkpoint(global_model: Any, local_model: Any = None) -> None:
     Models are pickled and kept in memory (nothing touches disk).  Collective calls after
     this point are numbered from zero again (their identity is (version, seqno)).
     """
-    state = _require()
-    state.global_model = pickle.dumps(global_model, protocol=pickle.HIGHEST_PROTOCOL)
-    state.lazy_model = None
-    state.local_model = (
+    comm = _require()
+    comm.global_model = pickle.dumps(global_model, protocol=pickle.HIGHEST_PROTOCOL)
+    comm.lazy_model = None
+    comm.local_model = (
         None if local_model is None else pickle.dumps(local_model, pickle.HIGHEST_PROTOCOL)
     )
-    _advance_version(state, state.global_model, state.local_model)
+    _advance_version(comm, comm.global_model, comm.local_model)
 
 
 def lazy_checkpoint(global_model: Any, local_model: Any = None) -> None:
@@ -465,26 +465,26 @@ def lazy_checkpoint(global_model: Any, local_model: Any = None) -> None:
     until the next checkpoint (it is serialised only if a restarted peer needs it).  A
     ``local_model`` (beyond rabit, whose lazy checkpoint has none) is pickled now and
     replicated as with :func:`checkpoint`."""
-    state = _require()
-    state.lazy_model = global_model
-    state.global_model = None
-    state.local_model = (
+    comm = _require()
+    comm.lazy_model = global_model
+    comm.global_model = None
+    comm.local_model = (
         None if local_model is None else pickle.dumps(local_model, pickle.HIGHEST_PROTOCOL)
     )
     # pickled on the loop thread only if a restarted neighbour asks for it
-    _advance_version(state, lambda: pickle.dumps(global_model, pickle.HIGHEST_PROTOCOL),
-                     state.local_model)
+    _advance_version(comm, lambda: pickle.dumps(global_model, pickle.HIGHEST_PROTOCOL),
+                     comm.local_model)
 
 
-def _advance_version(state: _State, blob: bytes | Callable[[], bytes],
+def _advance_version(comm: _Communicator, blob: bytes | Callable[[], bytes],
                      local: bytes | None = None) -> None:
     _mock_hit("checkpoint")
-    state.must_load = False  # a program that checkpoints before loading starts afresh
-    if state.engine is not None:
-        state.version = state.engine.checkpoint(blob, local)
+    comm.must_load = False  # a program that checkpoints before loading starts afresh
+    if comm.engine is not None:
+        comm.version = comm.engine.checkpoint(blob, local)
     else:
-        state.version += 1
-    state.seqno = 0
+        comm.version += 1
+    comm.seqno = 0
 
 
 def load_checkpoint(with_local: bool = False) -> tuple[Any, ...]:
@@ -498,27 +498,27 @@ def load_checkpoint(with_local: bool = False) -> tuple[Any, ...]:
     them.  Raises :class:`~rabit2.errors.UnrecoverableError` if no live neighbour holds what
     is needed.
     """
-    state = _require()
-    if state.must_load:
-        state.must_load = False
-        version, blob, local = state.engine.load_checkpoint(with_local)
-        state.version, state.seqno = version, 0
-        state.global_model, state.lazy_model, state.local_model = blob, None, local
-    if state.version == 0:
+    comm = _require()
+    if comm.must_load:
+        comm.must_load = False
+        version, blob, local = comm.engine.load_checkpoint(with_local)
+        comm.version, comm.seqno = version, 0
+        comm.global_model, comm.lazy_model, comm.local_model = blob, None, local
+    if comm.version == 0:
         return (0, None, None) if with_local else (0, None)
-    if state.lazy_model is not None:
-        model = state.lazy_model
+    if comm.lazy_model is not None:
+        model = comm.lazy_model
     else:
-        model = None if state.global_model is None else pickle.loads(state.global_model)
+        model = None if comm.global_model is None else pickle.loads(comm.global_model)
     if with_local:
-        local = None if state.local_model is None else pickle.loads(state.local_model)
-        return state.version, model, local
-    return state.version, model
+        local = None if comm.local_model is None else pickle.loads(comm.local_model)
+        return comm.version, model, local
+    return comm.version, model
 
 
 def version_number() -> int:
     """How many checkpoints this job has taken."""
-    return _state.version if _state.config is not None else 0
+    return _comm.version if _comm.config is not None else 0
 
 
 def recovery_statistics() -> dict[str, int]:
@@ -530,11 +530,11 @@ def recovery_statistics() -> dict[str, int]:
     neighbour that failed their checksum, each followed by a reset of that link: see
     ``docs/protocol.md``, "Checksums").  All 0 in single-process mode; with recovery off only
     ``corrupt_frames`` can count."""
-    state = _require()
-    if state.engine is None:
+    comm = _require()
+    if comm.engine is None:
         return dict.fromkeys(("links_up", "fetched_bytes", "resent_bytes", "replayed_calls",
                               "resumed_calls", "corrupt_frames"), 0)
-    stats: dict[str, int] = state.engine.recovery_statistics()
+    stats: dict[str, int] = comm.engine.recovery_statistics()
     return stats
 
 

@@ -267,9 +267,9 @@ def test_pair_exchange_agrees_bitwise_on_nan_payloads() -> None:
 
 def test_frames_are_split_at_the_u32_length_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     """A stream longer than a frame can describe goes out as several frames, in order."""
-    import rabit2.core.agent as agent_module  # noqa: PLC0415
+    import rabit2.core.sending as sending_module  # noqa: PLC0415
 
-    monkeypatch.setattr(agent_module, "MAX_PAYLOAD", 1000)
+    monkeypatch.setattr(sending_module, "MAX_PAYLOAD", 1000)
     src = np.arange(5500, dtype=np.uint8)
     bufs = [src.copy(), np.zeros(5500, np.uint8), np.zeros(5500, np.uint8)]
     net = SimNet(3, seed=9, max_piece=1 << 16, checked=False)
@@ -284,9 +284,9 @@ def test_checked_frames_are_split_at_the_frame_limit(monkeypatch: pytest.MonkeyP
                                                      world: int) -> None:
     """Checked frames are at most the frame limit long, and a receiver that takes them whole
     before it uses them still pipelines every schedule (a ring that wraps included)."""
-    import rabit2.core.agent as agent_module  # noqa: PLC0415
-
-    monkeypatch.setattr(agent_module, "CHECKED_FRAME", 1000)
+    # (the limit the sender keeps and the receiver checks)
+    monkeypatch.setattr("rabit2.core.sending.CHECKED_FRAME", 1000)
+    monkeypatch.setattr("rabit2.core.pair.CHECKED_FRAME", 1000)
     monkeypatch.setattr("rabit2.core.schedule.MIN_RING_REDUCE", 256)
     monkeypatch.setattr("rabit2.core.schedule.LANDING_RING", 4096)
     n = 30_000

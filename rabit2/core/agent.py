@@ -379,7 +379,7 @@ class Agent:
         link.incarnation = incarnation
         link.checked = self.checked if checked is None else checked
         link.up = True
-        link.state = link.pending = link.need_sent = None
+        link.peer_state = link.pending_state = link.need_sent = None
         self.dead_links.pop(peer, None)
         active = self.active
         link.reset_framing(active.plan.received.get(peer, 0) if active is not None else 0)

@@ -146,10 +146,10 @@ class Link:
 
     __slots__ = ("awaiting_need", "awaiting_state", "blob", "blob_fetch", "body_kind",
                  "check_buf", "checked", "corrupt_streak", "crc", "end", "error_buf",
-                 "expect", "filled", "frame", "incarnation", "mode", "need_sent", "pending",
-                 "pending_needs", "pos", "progress_told", "remaining", "scratch",
+                 "expect", "filled", "frame", "incarnation", "mode", "need_sent", "peer_state",
+                 "pending_needs", "pending_state", "pos", "progress_told", "remaining", "scratch",
                  "seen_version",
-                 "send_scratch", "stage", "start", "state", "up", "up_at", "up_call")
+                 "send_scratch", "stage", "start", "up", "up_at", "up_call")
 
     def __init__(self) -> None:
         # headers are read into this staging buffer together with whatever follows them, so
@@ -179,12 +179,12 @@ class Link:
         self.scratch = np.empty(0, dtype=np.uint8)
         self.send_scratch = np.empty(0, dtype=np.uint8)
         # recovery (docs/recovery.md)
-        self.pending: PeerState | None = None  # a reset peer's state for a call not begun
+        self.pending_state: PeerState | None = None  # a reset peer's state for a call not begun
         self.up_call: CallId | None = None  # the call in progress when the link came up
         self.up_at: CallId = (0, 0)  # where this rank stood then (the "at" of its state)
         self.up = True  # connected; False after a hang-up until the link comes up again
         self.incarnation = 0  # of the peer process at the other end
-        self.state: PeerState | None = None  # what the peer said when the link came up
+        self.peer_state: PeerState | None = None  # what the peer said when the link came up
         # the link came up during a call: send nothing of that call until the peer says
         # from which offset it needs our stream (its "need")
         self.awaiting_need = False
@@ -235,7 +235,7 @@ class Fetch:
 class ActiveCall:
     """Bookkeeping of the call in progress."""
 
-    __slots__ = ("call", "call_id", "deferred", "desc", "fetching", "final", "frames_seen",
+    __slots__ = ("call", "call_id", "deferred", "desc", "fetching", "frames_seen", "has_result",
                  "mirror", "mirrored", "plan", "prefix", "prefix_checked", "refill",
                  "resume_wait", "sent", "skip_in", "started_empty")
 
@@ -251,7 +251,7 @@ class ActiveCall:
         self.started_empty: set[int] = set()
         # recovery of this call on a restarted rank (docs/recovery.md)
         self.fetching = 0  # fetches whose bytes this call still waits for
-        self.final = False  # the whole result is fetched: every out-stream can be served
+        self.has_result = False  # the whole result is fetched: every out-stream can be served
         self.skip_in: set[int] = set()  # in-streams this call does not wait for any more
         # a resume that waits for the needs of neighbours restarted too: peer -> need, or
         # None while it has not come (nothing is sent until every one is in)

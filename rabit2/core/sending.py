@@ -45,7 +45,7 @@ class Sender:
         plan = active.plan
         desc = active.desc
         version, seqno = active.call_id
-        final = active.final
+        final = active.has_result
         links = self.agent.links
         for peer, stream in plan.out_streams.items():
             link = links[peer]

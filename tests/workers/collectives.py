@@ -24,7 +24,7 @@ assert (version, model) == (0, None)
 # the peer links use the congestion control the worker was configured with (default: reno
 # where this process may set it; docs/design.md, "Congestion control"); checked before any
 # call, while no neighbour can have finished and closed its link
-engine = rabit2.api._state.engine
+engine = rabit2.api._comm.engine
 if world > 1 and hasattr(socket, "TCP_CONGESTION"):
     from rabit2.io.handshake import resolve_congestion
 

@@ -62,7 +62,7 @@ class Kill(xgboost.callback.TrainingCallback):
     @staticmethod
     def _mock(ahead: int) -> None:
         """Arm rabit2's own fault hook (``mock=``) for a call ``ahead`` of the current one."""
-        state = rabit2.api._state
+        state = rabit2.api._comm
         cfg = state.config
         assert cfg is not None
         spec = rabit2.config.MockSpec(state.rank, state.version, state.seqno + ahead, 0)

@@ -139,7 +139,7 @@ class Recovery:
             self.mirror(active, plan.in_streams[plan.in_link].length)
             self.results.keep(active.call_id, active.desc, active.mirror)
             return
-        if not isinstance(plan, RingAllreduce) or plan.keep is None or active.final:
+        if not isinstance(plan, RingAllreduce) or plan.keep is None or active.has_result:
             self.results.add(active.call_id, active.desc, _result_pieces(active))
             return
         keep = plan.keep
@@ -164,10 +164,10 @@ class Recovery:
         if self.replay.restarted:
             self.replay.begin(active, cmds)
         for peer, link in agent.links.items() if self.pending_states else ():
-            state = link.pending
+            state = link.pending_state
             if state is None or state.at > call:
                 continue  # (a later call: kept until this rank begins that one)
-            link.pending = None
+            link.pending_state = None
             if state.at == call and link.up:
                 # a peer whose link was reset waits in this call; if we were behind when
                 # the link came up it waits to hear that we hold none of its stream.
@@ -179,7 +179,8 @@ class Recovery:
                         and (state.recovering or link.up_at < call)):
                     self.needs.send(peer, call, 0, cmds)
         if self.pending_states:
-            self.pending_states = any(link.pending is not None for link in agent.links.values())
+            self.pending_states = any(link.pending_state is not None
+                                      for link in agent.links.values())
         if self.watch_replays:
             self.needs.hold_for_replaying(active)
 
@@ -267,7 +268,7 @@ class Recovery:
 
     def states_known(self) -> bool:
         """Every neighbour has sent its state (a restarted rank waits for this in init)."""
-        return all(link.state is not None for link in self.agent.links.values())
+        return all(link.peer_state is not None for link in self.agent.links.values())
 
     def on_control(self, peer: int, link: Link, msg: dict[str, Any],
                    cmds: list[Command]) -> bool:
@@ -303,7 +304,7 @@ class Recovery:
         if state.incarnation != link.incarnation:
             raise ProtocolError(f"rank {peer} states incarnation {state.incarnation} on a "
                                 f"link opened by incarnation {link.incarnation}")
-        link.state = state
+        link.peer_state = state
         link.awaiting_state = False
         self.watch_replays = self.watch_replays or state.recovering
         replay = self.replay
@@ -331,7 +332,7 @@ class Recovery:
         current = active.call_id if active is not None else (agent.version, agent.seqno)
         if state.active and state.at >= current and (active is None or state.at > current):
             # a call we have not begun (the peer may be replaying): settled when we begin it
-            link.pending = state
+            link.pending_state = state
             self.pending_states = True
         if self._stand_in(peer, state, cmds) or active is None:
             return

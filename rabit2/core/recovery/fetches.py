@@ -199,7 +199,7 @@ class Fetches:
                 raise UnrecoverableError(f"rank {agent.rank} cannot finish call {call}: "
                                          f"{msg['reason']}")
             return
-        if request == 0 and (call < current or (active is not None and active.final
+        if request == 0 and (call < current or (active is not None and active.has_result
                                                  and call == current)):
             # a result sent for a call we meanwhile finished (or already have): read, drop.
             # It stands in for that peer's stream, which will not come any more
@@ -219,7 +219,7 @@ class Fetches:
                                     f"{call}, rank {agent.rank} has {len(active.call.buf)} B")
             fetch = Fetch(0, peer, "result", call, True, None)
             fetch.replaced = peer not in active.skip_in
-            active.final = True
+            active.has_result = True
             active.skip_in.add(peer)
             active.fetching += 1
         else:
@@ -318,7 +318,7 @@ class Fetches:
             return
         link.blob_fetch = None
         active.fetching -= 1
-        active.final = False
+        active.has_result = False
         if fetch.replaced:
             active.skip_in.discard(peer)
 

@@ -69,7 +69,7 @@ class Needs:
             raise ProtocolError(f"rank {peer} needs call {active.call_id} from byte {offset} "
                                 f"of a {stream.length} B stream")
         rank = self.agent.rank
-        if active.final and offset < stream.length and offset < plan.final_from(peer):
+        if active.has_result and offset < stream.length and offset < plan.final_from(peer):
             raise UnrecoverableError(
                 f"rank {peer} needs partial sums of call {active.call_id} from byte {offset}, "
                 f"but rank {rank} restarted and holds only that call's result")
@@ -116,8 +116,8 @@ class Needs:
         agent, owner = self.agent, self.owner
         active = agent.active
         current = active.call_id if active is not None else (agent.version, agent.seqno)
-        if caught_up and link.state is not None:
-            link.state = dataclasses.replace(link.state, recovering=False)
+        if caught_up and link.peer_state is not None:
+            link.peer_state = dataclasses.replace(link.peer_state, recovering=False)
             if call < current:
                 # waited for as a neighbour restarted too, it has caught up meanwhile: a
                 # survivor now, it sends no need for our call, and holds none of it
@@ -176,8 +176,8 @@ class Needs:
                 continue
             if offset is not None:
                 self.apply(active, peer, offset)
-            elif link.state is not None and link.state.recovering:
-                state = link.state
+            elif link.peer_state is not None and link.peer_state.recovering:
+                state = link.peer_state
                 if state.at > call or any(c > call for c in link.pending_needs):
                     # it resumed past this call (from a later checkpoint): it needs none
                     self.apply(active, peer, -1)
@@ -188,7 +188,7 @@ class Needs:
                 else:
                     link.awaiting_need = True
         self.owner.watch_replays = any(
-            link.pending_needs or (link.state is not None and link.state.recovering)
+            link.pending_needs or (link.peer_state is not None and link.peer_state.recovering)
             for link in self.agent.links.values())
 
     def from_all(self, active: ActiveCall, cmds: list[Command], caught_up: bool = False) -> None:

@@ -125,7 +125,7 @@ class Replay:
             links = self.agent.links
             wait = {q: link.pending_needs.get(call) for q in plan.resume_needs()
                     if q in recovering and (link := links[q]).up
-                    and link.state is not None and link.state.recovering}
+                    and link.peer_state is not None and link.peer_state.recovering}
             # (one that has caught up since is a survivor that sends no need: it holds
             # nothing of our stream of this call, which we have not begun until now)
             active.resume_wait = wait
@@ -226,7 +226,7 @@ class Replay:
             raise UnrecoverableError(
                 f"rank {self.agent.rank} replays call {call}, but no live neighbour retains "
                 "its result any more (raise rabit2_replay_mb, or checkpoint more often)")
-        active.final = True
+        active.has_result = True
         dest = None if active.call.kind is CollectiveKind.BROADCAST else active.call.buf
         self.owner.fetches.request(sources[0], "result", call, 0, -1, dest, cmds, active)
 

@@ -47,7 +47,7 @@ class TreeAllreduce(Plan):
         ins = {c: Stream([self.scratch[c]]) for c in self.children}
         outs = {c: Stream([buf]) for c in self.children}
         self._down: memoryview | None = None
-        self.final = 0  # bytes of ``buf`` that hold the result (non-root)
+        self.result_upto = 0  # bytes of ``buf`` that hold the result (non-root)
         if parent >= 0:
             if stage_down:
                 self._down = scratch(parent, n)
@@ -63,12 +63,12 @@ class TreeAllreduce(Plan):
         if peer != self.parent:
             self._reduce()
         elif self._down is None:
-            self.final = pos
+            self.result_upto = pos
         else:
             upto = pos - pos % self.dtype.itemsize
-            if upto > self.final:
-                self.buf[self.final : upto] = self._down[self.final : upto]
-                self.final = upto
+            if upto > self.result_upto:
+                self.buf[self.result_upto : upto] = self._down[self.result_upto : upto]
+                self.result_upto = upto
 
     def _reduce(self) -> None:
         n = len(self.buf)
@@ -78,9 +78,10 @@ class TreeAllreduce(Plan):
             return
         if avail <= self.reduced:
             return
-        # below ``final`` the buffer already holds the result: a parent that sent it ahead
-        # of our up-stream (a restarted one that fetched the result) needs none of ours
-        lo = max(self.reduced, min(avail, self.final - self.final % self.dtype.itemsize))
+        # below ``result_upto`` the buffer already holds the result: a parent that sent it
+        # ahead of our up-stream (a restarted one that fetched the result) needs none of ours
+        upto = self.result_upto
+        lo = max(self.reduced, min(avail, upto - upto % self.dtype.itemsize))
         dst = self.buf[lo:avail]
         for c in self.children:
             reduce_bytes(self.op, self.dtype, dst, self.scratch[c][lo:avail])
@@ -91,14 +92,14 @@ class TreeAllreduce(Plan):
             return self.reduced
         if self.parent < 0:
             return self.reduced
-        return self.final
+        return self.result_upto
 
     def check_invariants(self) -> None:
         super().check_invariants()
         if self.children:
             assert self.reduced <= min(self.received[c] for c in self.children)
         if self.parent >= 0:
-            assert self.final <= self.received[self.parent] <= self.reduced
+            assert self.result_upto <= self.received[self.parent] <= self.reduced
 
     def resume(self, out_needs: dict[int, int]) -> Resume:
         """Non-root: the parent holds ``z`` bytes of our up-stream, so the children resend
@@ -140,4 +141,4 @@ class TreeAllreduce(Plan):
         # up: partial sums, overwritten by the result from the start as it comes down (and,
         # after a resume, made only from ``up_from`` on: the children resent from there);
         # down: results
-        return peer != self.parent or offset >= max(self.up_from, self.final)
+        return peer != self.parent or offset >= max(self.up_from, self.result_upto)
