@@ -39,6 +39,7 @@ from rabit2.core.agent import (
     ResumeReading,
     Send,
 )
+from rabit2.core.fsm import State
 from rabit2.core.topology import topology
 from rabit2.errors import (
     CollectiveTimeoutError,
@@ -152,6 +153,10 @@ _SLICE = 1e-3
 _MAX_PEER_HANDSHAKES = 64  # unfinished handshakes on the peer port (a worker has <= 4 dialers)
 _ACCEPT_ERROR_PAUSE_SEC = 0.1  # e.g. EMFILE: back off instead of spinning on accept
 NOT_ISSUED = "was not issued by the tracker"
+BOOTSTRAP_STATES = (State.CONNECTING_TRACKER, State.CONNECTING_PEERS, State.ACCEPTING_PEERS)
+"""The agent's states while the engine wires up its links at init."""
+ENDED_STATES = (State.TASK_COMPLETE, State.FAILED)
+"""The agent's states after which no link is dialed again."""
 
 
 class _Poller:
@@ -416,8 +421,9 @@ class Engine:
         finally:
             # with recovery on, the listening socket stays open: a restarted neighbour dials
             # back in, and so does a live one whose link was reset
-            if not (cfg.recover and self.agent.error is None) or self.agent.state.value in (
-                    "failed", "connecting-tracker", "connecting-peers", "accepting-peers"):
+            state = self.agent.state
+            if (not (cfg.recover and self.agent.error is None) or state is State.FAILED
+                    or state in BOOTSTRAP_STATES):
                 self._stop_listening()
         self._schedule_tick()
 
@@ -467,7 +473,7 @@ class Engine:
             self._server = None
 
     def _bootstrap_failed(self, error: RabitError) -> None:
-        if self.agent.state.value in ("connecting-tracker", "connecting-peers", "accepting-peers"):
+        if self.agent.state in BOOTSTRAP_STATES:
             self.agent.bootstrap_failed(error)
 
     def _listen(self, cfg: Config) -> socket.socket:
@@ -552,7 +558,7 @@ class Engine:
         checks the links between two hosts, where NICs, switches and cables can damage a
         byte that TCP's sum lets through, and not those within one host, whose bytes never
         leave its memory (there the checks would make 16-64 MiB calls 1.4-2.1x slower:
-        bench/README.md, "Checksums")."""
+        docs/performance.md, "Checksums")."""
         mode = self.config.checksum
         if mode != "auto":
             return mode == "on"
@@ -800,7 +806,7 @@ class Engine:
         assignment = self.assignment
         if (self.config.recover and assignment is not None and peer < assignment.rank
                 and self.agent.error is None
-                and self.agent.state.value not in ("task-complete", "failed")):
+                and self.agent.state not in ENDED_STATES):
             # the higher rank of a broken link dials again: the same process if it lives
             # (a reset), or its replacement once the tracker says where (peer_recovered).
             # A rank that holds in finalize waits for peer_recovered: links also close when
@@ -821,7 +827,7 @@ class Engine:
         link = self.agent.links.get(peer)
         if (link is None or link.up or link.incarnation != incarnation or self._closing
                 or self.tracker is None or self.agent.error is not None
-                or self.agent.state.value in ("task-complete", "failed")):
+                or self.agent.state in ENDED_STATES):
             return
         down = self.loop.time() - since
         logger.warning("the link to rank %d has been down for %.0f s: asking the tracker "
@@ -885,8 +891,7 @@ class Engine:
         # where it listens now: a later reset of that link is dialed there, not at the
         # address of the process that died
         assignment.peers[rank] = address
-        if rank < assignment.rank and self.agent.state.value not in (
-                "connecting-tracker", "connecting-peers", "accepting-peers"):
+        if rank < assignment.rank and self.agent.state not in BOOTSTRAP_STATES:
             # (during init, the dial at init tries the new address itself)
             self._schedule_redial(rank, incarnation, address)
 
@@ -1046,7 +1051,7 @@ class Engine:
             # down with the tracker): abort the job, so that a replacement still in init,
             # which no peer's error reaches, stops at once instead of at its deadlines
             self.tracker.signal_error(f"{type(error).__name__}: {error}")
-        if self.agent.state.value != "task-complete":
+        if self.agent.state is not State.TASK_COMPLETE:
             self._execute(self.agent.shutdown())
         try:
             if self.tracker is not None:
