@@ -1,8 +1,8 @@
 """The I/O driver: one background event loop per worker, TCP links, and the agent on top.
 
-The loop (uvloop where available, plain asyncio when ``RABIT2_LOOP=asyncio``) runs in a
-daemon thread for the life of the worker.  API threads hand it calls with
-:meth:`Engine.run_call`; the loop feeds the :class:`~rabit2.core.agent.Agent` events and
+The loop runs in a daemon thread for the life of the worker (:mod:`rabit2.io.loop_thread`).
+API threads hand it calls with :meth:`Engine.run_call` and wait for them
+(:mod:`rabit2.io.waiting`); the loop feeds the :class:`~rabit2.core.agent.Agent` events and
 executes the commands it returns.
 
 Links are :class:`asyncio.BufferedProtocol` s: ``get_buffer`` returns the view the agent
@@ -15,15 +15,13 @@ caller can reuse its array the moment ``run_call`` returns.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import os
 import signal
 import socket
-import threading
 import time
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar, cast
 
 from rabit2.config import Config
@@ -59,97 +57,18 @@ from rabit2.io.handshake import (
     set_congestion,
     tune_socket,
 )
+from rabit2.io.loop_thread import LoopThread, bind_to_cpu
 from rabit2.io.tracker_client import Assignment, TrackerClient
+from rabit2.io.waiting import Poller, Waiter
 
 logger = logging.getLogger("rabit2.engine")
 T = TypeVar("T")
 
-
-def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
-    """uvloop unless ``kind == "asyncio"`` or uvloop is not installed (e.g. Windows)."""
-    if kind == "uvloop":
-        try:
-            import uvloop  # noqa: PLC0415 - optional at import time by design
-        except ImportError:
-            logger.info("uvloop not installed; using the asyncio loop")
-        else:
-            return uvloop.new_event_loop()
-    return asyncio.new_event_loop()
-
-
-class LoopThread:
-    """An event loop running forever in a daemon thread."""
-
-    def __init__(self, kind: str) -> None:
-        self.loop = new_event_loop(kind)
-        self._batch = False
-        self.is_uvloop = type(self.loop).__module__.startswith("uvloop")
-        self._native_id = 0
-        self._started = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rabit2-loop", daemon=True)
-        self._thread.start()
-        self._started.wait(10)
-        # the loop thread's CPU time, readable from the caller (None where unsupported)
-        self.cpu_clock: int | None = None
-        with contextlib.suppress(AttributeError, OSError):
-            self.cpu_clock = time.pthread_getcpuclockid(self._thread.ident or 0)
-
-    def _run(self) -> None:
-        self._native_id = threading.get_native_id()
-        self._started.set()
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def set_batch(self, on: bool) -> None:
-        """Switch the loop thread between SCHED_BATCH and the normal policy (any thread;
-        Linux).  A batch thread woken by another thread of its process waits for that
-        thread to block or yield instead of preempting it while it holds the GIL (which
-        costs two more context switches per hand-off).  Only beside a polling caller
-        (:class:`_Poller`), which yields the CPU on every turn: a batch loop thread beside
-        a busy thread that never yields would wait a whole time slice."""
-        if self._batch is on or not self._native_id or _POLICIES is None:
-            return
-        self._batch = on
-        batch, normal, param = _POLICIES
-        try:
-            os.sched_setscheduler(self._native_id, batch if on else normal, param)
-        except OSError as exc:  # a container may forbid it; only latency suffers
-            logger.debug("cannot set the loop thread's scheduling policy: %s", exc)
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
-        """Run ``coro`` on the loop and wait for it; ``CollectiveTimeoutError`` past ``timeout``."""
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise CollectiveTimeoutError(f"operation did not finish within {timeout:g} s") from None
-
-    def stop(self) -> None:
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
-        if not self._thread.is_alive():
-            self.loop.close()
-
-
-_POLICIES: tuple[int, int, Any] | None = (
-    (os.SCHED_BATCH, os.SCHED_OTHER, os.sched_param(0))
-    if hasattr(os, "SCHED_BATCH") and hasattr(os, "sched_setscheduler") else None
-)
-"""(batch, normal, parameter) where the OS has scheduling policies (Linux)."""
-
-
-_yield_cpu: Callable[[], Any] = getattr(os, "sched_yield", lambda: time.sleep(0))
 _NO_BYTES = memoryview(b"")
 PARTITION_SEC = 15.0
 """How long a lost link may stay down before the tracker is asked whether the peer lives
 (docs/recovery.md, "Partial partitions"): long enough for a reset to be dialed again, far
 shorter than the replacement wait (``recover_timeout_sec``)."""
-_SLICE = 1e-3
-"""While a caller polls: other threads of its CPU ran this long between two of its turns
-(not the loop thread, which is doing the call's work) = the CPU is contended."""
 _MAX_PEER_HANDSHAKES = 64  # unfinished handshakes on the peer port (a worker has <= 4 dialers)
 _ACCEPT_ERROR_PAUSE_SEC = 0.1  # e.g. EMFILE: back off instead of spinning on accept
 NOT_ISSUED = "was not issued by the tracker"
@@ -157,91 +76,6 @@ BOOTSTRAP_STATES = (State.CONNECTING_TRACKER, State.CONNECTING_PEERS, State.ACCE
 """The agent's states while the engine wires up its links at init."""
 ENDED_STATES = (State.TASK_COMPLETE, State.FAILED)
 """The agent's states after which no link is dialed again."""
-
-
-class _Poller:
-    """How a caller waits for its call (``docs/design.md``, "Waiting"): poll for up to
-    ``spin`` seconds, yielding the CPU on every turn, with the loop thread SCHED_BATCH, then
-    sleep.  If other threads of this CPU held it for a time slice meanwhile (a compute
-    thread, a BLAS pool spinning after its last call), polling hands them the CPU and the
-    batch loop thread waits behind them: the caller then sleeps at once and the loop thread
-    goes back to the normal policy for the next ``skip`` calls (16, doubling while it keeps
-    happening, up to 65536), after which polling is tried again."""
-
-    def __init__(self, spin: float, loop_thread: LoopThread) -> None:
-        self.spin = spin
-        self.loop_thread = loop_thread
-        self.skip = 0
-        self.backoff = 16
-
-    def wait(self, waiter: _Waiter, timeout: float) -> bool:
-        if self.spin > 0.0:
-            if self.skip:
-                self.skip -= 1
-                if not self.skip:
-                    self.loop_thread.set_batch(True)
-            elif self._poll(waiter):
-                logger.debug("CPU contended while polling: sleeping for the next %d calls",
-                             self.backoff)
-                self.loop_thread.set_batch(False)
-                self.skip = self.backoff
-                self.backoff = min(self.backoff * 2, 65536)
-            else:
-                self.backoff = 16
-        return waiter.lock.acquire(True, timeout)
-
-    def _poll(self, waiter: _Waiter) -> bool:
-        """Poll until the call finishes or ``spin`` passes; True if the CPU was contended."""
-        _yield_cpu()  # (first: the loop thread takes the call at once)
-        clock = time.perf_counter
-        start = now = clock()
-        end = start + self.spin
-        loop_clock = self.loop_thread.cpu_clock
-        loop_cpu = _cpu_time(loop_clock)
-        mine = time.thread_time()
-        while not waiter.finished and now < end:
-            _yield_cpu()
-            last, now = now, clock()
-            if now - last > _SLICE:
-                # a long turn: the loop thread doing the call's work, or someone else?
-                used = time.thread_time() - mine + _cpu_time(loop_clock) - loop_cpu
-                if (now - start) - used > _SLICE:
-                    return True
-        return False
-
-
-def _cpu_time(clock_id: int | None) -> float:
-    """CPU seconds of the thread behind ``clock_id`` (0.0 if unknown or gone)."""
-    if clock_id is None:
-        return 0.0
-    try:
-        return time.clock_gettime(clock_id)
-    except OSError:
-        return 0.0
-
-
-class _Waiter:
-    """Completion of one call, handed from the loop thread to the caller.
-
-    A bare lock is the cheapest cross-thread wake-up CPython has (a concurrent.futures
-    Future adds a Condition and costs ~12 us more per call on this path).  Before it sleeps
-    on the lock, the caller may poll ``finished`` (:class:`_Poller`).
-    """
-
-    __slots__ = ("error", "finished", "lock")
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.lock.acquire()
-        self.error: BaseException | None = None
-        self.finished = False
-
-    def finish(self, error: BaseException | None) -> None:
-        if not self.finished:
-            self.finished = True
-            self.error = error
-            self.lock.release()
-
 
 
 class PeerLink(asyncio.BufferedProtocol):
@@ -306,7 +140,7 @@ class Engine:
         self.config = config
         # the peer links' congestion control (a bad explicit setting fails here, at init)
         self._congestion = resolve_congestion(config.tcp_congestion)
-        _bind_to_cpu(os.environ.get("RABIT2_BIND_CPU"))
+        bind_to_cpu(os.environ.get("RABIT2_BIND_CPU"))
         self.agent = Agent(
             ring_mincount=config.reduce_ring_mincount,
             tree_chunk=config.tree_reduce_minsize,
@@ -321,11 +155,11 @@ class Engine:
         self.loop_thread = LoopThread(config.loop)
         self.loop_thread.set_batch(config.spin_us > 0)
         self.loop = self.loop_thread.loop
-        self._poller = _Poller(config.spin_us / 1e6, self.loop_thread)
+        self._poller = Poller(config.spin_us / 1e6, self.loop_thread)
         self.links: dict[int, PeerLink] = {}
         self.tracker: TrackerClient | None = None
         self.assignment: Assignment | None = None
-        self._pending: _Waiter | None = None
+        self._pending: Waiter | None = None
         self._completed = False  # the agent finished the call; waiting for writes to drain
         self._accepted: dict[int, PeerLink] = {}
         self._all_accepted: asyncio.Event | None = None
@@ -345,7 +179,7 @@ class Engine:
         self._reset_peer = -1  # ... or reset the link to this rank instead
         self._damage = False  # ... or damage a byte that arrives from it
         self._expect_accept: set[int] = set()
-        self._ckpt_waiter: _Waiter | None = None
+        self._ckpt_waiter: Waiter | None = None
         self._ckpt_loaded: tuple[int, bytes | None, bytes | None] = (0, None, None)
         self._redials: set[asyncio.Task[None]] = set()
         self._redialing: dict[int, asyncio.Task[None]] = {}  # rank -> its dialer
@@ -674,7 +508,7 @@ class Engine:
         with ``reset_peer >= 0``, resets its link to that rank instead, or with ``damage``
         flips the bits of one byte that arrives from that rank).
         """
-        waiter = _Waiter()
+        waiter = Waiter()
         self.loop.call_soon_threadsafe(self._begin, call, waiter, kill_after_bytes,
                                        reset_peer, damage)
         # the agent's progress deadline fails a stuck call; this outer bound only guards
@@ -685,7 +519,7 @@ class Engine:
         if waiter.error is not None:
             raise waiter.error
 
-    def _begin(self, call: Call, waiter: _Waiter, kill_after_bytes: int = -1,
+    def _begin(self, call: Call, waiter: Waiter, kill_after_bytes: int = -1,
                reset_peer: int = -1, damage: bool = False) -> None:
         self._kill_at = (
             -1 if kill_after_bytes < 0
@@ -849,7 +683,7 @@ class Engine:
         self._completed = False
         waiter.finish(None)
 
-    def _drain_deadline(self, waiter: _Waiter) -> None:
+    def _drain_deadline(self, waiter: Waiter) -> None:
         quiet = self.loop.time() - self._sent_at
         if self._pending is waiter and quiet < self.config.timeout_sec:
             # bytes are still leaving (a slow link): a progress deadline, not a total one
@@ -994,7 +828,7 @@ class Engine:
         """A restarted worker's checkpoint (and local model), fetched from its neighbours.
         Bounded by ``timeout_sec``; raises :class:`UnrecoverableError` if no neighbour
         holds it."""
-        waiter = _Waiter()
+        waiter = Waiter()
         self.loop.call_soon_threadsafe(self._begin_load, waiter, with_local)
         if not waiter.lock.acquire(True, self.config.timeout_sec):
             raise CollectiveTimeoutError(
@@ -1003,7 +837,7 @@ class Engine:
             raise waiter.error
         return self._ckpt_loaded
 
-    def _begin_load(self, waiter: _Waiter, with_local: bool) -> None:
+    def _begin_load(self, waiter: Waiter, with_local: bool) -> None:
         self._ckpt_waiter = waiter
         try:
             cmds = self.agent.load_checkpoint(with_local)
@@ -1092,19 +926,3 @@ class Engine:
             self.loop_thread.run(_close(), 5)
         self.loop_thread.stop()
 
-
-def _bind_to_cpu(cpus: str | None) -> None:
-    """Pin this process (before the loop thread starts, so it inherits the mask) to the
-    comma-separated CPUs of ``RABIT2_BIND_CPU``.
-
-    ``rabit2-submit --bind`` starts its workers pinned already (so that thread pools made
-    at import are sized for it) and sets the variable too; other launchers may set it
-    alone.  With the API thread and the loop thread on one core, handing a call to the loop
-    is a context switch instead of a cross-core wake-up.
-    """
-    if not cpus or not hasattr(os, "sched_setaffinity"):
-        return
-    try:
-        os.sched_setaffinity(0, {int(cpu) for cpu in cpus.split(",")})
-    except (ValueError, OSError) as exc:
-        logger.warning("cannot bind to CPUs %s: %s", cpus, exc)
