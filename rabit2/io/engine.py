@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 import socket
 import time
 from collections.abc import Awaitable, Callable
@@ -48,6 +47,7 @@ from rabit2.errors import (
     TrackerError,
     UnrecoverableError,
 )
+from rabit2.io.faults import FaultInjector
 from rabit2.io.handshake import (
     RateLimitedLog,
     connect_authenticated,
@@ -83,6 +83,7 @@ class PeerLink(asyncio.BufferedProtocol):
 
     def __init__(self, engine: Engine, peer: int) -> None:
         self.engine = engine
+        self.faults = engine.faults
         self.peer = peer
         self.transport: asyncio.Transport | None = None
         self.write_blocked = False
@@ -100,17 +101,16 @@ class PeerLink(asyncio.BufferedProtocol):
         if not self.current:
             return self.engine.agent.discard_buffer()
         buf = self.engine.agent.recv_buffer(self.peer)
-        if self.engine._damage:
+        if self.faults.damaging:
             self.landing = buf  # (failure injection only: no reference kept otherwise)
         return buf
 
     def buffer_updated(self, nbytes: int) -> None:
         if self.current:
-            engine = self.engine
-            if engine._damage:
-                engine.damage(self.peer, nbytes, self.landing)
+            if self.faults.damaging:
+                self.faults.damage(self.peer, nbytes, self.landing)
                 self.landing = _NO_BYTES
-            engine.on_bytes(self.peer, nbytes)
+            self.engine.on_bytes(self.peer, nbytes)
 
     def eof_received(self) -> bool:
         if self.current:
@@ -156,6 +156,7 @@ class Engine:
         self.loop_thread.set_batch(config.spin_us > 0)
         self.loop = self.loop_thread.loop
         self._poller = Poller(config.spin_us / 1e6, self.loop_thread)
+        self.faults = FaultInjector(self.agent)
         self.links: dict[int, PeerLink] = {}
         self.tracker: TrackerClient | None = None
         self.assignment: Assignment | None = None
@@ -174,10 +175,7 @@ class Engine:
         self._refusals = RateLimitedLog(logger)
         self._tick_handle: asyncio.TimerHandle | None = None
         self._writelines = self.loop_thread.is_uvloop
-        self._kill_at = -1  # failure injection: SIGKILL once bytes_received reaches it
         self._overflow_told = False  # the replay store's first overflow was logged
-        self._reset_peer = -1  # ... or reset the link to this rank instead
-        self._damage = False  # ... or damage a byte that arrives from it
         self._expect_accept: set[int] = set()
         self._ckpt_waiter: Waiter | None = None
         self._ckpt_loaded: tuple[int, bytes | None, bytes | None] = (0, None, None)
@@ -521,12 +519,7 @@ class Engine:
 
     def _begin(self, call: Call, waiter: Waiter, kill_after_bytes: int = -1,
                reset_peer: int = -1, damage: bool = False) -> None:
-        self._kill_at = (
-            -1 if kill_after_bytes < 0
-            else self.agent.statistics().bytes_received + kill_after_bytes
-        )
-        self._reset_peer = reset_peer
-        self._damage = damage
+        self.faults.arm(kill_after_bytes, reset_peer, damage)
         try:
             cmds = self.agent.begin(call, self.loop.time())
         except Exception as exc:  # the caller must see every failure, never wait it out
@@ -551,8 +544,8 @@ class Engine:
             elif isinstance(cmd, CallComplete):
                 if self.agent.results.overflowed >= 0 and not self._overflow_told:
                     self._tell_overflow()
-                if self._kill_at >= 0:
-                    self._inject_fault()  # fewer bytes arrived than asked: fail at the end
+                if self.faults.kill_at >= 0:  # fewer bytes arrived than asked: fail at the end
+                    self.faults.fire(self.links)
                 self._completed = True
                 self.on_drained()
                 if self._pending is not None:
@@ -600,38 +593,10 @@ class Engine:
             "raise rabit2_replay_mb (said once)", self.agent.rank,
             self.agent.results.overflowed, self.config.replay_mb)
 
-    def damage(self, peer: int, nbytes: int, landed: memoryview) -> None:
-        """``mock=...,after_bytes,peer,1``: flip the bits of the last byte that just landed
-        from ``peer`` once the call has received that many bytes, before the agent looks."""
-        if (self._kill_at >= 0 and peer == self._reset_peer
-                and self.agent.statistics().bytes_received + nbytes >= self._kill_at):
-            self._kill_at = -1
-            self._damage = False
-            landed[nbytes - 1] ^= 0x10
-            logger.error("mock: rank %d damages a byte from rank %d", self.agent.rank, peer)
-
     def on_bytes(self, peer: int, nbytes: int) -> None:
         self._execute(self.agent.on_bytes(peer, nbytes, self.loop.time()))
-        if (self._kill_at >= 0 and not self._damage
-                and self.agent.statistics().bytes_received >= self._kill_at):
-            self._inject_fault()
-
-    def _inject_fault(self) -> None:
-        """``mock=...,after_bytes[,reset_peer]`` is due: reset that link, or die."""
-        link = self.links.get(self._reset_peer)
-        self._kill_at = -1
-        if self._damage:
-            self._damage = False
-            logger.error("mock: rank %d damaged nothing: too few bytes came from rank %d",
-                         self.agent.rank, self._reset_peer)
-            return
-        if link is not None and link.transport is not None:
-            logger.error("mock: rank %d resets its link to rank %d mid-call",
-                         self.agent.rank, self._reset_peer)
-            link.transport.abort()
-            return
-        logger.error("mock: killing rank %d mid-call at %.6f", self.agent.rank, time.time())
-        os.kill(os.getpid(), signal.SIGKILL)
+        if self.faults.kill_at >= 0:
+            self.faults.after_bytes(self.links)
 
     def on_hangup(self, peer: int, reason: str) -> None:
         if self.config.recover and peer not in self.agent.dead_links:
