@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 from rabit2.core.agent import Agent
 
 if TYPE_CHECKING:
-    from rabit2.io.engine import PeerLink
+    from rabit2.io.links import PeerLink
 
 logger = logging.getLogger("rabit2.engine")
 
