@@ -90,7 +90,7 @@ class PeerLink(asyncio.BufferedProtocol):
 class LinksMixin:
     """The links of :class:`~rabit2.io.engine.Engine`, and how they come back after a loss."""
 
-    if TYPE_CHECKING:  # owned by Engine
+    if TYPE_CHECKING:  # owned by Engine and ConnectionsMixin
         config: Config
         agent: Agent
         loop: asyncio.AbstractEventLoop
