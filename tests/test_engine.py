@@ -346,7 +346,9 @@ def test_polling_and_sleeping_waits(spin_us: str, loop_kind: str) -> None:
 
 @pytest.mark.parametrize("spin", [0.0, 0.002])
 def test_waiter_polls_then_sleeps_and_times_out(spin: float) -> None:
-    from rabit2.io.engine import LoopThread, _Poller, _Waiter  # noqa: PLC0415
+    from rabit2.io.loop_thread import LoopThread  # noqa: PLC0415
+    from rabit2.io.waiting import Poller as _Poller  # noqa: PLC0415
+    from rabit2.io.waiting import Waiter as _Waiter  # noqa: PLC0415
 
     loop_thread = LoopThread("asyncio")
     loop_thread.set_batch(spin > 0)
@@ -374,7 +376,9 @@ def test_a_contended_cpu_stops_the_polling_for_a_while() -> None:
     """A thread that keeps this CPU busy while the caller polls: polling would hand it the
     CPU for whole time slices, so the caller sleeps at once for the next calls and the loop
     thread is no longer SCHED_BATCH; then polling is tried again (docs/design.md)."""
-    from rabit2.io.engine import LoopThread, _Poller, _Waiter  # noqa: PLC0415
+    from rabit2.io.loop_thread import LoopThread  # noqa: PLC0415
+    from rabit2.io.waiting import Poller as _Poller  # noqa: PLC0415
+    from rabit2.io.waiting import Waiter as _Waiter  # noqa: PLC0415
 
     cpu = sorted(os.sched_getaffinity(0))[0]
     old = os.sched_getaffinity(0)

@@ -1,9 +1,11 @@
 """The I/O driver: one background event loop per worker, TCP links, and the agent on top.
 
-The loop (uvloop where available, plain asyncio when ``RABIT2_LOOP=asyncio``) runs in a
-daemon thread for the life of the worker.  API threads hand it calls with
-:meth:`Engine.run_call`; the loop feeds the :class:`~rabit2.core.agent.Agent` events and
-executes the commands it returns.
+The loop runs in a daemon thread for the life of the worker (:mod:`rabit2.io.loop_thread`).
+API threads hand it calls with :meth:`Engine.run_call` and wait for them
+(:mod:`rabit2.io.waiting`); the loop feeds the :class:`~rabit2.core.agent.Agent` events and
+executes the commands it returns.  Joining the job and the peer port are in
+:mod:`rabit2.io.connections`, the links and their recovery in :mod:`rabit2.io.links`, the
+``mock=`` hooks in :mod:`rabit2.io.faults`.
 
 Links are :class:`asyncio.BufferedProtocol` s: ``get_buffer`` returns the view the agent
 names (the frame header buffer, the user's array or a link's scratch), so received bytes are
@@ -15,16 +17,10 @@ caller can reuse its array the moment ``run_call`` returns.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import logging
 import os
-import signal
-import socket
-import threading
-import time
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar, cast
+from collections.abc import Callable
 
 from rabit2.config import Config
 from rabit2.core.agent import (
@@ -40,270 +36,34 @@ from rabit2.core.agent import (
     Send,
 )
 from rabit2.core.framing import CollectiveKind
+from rabit2.core.fsm import State
 from rabit2.core.planning import choose_allreduce
-from rabit2.core.topology import topology
 from rabit2.errors import (
     CollectiveTimeoutError,
     JobAbortedError,
-    PeerLostError,
-    ProtocolError,
     RabitError,
     TrackerError,
     UnrecoverableError,
 )
-from rabit2.io.handshake import (
-    RateLimitedLog,
-    connect_authenticated,
-    is_loopback,
-    resolve_congestion,
-    server_handshake,
-    set_congestion,
-    tune_socket,
-)
+from rabit2.io.connections import ConnectionsMixin
+from rabit2.io.faults import FaultInjector
+from rabit2.io.handshake import resolve_congestion
+from rabit2.io.links import LinksMixin
+from rabit2.io.loop_thread import LoopThread, bind_to_cpu
 from rabit2.io.tracker_client import Assignment, TrackerClient
+from rabit2.io.waiting import Poller, Waiter
 
 logger = logging.getLogger("rabit2.engine")
-T = TypeVar("T")
 
 
-def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
-    """uvloop unless ``kind == "asyncio"`` or uvloop is not installed (e.g. Windows)."""
-    if kind == "uvloop":
-        try:
-            import uvloop  # noqa: PLC0415 - optional at import time by design
-        except ImportError:
-            logger.info("uvloop not installed; using the asyncio loop")
-        else:
-            return uvloop.new_event_loop()
-    return asyncio.new_event_loop()
-
-
-class LoopThread:
-    """An event loop running forever in a daemon thread."""
-
-    def __init__(self, kind: str) -> None:
-        self.loop = new_event_loop(kind)
-        self._batch = False
-        self.is_uvloop = type(self.loop).__module__.startswith("uvloop")
-        self._native_id = 0
-        self._started = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rabit2-loop", daemon=True)
-        self._thread.start()
-        self._started.wait(10)
-        # the loop thread's CPU time, readable from the caller (None where unsupported)
-        self.cpu_clock: int | None = None
-        with contextlib.suppress(AttributeError, OSError):
-            self.cpu_clock = time.pthread_getcpuclockid(self._thread.ident or 0)
-
-    def _run(self) -> None:
-        self._native_id = threading.get_native_id()
-        self._started.set()
-        asyncio.set_event_loop(self.loop)
-        self.loop.run_forever()
-
-    def set_batch(self, on: bool) -> None:
-        """Switch the loop thread between SCHED_BATCH and the normal policy (any thread;
-        Linux).  A batch thread woken by another thread of its process waits for that
-        thread to block or yield instead of preempting it while it holds the GIL (which
-        costs two more context switches per hand-off).  Only beside a polling caller
-        (:class:`_Poller`), which yields the CPU on every turn: a batch loop thread beside
-        a busy thread that never yields would wait a whole time slice."""
-        if self._batch is on or not self._native_id or _POLICIES is None:
-            return
-        self._batch = on
-        batch, normal, param = _POLICIES
-        try:
-            os.sched_setscheduler(self._native_id, batch if on else normal, param)
-        except OSError as exc:  # a container may forbid it; only latency suffers
-            logger.debug("cannot set the loop thread's scheduling policy: %s", exc)
-
-    def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
-        """Run ``coro`` on the loop and wait for it; ``CollectiveTimeoutError`` past ``timeout``."""
-        fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
-        try:
-            return fut.result(timeout)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise CollectiveTimeoutError(f"operation did not finish within {timeout:g} s") from None
-
-    def stop(self) -> None:
-        if self.loop.is_closed():
-            return
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(10)
-        if not self._thread.is_alive():
-            self.loop.close()
-
-
-_POLICIES: tuple[int, int, Any] | None = (
-    (os.SCHED_BATCH, os.SCHED_OTHER, os.sched_param(0))
-    if hasattr(os, "SCHED_BATCH") and hasattr(os, "sched_setscheduler") else None
-)
-"""(batch, normal, parameter) where the OS has scheduling policies (Linux)."""
-
-
-_yield_cpu: Callable[[], Any] = getattr(os, "sched_yield", lambda: time.sleep(0))
-_NO_BYTES = memoryview(b"")
-PARTITION_SEC = 15.0
-"""How long a lost link may stay down before the tracker is asked whether the peer lives
-(docs/recovery.md, "Partial partitions"): long enough for a reset to be dialed again, far
-shorter than the replacement wait (``recover_timeout_sec``)."""
-_SLICE = 1e-3
-"""While a caller polls: other threads of its CPU ran this long between two of its turns
-(not the loop thread, which is doing the call's work) = the CPU is contended."""
-_MAX_PEER_HANDSHAKES = 64  # unfinished handshakes on the peer port (a worker has <= 4 dialers)
-_ACCEPT_ERROR_PAUSE_SEC = 0.1  # e.g. EMFILE: back off instead of spinning on accept
-NOT_ISSUED = "was not issued by the tracker"
-
-
-class _Poller:
-    """How a caller waits for its call (``docs/design.md``, "Waiting"): poll for up to
-    ``spin`` seconds, yielding the CPU on every turn, with the loop thread SCHED_BATCH, then
-    sleep.  If other threads of this CPU held it for a time slice meanwhile (a compute
-    thread, a BLAS pool spinning after its last call), polling hands them the CPU and the
-    batch loop thread waits behind them: the caller then sleeps at once and the loop thread
-    goes back to the normal policy for the next ``skip`` calls (16, doubling while it keeps
-    happening, up to 65536), after which polling is tried again."""
-
-    def __init__(self, spin: float, loop_thread: LoopThread) -> None:
-        self.spin = spin
-        self.loop_thread = loop_thread
-        self.skip = 0
-        self.backoff = 16
-
-    def wait(self, waiter: _Waiter, timeout: float) -> bool:
-        if self.spin > 0.0:
-            if self.skip:
-                self.skip -= 1
-                if not self.skip:
-                    self.loop_thread.set_batch(True)
-            elif self._poll(waiter):
-                logger.debug("CPU contended while polling: sleeping for the next %d calls",
-                             self.backoff)
-                self.loop_thread.set_batch(False)
-                self.skip = self.backoff
-                self.backoff = min(self.backoff * 2, 65536)
-            else:
-                self.backoff = 16
-        return waiter.lock.acquire(True, timeout)
-
-    def _poll(self, waiter: _Waiter) -> bool:
-        """Poll until the call finishes or ``spin`` passes; True if the CPU was contended."""
-        _yield_cpu()  # (first: the loop thread takes the call at once)
-        clock = time.perf_counter
-        start = now = clock()
-        end = start + self.spin
-        loop_clock = self.loop_thread.cpu_clock
-        loop_cpu = _cpu_time(loop_clock)
-        mine = time.thread_time()
-        while not waiter.finished and now < end:
-            _yield_cpu()
-            last, now = now, clock()
-            if now - last > _SLICE:
-                # a long turn: the loop thread doing the call's work, or someone else?
-                used = time.thread_time() - mine + _cpu_time(loop_clock) - loop_cpu
-                if (now - start) - used > _SLICE:
-                    return True
-        return False
-
-
-def _cpu_time(clock_id: int | None) -> float:
-    """CPU seconds of the thread behind ``clock_id`` (0.0 if unknown or gone)."""
-    if clock_id is None:
-        return 0.0
-    try:
-        return time.clock_gettime(clock_id)
-    except OSError:
-        return 0.0
-
-
-class _Waiter:
-    """Completion of one call, handed from the loop thread to the caller.
-
-    A bare lock is the cheapest cross-thread wake-up CPython has (a concurrent.futures
-    Future adds a Condition and costs ~12 us more per call on this path).  Before it sleeps
-    on the lock, the caller may poll ``finished`` (:class:`_Poller`).
-    """
-
-    __slots__ = ("error", "finished", "lock")
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.lock.acquire()
-        self.error: BaseException | None = None
-        self.finished = False
-
-    def finish(self, error: BaseException | None) -> None:
-        if not self.finished:
-            self.finished = True
-            self.error = error
-            self.lock.release()
-
-
-
-class PeerLink(asyncio.BufferedProtocol):
-    """One authenticated TCP link to a neighbour; every callback goes to the engine."""
-
-    def __init__(self, engine: Engine, peer: int) -> None:
-        self.engine = engine
-        self.peer = peer
-        self.transport: asyncio.Transport | None = None
-        self.write_blocked = False
-        self.current = True  # False once a newer connection to the same peer replaced it
-        self.landing = _NO_BYTES  # where the last read went (failure injection only)
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # uvloop's transports implement the interface without subclassing asyncio.Transport
-        self.transport = cast(asyncio.Transport, transport)
-        # report "buffer non-empty" / "drained" exactly, so a call completes only once every
-        # byte it handed to this transport has been copied into the kernel
-        self.transport.set_write_buffer_limits(high=0, low=0)
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if not self.current:
-            return self.engine.agent.discard_buffer()
-        buf = self.engine.agent.recv_buffer(self.peer)
-        if self.engine._damage:
-            self.landing = buf  # (failure injection only: no reference kept otherwise)
-        return buf
-
-    def buffer_updated(self, nbytes: int) -> None:
-        if self.current:
-            engine = self.engine
-            if engine._damage:
-                engine.damage(self.peer, nbytes, self.landing)
-                self.landing = _NO_BYTES
-            engine.on_bytes(self.peer, nbytes)
-
-    def eof_received(self) -> bool:
-        if self.current:
-            self.engine.on_hangup(self.peer, "connection closed by peer")
-        return False
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        # nothing queued on a dead transport will ever drain: stop waiting for it
-        self.write_blocked = False
-        if self.current:
-            self.engine.on_hangup(self.peer, f"connection lost: {exc}" if exc
-                                  else "connection closed")
-        self.engine.on_drained()
-
-    def pause_writing(self) -> None:
-        self.write_blocked = True
-
-    def resume_writing(self) -> None:
-        self.write_blocked = False
-        self.engine.on_drained()
-
-
-class Engine:
+class Engine(ConnectionsMixin, LinksMixin):
     """A worker's connection to the job: tracker client, peer links, agent, loop thread."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
         # the peer links' congestion control (a bad explicit setting fails here, at init)
         self._congestion = resolve_congestion(config.tcp_congestion)
-        _bind_to_cpu(os.environ.get("RABIT2_BIND_CPU"))
+        bind_to_cpu(os.environ.get("RABIT2_BIND_CPU"))
         self.agent = Agent(
             ring_mincount=config.reduce_ring_mincount,
             tree_chunk=config.tree_reduce_minsize,
@@ -318,38 +78,20 @@ class Engine:
         self.loop_thread = LoopThread(config.loop)
         self.loop_thread.set_batch(config.spin_us > 0)
         self.loop = self.loop_thread.loop
-        self._poller = _Poller(config.spin_us / 1e6, self.loop_thread)
-        self.links: dict[int, PeerLink] = {}
+        self._poller = Poller(config.spin_us / 1e6, self.loop_thread)
+        self.faults = FaultInjector(self.agent)
+        self._init_links()
+        self._init_connections()
         self.tracker: TrackerClient | None = None
         self.assignment: Assignment | None = None
-        self._pending: _Waiter | None = None
+        self._pending: Waiter | None = None
         self._completed = False  # the agent finished the call; waiting for writes to drain
-        self._accepted: dict[int, PeerLink] = {}
-        self._all_accepted: asyncio.Event | None = None
-        self._server: socket.socket | None = None
-        self._accept_task: asyncio.Task[None] | None = None
-        self._handshakes: set[asyncio.Task[None]] = set()
-        # accepted, not yet authenticated -> when (the oldest is dropped past the cap)
-        self._unauthenticated: dict[asyncio.Task[Any], float] = {}
-        self._unsent: dict[int, int] = {}  # per link: bytes queued at the last tick
-        self._issued: dict[int, int] = {}  # neighbour -> newest incarnation peer_recovered named
         self._sent_at = 0.0  # when bytes last left on a link, or a drain wait began
-        self._refusals = RateLimitedLog(logger)
         self._tick_handle: asyncio.TimerHandle | None = None
         self._writelines = self.loop_thread.is_uvloop
-        self._kill_at = -1  # failure injection: SIGKILL once bytes_received reaches it
         self._overflow_told = False  # the replay store's first overflow was logged
-        self._reset_peer = -1  # ... or reset the link to this rank instead
-        self._damage = False  # ... or damage a byte that arrives from it
-        self._expect_accept: set[int] = set()
-        self._ckpt_waiter: _Waiter | None = None
+        self._ckpt_waiter: Waiter | None = None
         self._ckpt_loaded: tuple[int, bytes | None, bytes | None] = (0, None, None)
-        self._redials: set[asyncio.Task[None]] = set()
-        self._redialing: dict[int, asyncio.Task[None]] = {}  # rank -> its dialer
-        self._partition_checks: dict[int, asyncio.TimerHandle] = {}
-        # where restarted neighbours listen now (peer_recovered), also for notices that come
-        # while this worker is still setting up (they are newer than its assignment)
-        self._recovered_at: dict[int, tuple[str, int]] = {}
         self._closing = False
         self._failed = asyncio.Event()  # set when the tracker aborts the job
 
@@ -366,298 +108,6 @@ class Engine:
             self.close()
             raise
 
-    async def _bootstrap(self) -> None:
-        cfg = self.config
-        self.agent.start()
-        loop = asyncio.get_running_loop()
-        self._all_accepted = asyncio.Event()
-        try:
-            self._server = self._listen(cfg)
-            self._accept_task = loop.create_task(self._accept_loop(self._server))
-            self.tracker = await TrackerClient.connect(cfg, self._server.getsockname()[1])
-            self.tracker.on_abort = self._on_abort
-            self.tracker.on_peer_lost = self._on_peer_lost
-            self.tracker.on_peer_recovered = self._on_peer_recovered
-            assignment = await self.tracker.wait_assignment(cfg.timeout_sec)
-            self.assignment = assignment
-            for rank, address in self._recovered_at.items():  # (notices that came first)
-                if rank in assignment.peers:
-                    assignment.peers[rank] = address
-            # a restarted worker replays: it learns its neighbours' states first
-            self.agent.assigned(assignment.incarnation)
-            self._raise_if_failed()  # the tracker may have aborted the job meanwhile
-            self.agent.connect_tracker(assignment.rank, assignment.world_size)
-            topo = topology(assignment.rank, assignment.world_size)
-            if (topo.parent, topo.ring_prev, topo.ring_next) != (
-                assignment.parent, assignment.ring_prev, assignment.ring_next
-            ):
-                raise ProtocolError("the tracker's topology differs from rabit2.core.topology")
-            lower = [p for p in topo.neighbors if p < assignment.rank]
-            higher = {p for p in topo.neighbors if p > assignment.rank}
-            self._expect_accept = higher
-            # every wait below also ends at once if the tracker aborts the job
-            await self._unless_aborted(
-                asyncio.gather(*(self._dial_at_init(p) for p in lower)),
-                cfg.connect_timeout_sec + 1)
-            self._raise_if_failed()
-            self.agent.connect_peers()
-            if len(self._accepted) < len(higher):
-                await self._unless_aborted(self._all_accepted.wait(), cfg.timeout_sec)
-            self._raise_if_failed()
-            self.agent.accept_peers(loop.time())
-            if self.agent.restarted:
-                await self._unless_aborted(self._states_known(), cfg.connect_timeout_sec)
-        except TimeoutError:
-            error = CollectiveTimeoutError("peers did not connect in time")
-            self._bootstrap_failed(error)
-            raise error from None
-        except RabitError as exc:
-            self._bootstrap_failed(exc)
-            raise
-        finally:
-            # with recovery on, the listening socket stays open: a restarted neighbour dials
-            # back in, and so does a live one whose link was reset
-            if not (cfg.recover and self.agent.error is None) or self.agent.state.value in (
-                    "failed", "connecting-tracker", "connecting-peers", "accepting-peers"):
-                self._stop_listening()
-        self._schedule_tick()
-
-    def _raise_if_failed(self) -> None:
-        """Stop the bootstrap if the tracker aborted the job.  A failure a neighbour reported
-        (e.g. a mismatch in a first call it began already) belongs to that call: it is
-        raised by the call, as the state machine records it."""
-        if isinstance(self.agent.error, JobAbortedError):
-            raise self.agent.error
-
-    async def _states_known(self) -> None:
-        while not self.agent.states_known():
-            self._raise_if_failed()
-            await asyncio.sleep(0.002)
-
-    async def _unless_aborted(self, awaitable: Awaitable[T], timeout: float) -> T:
-        """Await ``awaitable`` for at most ``timeout`` seconds (``TimeoutError``), or until
-        the agent fails (the tracker aborted the job): then raise that failure."""
-        task = asyncio.ensure_future(awaitable)
-        failed = asyncio.ensure_future(self._failed.wait())
-        try:
-            done, _ = await asyncio.wait({task, failed}, timeout=timeout,
-                                         return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            failed.cancel()
-        if task in done:
-            return task.result()
-        # (its outcome is the abort's or the deadline's now: mark it retrieved, whenever)
-        task.add_done_callback(lambda t: t.cancelled() or t.exception())
-        task.cancel()
-        # bounded: Python 3.11's wait_for swallows a cancellation that arrives as its inner
-        # future completes (a dial refused at that moment), and a retry loop would go on
-        with contextlib.suppress(BaseException):
-            await asyncio.wait({task}, timeout=1.0)
-        if self._failed.is_set() and self.agent.error is not None:
-            # aborted; an agent that had failed already (a neighbour's error reached it
-            # during init) keeps that error, the cause, rather than a misleading timeout
-            raise self.agent.error
-        raise TimeoutError
-
-    def _stop_listening(self) -> None:
-        if self._accept_task is not None:
-            self._accept_task.cancel()
-            self._accept_task = None
-        if self._server is not None:
-            self._server.close()
-            self._server = None
-
-    def _bootstrap_failed(self, error: RabitError) -> None:
-        if self.agent.state.value in ("connecting-tracker", "connecting-peers", "accepting-peers"):
-            self.agent.bootstrap_failed(error)
-
-    def _listen(self, cfg: Config) -> socket.socket:
-        """Listen on the interface that routes to the tracker (no packet is sent to find it)."""
-        host = "127.0.0.1"
-        assert cfg.tracker_uri is not None
-        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        with contextlib.suppress(OSError), probe:
-            probe.connect((cfg.tracker_uri, cfg.tracker_port))
-            host = probe.getsockname()[0]
-        server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind((host, 0))
-        server.listen(64)
-        server.setblocking(False)
-        return server
-
-    async def _dial_at_init(self, peer: int) -> PeerLink:
-        """Dial a lower neighbour at init.  A restarted worker whose neighbour died too (two
-        adjacent ranks lost at once) finds nobody at the address the tracker knew: it dials
-        again, with backoff, at the address ``peer_recovered`` announces once that
-        neighbour's replacement registers (bounded by the caller's connect deadline)."""
-        assignment = self.assignment
-        assert assignment is not None
-        delay = 0.02
-        while True:
-            try:
-                address = self._recovered_at.get(peer, assignment.peers[peer])
-                return await self._dial(peer, *address)
-            except (PeerLostError, ProtocolError) as exc:
-                # (a restarted worker may also dial before the neighbour heard from the
-                # tracker that its incarnation exists: it asks again)
-                again = isinstance(exc, PeerLostError) or NOT_ISSUED in str(exc)
-                if not again or not self.agent.restarted or self._failed.is_set():
-                    raise  # (aborted: a cancellation of this loop can be lost, see below)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 0.5)
-
-    async def _dial(self, peer: int, host: str, port: int) -> PeerLink:
-        assignment = self.assignment
-        assert assignment is not None
-        hello = {"rank": assignment.rank, "world": assignment.world_size,
-                 "incarnation": assignment.incarnation}
-        sock, welcome = await connect_authenticated(
-            host, port, self.config.secret, hello, self.config.connect_timeout_sec
-        )
-        incarnation = welcome.get("incarnation", 0)
-        if welcome.get("rank") != peer or not isinstance(incarnation, int):
-            sock.close()
-            raise ProtocolError(f"dialed rank {peer} at {host}:{port} but rank "
-                                f"{welcome.get('rank')} answered")
-        return await self._adopt(sock, peer, incarnation)
-
-    async def _adopt(self, sock: socket.socket, peer: int, incarnation: int) -> PeerLink:
-        """Hand the handshaken socket to a :class:`PeerLink`; frames may flow at once.
-
-        A connection that replaces an older one to the same peer (a restarted neighbour, a
-        reset link) closes the old one first: nothing more is read from it.  The agent
-        learns about the new link before its first byte can be read."""
-        loop = asyncio.get_running_loop()
-        try:
-            cmds = self.agent.on_link_up(peer, incarnation, loop.time(),
-                                         checked=self._checks_payloads(sock))
-        except RabitError as exc:  # e.g. an older incarnation: the current link stays
-            logger.warning("link to rank %d refused: %s", peer, exc)
-            sock.close()
-            raise
-        set_congestion(sock, self._congestion)  # every peer link, dialed or accepted
-        link = PeerLink(self, peer)
-        old = self.links.get(peer)
-        self.links[peer] = link
-        if old is not None:
-            old.current = False  # nothing more is read from it
-            if old.transport is not None:
-                old.transport.abort()
-        await loop.create_connection(lambda: link, sock=sock)
-        self._execute(cmds)
-        return link
-
-    def _checks_payloads(self, sock: socket.socket) -> bool:
-        """Whether the frames sent on this link carry payload checksums: ``checksum=auto``
-        checks the links between two hosts, where NICs, switches and cables can damage a
-        byte that TCP's sum lets through, and not those within one host, whose bytes never
-        leave its memory (there the checks would make 16-64 MiB calls 1.4-2.1x slower:
-        bench/README.md, "Checksums")."""
-        mode = self.config.checksum
-        if mode != "auto":
-            return mode == "on"
-        try:
-            local, remote = sock.getsockname()[0], sock.getpeername()[0]
-        except OSError:
-            return True
-        return local != remote and not is_loopback(remote)
-
-    async def _accept_loop(self, server: socket.socket) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            try:
-                sock, addr = await loop.sock_accept(server)
-            except OSError as exc:  # e.g. EMFILE: back off instead of spinning
-                self._refusals.warning("peer port: accept failed: %s", exc)
-                await asyncio.sleep(_ACCEPT_ERROR_PAUSE_SEC)
-                continue
-            sock.setblocking(False)
-            if len(self._unauthenticated) >= _MAX_PEER_HANDSHAKES:
-                # fair admission, as at the tracker: the oldest unfinished handshake makes
-                # room (a neighbour finishes its handshake in milliseconds)
-                oldest = min(self._unauthenticated, key=self._unauthenticated.__getitem__)
-                del self._unauthenticated[oldest]
-                oldest.cancel()
-                self._refusals.warning("peer port: dropped the oldest of %d unfinished "
-                                       "handshakes to admit %s", _MAX_PEER_HANDSHAKES, addr)
-            task = loop.create_task(self._accept_one(sock, addr))
-            self._handshakes.add(task)  # keep a reference until it finishes
-            self._unauthenticated[task] = loop.time()
-            task.add_done_callback(self._handshakes.discard)
-            task.add_done_callback(self._forget_handshake)
-
-    def _forget_handshake(self, task: asyncio.Task[Any]) -> None:
-        self._unauthenticated.pop(task, None)
-
-    async def _accept_one(self, sock: socket.socket, addr: Any) -> None:
-        loop = asyncio.get_running_loop()
-        tune_socket(sock)
-        claimed: list[tuple[int, int]] = []
-
-        def check(hello: dict[str, Any]) -> dict[str, Any]:
-            rank, world = hello.get("rank"), hello.get("world")
-            assignment = self.assignment
-            if assignment is None:
-                raise ProtocolError("not ready: no rank assigned yet")
-            if world != assignment.world_size:
-                raise ProtocolError(f"world size {world} != {assignment.world_size}")
-            if not isinstance(rank, int) or rank not in self._expect_accept:
-                raise ProtocolError(f"rank {rank} is not a neighbour that dials rank "
-                                    f"{assignment.rank}")
-            incarnation = hello.get("incarnation")
-            if not isinstance(incarnation, int) or isinstance(incarnation, bool):
-                raise ProtocolError("hello.incarnation is not an int")
-            issued = max(assignment.peer_incarnations.get(rank, -1), self._issued.get(rank, -1))
-            if incarnation > issued >= 0:
-                # only incarnations the tracker issued: a holder of the secret who claims a
-                # newer one does not take over a live link
-                raise ProtocolError(f"rank {rank} incarnation {incarnation} {NOT_ISSUED} "
-                                    f"(latest {issued})")
-            if rank in self.links:
-                known = self.agent.links[rank]
-                # fencing: only a newer incarnation may replace a link, or the same process
-                # dialing again (its end of the link broke, even where ours did not see it);
-                # a zombie of an older one is refused
-                if incarnation < known.incarnation:
-                    raise ProtocolError(f"rank {rank} incarnation {incarnation} is stale "
-                                        f"(known: {known.incarnation})")
-            claimed.append((rank, incarnation))
-            return {"rank": assignment.rank, "incarnation": assignment.incarnation}
-
-        try:
-            # a neighbour can dial before the tracker's assignment reached us: the handshake
-            # needs it (to check the dialer's rank), so wait for it, bounded
-            waited = loop.time() + self.config.timeout_sec
-            while self.assignment is None and loop.time() < waited:
-                await asyncio.sleep(0.005)
-            deadline = loop.time() + self.config.connect_timeout_sec
-            await server_handshake(loop, sock, self.config.secret, deadline, check)
-        except RabitError as exc:
-            self._refusals.warning("refused a peer connection from %s: %s", addr, exc)
-            return
-        except asyncio.CancelledError:
-            sock.close()  # dropped for a newer connection, or the engine closes
-            raise
-        task = asyncio.current_task()
-        if task is not None:
-            self._forget_handshake(task)  # authenticated: no longer one to drop
-        peer, incarnation = claimed[0]
-        known = self.agent.links.get(peer)
-        old = self.links.get(peer)
-        if known is not None and known.up and incarnation == known.incarnation and old:
-            # a live process that dials again has lost its end of the old connection (a
-            # reset that only it saw): that is the old link's hang-up, here and now, not
-            # when keepalive or a retransmission timeout would find it
-            logger.info("rank %d dialed again: its end of the old link broke", peer)
-            old.current = False
-            if old.transport is not None:
-                old.transport.abort()
-            self.on_hangup(peer, "the same process dialed again (its end of the link broke)")
-        self._accepted[peer] = await self._adopt(sock, peer, incarnation)
-        if set(self._accepted) >= self._expect_accept and self._all_accepted is not None:
-            self._all_accepted.set()
-
     # ------------------------------------------------------------------ calls
 
     def run_call(self, call: Call, kill_after_bytes: int = -1, reset_peer: int = -1,
@@ -669,7 +119,7 @@ class Engine:
         with ``reset_peer >= 0``, resets its link to that rank instead, or with ``damage``
         flips the bits of one byte that arrives from that rank).
         """
-        waiter = _Waiter()
+        waiter = Waiter()
         self.loop.call_soon_threadsafe(self._begin, call, waiter, kill_after_bytes,
                                        reset_peer, damage)
         # the agent's progress deadline fails a stuck call; this outer bound only guards
@@ -680,14 +130,9 @@ class Engine:
         if waiter.error is not None:
             raise waiter.error
 
-    def _begin(self, call: Call, waiter: _Waiter, kill_after_bytes: int = -1,
+    def _begin(self, call: Call, waiter: Waiter, kill_after_bytes: int = -1,
                reset_peer: int = -1, damage: bool = False) -> None:
-        self._kill_at = (
-            -1 if kill_after_bytes < 0
-            else self.agent.statistics().bytes_received + kill_after_bytes
-        )
-        self._reset_peer = reset_peer
-        self._damage = damage
+        self.faults.arm(kill_after_bytes, reset_peer, damage)
         try:
             cmds = self.agent.begin(call, self.loop.time())
         except Exception as exc:  # the caller must see every failure, never wait it out
@@ -712,8 +157,8 @@ class Engine:
             elif isinstance(cmd, CallComplete):
                 if self.agent.replay_overflow >= 0 and not self._overflow_told:
                     self._tell_overflow()
-                if self._kill_at >= 0:
-                    self._inject_fault()  # fewer bytes arrived than asked: fail at the end
+                if self.faults.kill_at >= 0:  # fewer bytes arrived than asked: fail at the end
+                    self.faults.fire(self.links)
                 self._completed = True
                 self.on_drained()
                 if self._pending is not None:
@@ -761,77 +206,10 @@ class Engine:
             "raise rabit2_replay_mb (said once)", self.agent.rank,
             self.agent.replay_overflow, self.config.replay_mb)
 
-    def damage(self, peer: int, nbytes: int, landed: memoryview) -> None:
-        """``mock=...,after_bytes,peer,1``: flip the bits of the last byte that just landed
-        from ``peer`` once the call has received that many bytes, before the agent looks."""
-        if (self._kill_at >= 0 and peer == self._reset_peer
-                and self.agent.statistics().bytes_received + nbytes >= self._kill_at):
-            self._kill_at = -1
-            self._damage = False
-            landed[nbytes - 1] ^= 0x10
-            logger.error("mock: rank %d damages a byte from rank %d", self.agent.rank, peer)
-
     def on_bytes(self, peer: int, nbytes: int) -> None:
         self._execute(self.agent.on_bytes(peer, nbytes, self.loop.time()))
-        if (self._kill_at >= 0 and not self._damage
-                and self.agent.statistics().bytes_received >= self._kill_at):
-            self._inject_fault()
-
-    def _inject_fault(self) -> None:
-        """``mock=...,after_bytes[,reset_peer]`` is due: reset that link, or die."""
-        link = self.links.get(self._reset_peer)
-        self._kill_at = -1
-        if self._damage:
-            self._damage = False
-            logger.error("mock: rank %d damaged nothing: too few bytes came from rank %d",
-                         self.agent.rank, self._reset_peer)
-            return
-        if link is not None and link.transport is not None:
-            logger.error("mock: rank %d resets its link to rank %d mid-call",
-                         self.agent.rank, self._reset_peer)
-            link.transport.abort()
-            return
-        logger.error("mock: killing rank %d mid-call at %.6f", self.agent.rank, time.time())
-        os.kill(os.getpid(), signal.SIGKILL)
-
-    def on_hangup(self, peer: int, reason: str) -> None:
-        if self.config.recover and peer not in self.agent.dead_links:
-            logger.info("link to rank %d down at %.6f: %s", peer, time.time(), reason)
-        self._execute(self.agent.on_hangup(peer, reason, self.loop.time()))
-        assignment = self.assignment
-        if (self.config.recover and assignment is not None and peer < assignment.rank
-                and self.agent.error is None
-                and self.agent.state.value not in ("task-complete", "failed")):
-            # the higher rank of a broken link dials again: the same process if it lives
-            # (a reset), or its replacement once the tracker says where (peer_recovered).
-            # A rank that holds in finalize waits for peer_recovered: links also close when
-            # the ranks leave after bye.
-            self._schedule_redial(peer, self.agent.links[peer].incarnation,
-                                  assignment.peers[peer])
-        if self.config.recover and peer not in self._partition_checks:
-            self._partition_checks[peer] = self.loop.call_later(
-                PARTITION_SEC, self._check_partition, peer, self.agent.links[peer].incarnation,
-                self.loop.time())
-
-    def _check_partition(self, peer: int, incarnation: int, since: float) -> None:
-        """The link to ``peer`` went down ``PARTITION_SEC`` ago: still down, and no
-        replacement connected?  Tell the tracker, which ends the job if ``peer`` is alive
-        (both reach it but not each other: a partition), and leaves it to recovery if not
-        (a dead or paused peer).  Asked again every ``PARTITION_SEC`` while it lasts."""
-        self._partition_checks.pop(peer, None)
-        link = self.agent.links.get(peer)
-        if (link is None or link.up or link.incarnation != incarnation or self._closing
-                or self.tracker is None or self.agent.error is not None
-                or self.agent.state.value in ("task-complete", "failed")):
-            return
-        down = self.loop.time() - since
-        logger.warning("the link to rank %d has been down for %.0f s: asking the tracker "
-                       "whether rank %d is alive", peer, down, peer)
-        self.tracker.report_unreachable(
-            peer, f"rank {self.agent.rank}'s link to rank {peer} has been down for "
-                  f"{down:.0f} s ({self.agent.dead_links.get(peer, 'lost')})")
-        self._partition_checks[peer] = self.loop.call_later(
-            PARTITION_SEC, self._check_partition, peer, incarnation, since)
+        if self.faults.kill_at >= 0:
+            self.faults.after_bytes(self.links)
 
     def on_drained(self) -> None:
         """Resolve the finished call once no link holds unsent bytes of the caller's array."""
@@ -844,7 +222,7 @@ class Engine:
         self._completed = False
         waiter.finish(None)
 
-    def _drain_deadline(self, waiter: _Waiter) -> None:
+    def _drain_deadline(self, waiter: Waiter) -> None:
         quiet = self.loop.time() - self._sent_at
         if self._pending is waiter and quiet < self.config.timeout_sec:
             # bytes are still leaving (a slow link): a progress deadline, not a total one
@@ -858,69 +236,7 @@ class Engine:
                 f"within {self.config.timeout_sec:g} s"
             ))
 
-    def _on_peer_lost(self, rank: int, incarnation: int, reason: str) -> None:
-        """The tracker saw a neighbour die or go silent (a paused process keeps its TCP
-        links open, so only the tracker's heartbeat deadline can tell): treat it as that
-        link's hang-up, so a call that needs it fails (or, with recovery on, waits for the
-        replacement) now instead of at the progress deadline."""
-        known = self.agent.links.get(rank)
-        if known is None or incarnation < known.incarnation:
-            return  # about an incarnation that was already replaced
-        link = self.links.get(rank)
-        if link is not None and link.write_blocked and link.transport is not None:
-            # bytes queued for a peer that will never read them: drop the link, so that a
-            # finished call stops waiting for them (connection_lost clears the flag)
-            link.transport.abort()
-        self.on_hangup(rank, f"the tracker lost rank {rank}: {reason}")
-        self._execute(self.agent.on_peer_dead(rank, self.loop.time()))
-
-    def _on_peer_recovered(self, rank: int, incarnation: int, address: tuple[str, int]) -> None:
-        """A lost neighbour was restarted: the higher rank of a link dials, as at init."""
-        if not self.config.recover:
-            return
-        self._recovered_at[rank] = address  # (the dial at init may be trying the old one)
-        self._issued[rank] = max(self._issued.get(rank, -1), incarnation)
-        assignment = self.assignment
-        if assignment is None or rank not in self.agent.links:
-            return
-        # where it listens now: a later reset of that link is dialed there, not at the
-        # address of the process that died
-        assignment.peers[rank] = address
-        if rank < assignment.rank and self.agent.state.value not in (
-                "connecting-tracker", "connecting-peers", "accepting-peers"):
-            # (during init, the dial at init tries the new address itself)
-            self._schedule_redial(rank, incarnation, address)
-
-    def _schedule_redial(self, rank: int, incarnation: int, address: tuple[str, int]) -> None:
-        if self._closing:
-            return  # (closing the links hangs them up: no new task may outlive the loop)
-        running = self._redialing.get(rank)
-        if running is not None and not running.done():
-            # one dialer per link: it dials where the tracker last said the peer listens,
-            # until the link is up (a second one would make the peer take its connection
-            # as a re-dial and reset the first)
-            return
-        task = self.loop.create_task(self._redial(rank, incarnation, address))
-        self._redials.add(task)
-        self._redialing[rank] = task
-        task.add_done_callback(self._redials.discard)
-
-    async def _redial(self, rank: int, incarnation: int, address: tuple[str, int]) -> None:
-        deadline = self.loop.time() + self.config.recover_timeout_sec
-        delay = 0.05
-        while self.agent.links[rank].incarnation < incarnation or not self.agent.links[rank].up:
-            try:
-                # where a replacement listens once peer_recovered said so (the peer may have
-                # died again after this redial began, e.g. while this worker was in init)
-                await self._dial(rank, *self._recovered_at.get(rank, address))
-                return
-            except RabitError as exc:
-                if (self.loop.time() + delay > deadline or self.agent.error is not None
-                        or self._closing):  # (closing cancelled us; 3.11 can lose that)
-                    logger.warning("cannot reconnect to rank %d: %s", rank, exc)
-                    return
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 2.0)
+    # ------------------------------------------------------------------ the job and the clock
 
     def _on_abort(self, reason: str) -> None:
         self._execute(self.agent.abort(reason))
@@ -937,19 +253,6 @@ class Engine:
             self.agent.on_send_progress(now)
         self._execute(self.agent.on_tick(now))
         self._schedule_tick()
-
-    def _sending_progressed(self) -> bool:
-        """Did some link's queue of unsent bytes shrink since the last tick (the kernel took
-        bytes from it)?  Progress deadlines count those bytes, not only received ones."""
-        progressed = False
-        for peer, link in self.links.items():
-            transport = link.transport
-            size = (0 if transport is None or transport.is_closing()
-                    else transport.get_write_buffer_size())
-            if size < self._unsent.get(peer, 0):
-                progressed = True
-            self._unsent[peer] = size
-        return progressed
 
     # ------------------------------------------------------------------ tracker services
 
@@ -996,7 +299,7 @@ class Engine:
         """A restarted worker's checkpoint (and local model), fetched from its neighbours.
         Bounded by ``timeout_sec``; raises :class:`UnrecoverableError` if no neighbour
         holds it."""
-        waiter = _Waiter()
+        waiter = Waiter()
         self.loop.call_soon_threadsafe(self._begin_load, waiter, with_local)
         if not waiter.lock.acquire(True, self.config.timeout_sec):
             raise CollectiveTimeoutError(
@@ -1005,7 +308,7 @@ class Engine:
             raise waiter.error
         return self._ckpt_loaded
 
-    def _begin_load(self, waiter: _Waiter, with_local: bool) -> None:
+    def _begin_load(self, waiter: Waiter, with_local: bool) -> None:
         self._ckpt_waiter = waiter
         try:
             cmds = self.agent.load_checkpoint(with_local)
@@ -1053,7 +356,7 @@ class Engine:
             # down with the tracker): abort the job, so that a replacement still in init,
             # which no peer's error reaches, stops at once instead of at its deadlines
             self.tracker.signal_error(f"{type(error).__name__}: {error}")
-        if self.agent.state.value != "task-complete":
+        if self.agent.state is not State.TASK_COMPLETE:
             self._execute(self.agent.shutdown())
         try:
             if self.tracker is not None:
@@ -1094,19 +397,3 @@ class Engine:
             self.loop_thread.run(_close(), 5)
         self.loop_thread.stop()
 
-
-def _bind_to_cpu(cpus: str | None) -> None:
-    """Pin this process (before the loop thread starts, so it inherits the mask) to the
-    comma-separated CPUs of ``RABIT2_BIND_CPU``.
-
-    ``rabit2-submit --bind`` starts its workers pinned already (so that thread pools made
-    at import are sized for it) and sets the variable too; other launchers may set it
-    alone.  With the API thread and the loop thread on one core, handing a call to the loop
-    is a context switch instead of a cross-core wake-up.
-    """
-    if not cpus or not hasattr(os, "sched_setaffinity"):
-        return
-    try:
-        os.sched_setaffinity(0, {int(cpu) for cpu in cpus.split(",")})
-    except (ValueError, OSError) as exc:
-        logger.warning("cannot bind to CPUs %s: %s", cpus, exc)

@@ -1,0 +1,377 @@
+"""Connections: how a worker joins the job (tracker, rank, links at init), listens on its peer
+port, dials and accepts its neighbours (the handshake of ``rabit2.io.handshake``) and hands
+each authenticated socket to a :class:`~rabit2.io.links.PeerLink`."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from rabit2.config import Config
+from rabit2.core.agent import Agent, Command
+from rabit2.core.fsm import State
+from rabit2.core.topology import topology
+from rabit2.errors import (
+    CollectiveTimeoutError,
+    JobAbortedError,
+    PeerLostError,
+    ProtocolError,
+    RabitError,
+)
+from rabit2.io.handshake import (
+    RateLimitedLog,
+    connect_authenticated,
+    is_loopback,
+    server_handshake,
+    set_congestion,
+    tune_socket,
+)
+from rabit2.io.links import BOOTSTRAP_STATES, PeerLink
+from rabit2.io.tracker_client import Assignment, TrackerClient
+
+if TYPE_CHECKING:
+    from rabit2.io.engine import Engine
+
+logger = logging.getLogger("rabit2.engine")
+T = TypeVar("T")
+
+_MAX_PEER_HANDSHAKES = 64  # unfinished handshakes on the peer port (a worker has <= 4 dialers)
+_ACCEPT_ERROR_PAUSE_SEC = 0.1  # e.g. EMFILE: back off instead of spinning on accept
+NOT_ISSUED = "was not issued by the tracker"
+
+
+class ConnectionsMixin:
+    """The connections of :class:`~rabit2.io.engine.Engine`: bootstrap, peer port, dialing."""
+
+    if TYPE_CHECKING:  # owned by Engine and LinksMixin
+        config: Config
+        agent: Agent
+        tracker: TrackerClient | None
+        assignment: Assignment | None
+        links: dict[int, PeerLink]
+        _congestion: str | None
+        _issued: dict[int, int]
+        _recovered_at: dict[int, tuple[str, int]]
+        _failed: asyncio.Event
+
+        def _execute(self, cmds: list[Command]) -> None: ...
+        def _schedule_tick(self) -> None: ...
+        def _on_abort(self, reason: str) -> None: ...
+        def _on_peer_lost(self, rank: int, incarnation: int, reason: str) -> None: ...
+        def _on_peer_recovered(self, rank: int, incarnation: int,
+                               address: tuple[str, int]) -> None: ...
+        def on_hangup(self, peer: int, reason: str) -> None: ...
+
+    def _init_connections(self) -> None:
+        self._accepted: dict[int, PeerLink] = {}
+        self._all_accepted: asyncio.Event | None = None
+        self._expect_accept: set[int] = set()
+        self._server: socket.socket | None = None
+        self._accept_task: asyncio.Task[None] | None = None
+        self._handshakes: set[asyncio.Task[None]] = set()
+        # accepted, not yet authenticated -> when (the oldest is dropped past the cap)
+        self._unauthenticated: dict[asyncio.Task[Any], float] = {}
+        self._refusals = RateLimitedLog(logger)
+
+    # ------------------------------------------------------------------ bootstrap
+
+    async def _bootstrap(self) -> None:
+        cfg = self.config
+        self.agent.start()
+        loop = asyncio.get_running_loop()
+        self._all_accepted = asyncio.Event()
+        try:
+            self._server = self._listen(cfg)
+            self._accept_task = loop.create_task(self._accept_loop(self._server))
+            self.tracker = await TrackerClient.connect(cfg, self._server.getsockname()[1])
+            self.tracker.on_abort = self._on_abort
+            self.tracker.on_peer_lost = self._on_peer_lost
+            self.tracker.on_peer_recovered = self._on_peer_recovered
+            assignment = await self.tracker.wait_assignment(cfg.timeout_sec)
+            self.assignment = assignment
+            for rank, address in self._recovered_at.items():  # (notices that came first)
+                if rank in assignment.peers:
+                    assignment.peers[rank] = address
+            # a restarted worker replays: it learns its neighbours' states first
+            self.agent.assigned(assignment.incarnation)
+            self._raise_if_failed()  # the tracker may have aborted the job meanwhile
+            self.agent.connect_tracker(assignment.rank, assignment.world_size)
+            topo = topology(assignment.rank, assignment.world_size)
+            if (topo.parent, topo.ring_prev, topo.ring_next) != (
+                assignment.parent, assignment.ring_prev, assignment.ring_next
+            ):
+                raise ProtocolError("the tracker's topology differs from rabit2.core.topology")
+            lower = [p for p in topo.neighbors if p < assignment.rank]
+            higher = {p for p in topo.neighbors if p > assignment.rank}
+            self._expect_accept = higher
+            # every wait below also ends at once if the tracker aborts the job
+            await self._unless_aborted(
+                asyncio.gather(*(self._dial_at_init(p) for p in lower)),
+                cfg.connect_timeout_sec + 1)
+            self._raise_if_failed()
+            self.agent.connect_peers()
+            if len(self._accepted) < len(higher):
+                await self._unless_aborted(self._all_accepted.wait(), cfg.timeout_sec)
+            self._raise_if_failed()
+            self.agent.accept_peers(loop.time())
+            if self.agent.restarted:
+                await self._unless_aborted(self._states_known(), cfg.connect_timeout_sec)
+        except TimeoutError:
+            error = CollectiveTimeoutError("peers did not connect in time")
+            self._bootstrap_failed(error)
+            raise error from None
+        except RabitError as exc:
+            self._bootstrap_failed(exc)
+            raise
+        finally:
+            # with recovery on, the listening socket stays open: a restarted neighbour dials
+            # back in, and so does a live one whose link was reset
+            state = self.agent.state
+            if (not (cfg.recover and self.agent.error is None) or state is State.FAILED
+                    or state in BOOTSTRAP_STATES):
+                self._stop_listening()
+        self._schedule_tick()
+
+    def _raise_if_failed(self) -> None:
+        """Stop the bootstrap if the tracker aborted the job.  A failure a neighbour reported
+        (e.g. a mismatch in a first call it began already) belongs to that call: it is
+        raised by the call, as the state machine records it."""
+        if isinstance(self.agent.error, JobAbortedError):
+            raise self.agent.error
+
+    async def _states_known(self) -> None:
+        while not self.agent.states_known():
+            self._raise_if_failed()
+            await asyncio.sleep(0.002)
+
+    async def _unless_aborted(self, awaitable: Awaitable[T], timeout: float) -> T:
+        """Await ``awaitable`` for at most ``timeout`` seconds (``TimeoutError``), or until
+        the agent fails (the tracker aborted the job): then raise that failure."""
+        task = asyncio.ensure_future(awaitable)
+        failed = asyncio.ensure_future(self._failed.wait())
+        try:
+            done, _ = await asyncio.wait({task, failed}, timeout=timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            failed.cancel()
+        if task in done:
+            return task.result()
+        # (its outcome is the abort's or the deadline's now: mark it retrieved, whenever)
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())
+        task.cancel()
+        # bounded: Python 3.11's wait_for swallows a cancellation that arrives as its inner
+        # future completes (a dial refused at that moment), and a retry loop would go on
+        with contextlib.suppress(BaseException):
+            await asyncio.wait({task}, timeout=1.0)
+        if self._failed.is_set() and self.agent.error is not None:
+            # aborted; an agent that had failed already (a neighbour's error reached it
+            # during init) keeps that error, the cause, rather than a misleading timeout
+            raise self.agent.error
+        raise TimeoutError
+
+    def _bootstrap_failed(self, error: RabitError) -> None:
+        if self.agent.state in BOOTSTRAP_STATES:
+            self.agent.bootstrap_failed(error)
+
+    # ------------------------------------------------------------------ dialing
+
+    async def _dial_at_init(self, peer: int) -> PeerLink:
+        """Dial a lower neighbour at init.  A restarted worker whose neighbour died too (two
+        adjacent ranks lost at once) finds nobody at the address the tracker knew: it dials
+        again, with backoff, at the address ``peer_recovered`` announces once that
+        neighbour's replacement registers (bounded by the caller's connect deadline)."""
+        assignment = self.assignment
+        assert assignment is not None
+        delay = 0.02
+        while True:
+            try:
+                address = self._recovered_at.get(peer, assignment.peers[peer])
+                return await self._dial(peer, *address)
+            except (PeerLostError, ProtocolError) as exc:
+                # (a restarted worker may also dial before the neighbour heard from the
+                # tracker that its incarnation exists: it asks again)
+                again = isinstance(exc, PeerLostError) or NOT_ISSUED in str(exc)
+                if not again or not self.agent.restarted or self._failed.is_set():
+                    raise  # (aborted: a cancellation of this loop can be lost, see below)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+
+    async def _dial(self, peer: int, host: str, port: int) -> PeerLink:
+        assignment = self.assignment
+        assert assignment is not None
+        hello = {"rank": assignment.rank, "world": assignment.world_size,
+                 "incarnation": assignment.incarnation}
+        sock, welcome = await connect_authenticated(
+            host, port, self.config.secret, hello, self.config.connect_timeout_sec
+        )
+        incarnation = welcome.get("incarnation", 0)
+        if welcome.get("rank") != peer or not isinstance(incarnation, int):
+            sock.close()
+            raise ProtocolError(f"dialed rank {peer} at {host}:{port} but rank "
+                                f"{welcome.get('rank')} answered")
+        return await self._adopt(sock, peer, incarnation)
+
+    async def _adopt(self, sock: socket.socket, peer: int, incarnation: int) -> PeerLink:
+        """Hand the handshaken socket to a :class:`PeerLink`; frames may flow at once.
+
+        A connection that replaces an older one to the same peer (a restarted neighbour, a
+        reset link) closes the old one first: nothing more is read from it.  The agent
+        learns about the new link before its first byte can be read."""
+        loop = asyncio.get_running_loop()
+        try:
+            cmds = self.agent.on_link_up(peer, incarnation, loop.time(),
+                                         checked=self._checks_payloads(sock))
+        except RabitError as exc:  # e.g. an older incarnation: the current link stays
+            logger.warning("link to rank %d refused: %s", peer, exc)
+            sock.close()
+            raise
+        set_congestion(sock, self._congestion)  # every peer link, dialed or accepted
+        link = PeerLink(cast("Engine", self), peer)
+        old = self.links.get(peer)
+        self.links[peer] = link
+        if old is not None:
+            old.current = False  # nothing more is read from it
+            if old.transport is not None:
+                old.transport.abort()
+        await loop.create_connection(lambda: link, sock=sock)
+        self._execute(cmds)
+        return link
+
+    def _checks_payloads(self, sock: socket.socket) -> bool:
+        """Whether the frames sent on this link carry payload checksums: ``checksum=auto``
+        checks the links between two hosts, where NICs, switches and cables can damage a
+        byte that TCP's sum lets through, and not those within one host, whose bytes never
+        leave its memory (there the checks would make 16-64 MiB calls 1.4-2.1x slower:
+        docs/performance.md, "Checksums")."""
+        mode = self.config.checksum
+        if mode != "auto":
+            return mode == "on"
+        try:
+            local, remote = sock.getsockname()[0], sock.getpeername()[0]
+        except OSError:
+            return True
+        return local != remote and not is_loopback(remote)
+
+    # ------------------------------------------------------------------ the peer port
+
+    def _listen(self, cfg: Config) -> socket.socket:
+        """Listen on the interface that routes to the tracker (no packet is sent to find it)."""
+        host = "127.0.0.1"
+        assert cfg.tracker_uri is not None
+        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        with contextlib.suppress(OSError), probe:
+            probe.connect((cfg.tracker_uri, cfg.tracker_port))
+            host = probe.getsockname()[0]
+        server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind((host, 0))
+        server.listen(64)
+        server.setblocking(False)
+        return server
+
+    def _stop_listening(self) -> None:
+        if self._accept_task is not None:
+            self._accept_task.cancel()
+            self._accept_task = None
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+
+    async def _accept_loop(self, server: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                sock, addr = await loop.sock_accept(server)
+            except OSError as exc:  # e.g. EMFILE: back off instead of spinning
+                self._refusals.warning("peer port: accept failed: %s", exc)
+                await asyncio.sleep(_ACCEPT_ERROR_PAUSE_SEC)
+                continue
+            sock.setblocking(False)
+            if len(self._unauthenticated) >= _MAX_PEER_HANDSHAKES:
+                # fair admission, as at the tracker: the oldest unfinished handshake makes
+                # room (a neighbour finishes its handshake in milliseconds)
+                oldest = min(self._unauthenticated, key=self._unauthenticated.__getitem__)
+                del self._unauthenticated[oldest]
+                oldest.cancel()
+                self._refusals.warning("peer port: dropped the oldest of %d unfinished "
+                                       "handshakes to admit %s", _MAX_PEER_HANDSHAKES, addr)
+            task = loop.create_task(self._accept_one(sock, addr))
+            self._handshakes.add(task)  # keep a reference until it finishes
+            self._unauthenticated[task] = loop.time()
+            task.add_done_callback(self._handshakes.discard)
+            task.add_done_callback(self._forget_handshake)
+
+    def _forget_handshake(self, task: asyncio.Task[Any]) -> None:
+        self._unauthenticated.pop(task, None)
+
+    async def _accept_one(self, sock: socket.socket, addr: Any) -> None:
+        loop = asyncio.get_running_loop()
+        tune_socket(sock)
+        claimed: list[tuple[int, int]] = []
+
+        def check(hello: dict[str, Any]) -> dict[str, Any]:
+            rank, world = hello.get("rank"), hello.get("world")
+            assignment = self.assignment
+            if assignment is None:
+                raise ProtocolError("not ready: no rank assigned yet")
+            if world != assignment.world_size:
+                raise ProtocolError(f"world size {world} != {assignment.world_size}")
+            if not isinstance(rank, int) or rank not in self._expect_accept:
+                raise ProtocolError(f"rank {rank} is not a neighbour that dials rank "
+                                    f"{assignment.rank}")
+            incarnation = hello.get("incarnation")
+            if not isinstance(incarnation, int) or isinstance(incarnation, bool):
+                raise ProtocolError("hello.incarnation is not an int")
+            issued = max(assignment.peer_incarnations.get(rank, -1), self._issued.get(rank, -1))
+            if incarnation > issued >= 0:
+                # only incarnations the tracker issued: a holder of the secret who claims a
+                # newer one does not take over a live link
+                raise ProtocolError(f"rank {rank} incarnation {incarnation} {NOT_ISSUED} "
+                                    f"(latest {issued})")
+            if rank in self.links:
+                known = self.agent.links[rank]
+                # fencing: only a newer incarnation may replace a link, or the same process
+                # dialing again (its end of the link broke, even where ours did not see it);
+                # a zombie of an older one is refused
+                if incarnation < known.incarnation:
+                    raise ProtocolError(f"rank {rank} incarnation {incarnation} is stale "
+                                        f"(known: {known.incarnation})")
+            claimed.append((rank, incarnation))
+            return {"rank": assignment.rank, "incarnation": assignment.incarnation}
+
+        try:
+            # a neighbour can dial before the tracker's assignment reached us: the handshake
+            # needs it (to check the dialer's rank), so wait for it, bounded
+            waited = loop.time() + self.config.timeout_sec
+            while self.assignment is None and loop.time() < waited:
+                await asyncio.sleep(0.005)
+            deadline = loop.time() + self.config.connect_timeout_sec
+            await server_handshake(loop, sock, self.config.secret, deadline, check)
+        except RabitError as exc:
+            self._refusals.warning("refused a peer connection from %s: %s", addr, exc)
+            return
+        except asyncio.CancelledError:
+            sock.close()  # dropped for a newer connection, or the engine closes
+            raise
+        task = asyncio.current_task()
+        if task is not None:
+            self._forget_handshake(task)  # authenticated: no longer one to drop
+        peer, incarnation = claimed[0]
+        known = self.agent.links.get(peer)
+        old = self.links.get(peer)
+        if known is not None and known.up and incarnation == known.incarnation and old:
+            # a live process that dials again has lost its end of the old connection (a
+            # reset that only it saw): that is the old link's hang-up, here and now, not
+            # when keepalive or a retransmission timeout would find it
+            logger.info("rank %d dialed again: its end of the old link broke", peer)
+            old.current = False
+            if old.transport is not None:
+                old.transport.abort()
+            self.on_hangup(peer, "the same process dialed again (its end of the link broke)")
+        self._accepted[peer] = await self._adopt(sock, peer, incarnation)
+        if set(self._accepted) >= self._expect_accept and self._all_accepted is not None:
+            self._all_accepted.set()
