@@ -60,6 +60,7 @@ from rabit2.errors import (
 )
 
 State, Event = fsm.State, fsm.Event
+_BOOTSTRAP = frozenset((State.CONNECTING_TRACKER, State.CONNECTING_PEERS, State.ACCEPTING_PEERS))
 
 _ERROR_CLASSES: dict[str, type[RabitError]] = {
     "mismatch": MismatchError,
@@ -370,10 +371,8 @@ class Agent:
         ``need`` from which offset it wants this rank's stream (``docs/recovery.md``)."""
         self.go(Event.LINK_UP)
         cmds: list[Command] = []
+        self.fence(peer, incarnation)
         link = self.links[peer]
-        if incarnation < link.incarnation:
-            raise ProtocolError(f"rank {peer} came back as incarnation {incarnation} after "
-                                f"{link.incarnation}")
         was_down = not link.up
         same_process = incarnation == link.incarnation
         link.incarnation = incarnation
@@ -397,6 +396,43 @@ class Agent:
                 self.go(event)
         del now
         return cmds
+
+    def fence(self, peer: int, incarnation: int) -> None:
+        """The fencing rule: only a newer incarnation of ``peer``, or the same process
+        dialing again (its end of the link broke, even where ours did not see it), may take
+        the link; an older one is a zombie.  Raises :class:`ProtocolError` for one."""
+        known = self.links[peer].incarnation
+        if incarnation < known:
+            raise ProtocolError(f"rank {peer} incarnation {incarnation} is stale (known: "
+                                f"{known})")
+
+    def link_incarnation(self, peer: int) -> int | None:
+        """The incarnation of the process at the other end of the link to ``peer`` (the
+        last one that connected); None if ``peer`` is not a neighbour."""
+        link = self.links.get(peer)
+        return None if link is None else link.incarnation
+
+    def link_is_up(self, peer: int) -> bool:
+        link = self.links.get(peer)
+        return link is not None and link.up
+
+    def link_down_reason(self, peer: int) -> str | None:
+        """Why the link to ``peer`` went down, while it is down (None: it is not)."""
+        return self.dead_links.get(peer)
+
+    @property
+    def bootstrapping(self) -> bool:
+        """Between ``start`` and the end of wiring."""
+        return self.state in _BOOTSTRAP
+
+    @property
+    def ended(self) -> bool:
+        """Finalized or failed: no call will run any more."""
+        return self.state is State.TASK_COMPLETE or self.state is State.FAILED
+
+    @property
+    def bytes_received(self) -> int:
+        return self.receiver.bytes_received
 
     def states_known(self) -> bool:
         """Every neighbour has sent its state (a restarted rank waits for this in init)."""

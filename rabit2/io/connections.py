@@ -30,7 +30,7 @@ from rabit2.io.handshake import (
     set_congestion,
     tune_socket,
 )
-from rabit2.io.links import BOOTSTRAP_STATES, PeerLink
+from rabit2.io.links import PeerLink
 from rabit2.io.tracker_client import Assignment, TrackerClient
 
 if TYPE_CHECKING:
@@ -130,9 +130,9 @@ class ConnectionsMixin:
         finally:
             # with recovery on, the listening socket stays open: a restarted neighbour dials
             # back in, and so does a live one whose link was reset
-            state = self.agent.state
-            if (not (cfg.recover and self.agent.error is None) or state is State.FAILED
-                    or state in BOOTSTRAP_STATES):
+            agent = self.agent
+            if (not (cfg.recover and agent.error is None) or agent.state is State.FAILED
+                    or agent.bootstrapping):
                 self._stop_listening()
         self._schedule_tick()
 
@@ -174,7 +174,7 @@ class ConnectionsMixin:
         raise TimeoutError
 
     def _bootstrap_failed(self, error: RabitError) -> None:
-        if self.agent.state in BOOTSTRAP_STATES:
+        if self.agent.bootstrapping:
             self.agent.bootstrap_failed(error)
 
     # ------------------------------------------------------------------ dialing
@@ -333,13 +333,7 @@ class ConnectionsMixin:
                 raise ProtocolError(f"rank {rank} incarnation {incarnation} {NOT_ISSUED} "
                                     f"(latest {issued})")
             if rank in self.links:
-                known = self.agent.links[rank]
-                # fencing: only a newer incarnation may replace a link, or the same process
-                # dialing again (its end of the link broke, even where ours did not see it);
-                # a zombie of an older one is refused
-                if incarnation < known.incarnation:
-                    raise ProtocolError(f"rank {rank} incarnation {incarnation} is stale "
-                                        f"(known: {known.incarnation})")
+                self.agent.fence(rank, incarnation)  # (a zombie of an older one is refused)
             claimed.append((rank, incarnation))
             return {"rank": assignment.rank, "incarnation": assignment.incarnation}
 
@@ -361,9 +355,9 @@ class ConnectionsMixin:
         if task is not None:
             self._forget_handshake(task)  # authenticated: no longer one to drop
         peer, incarnation = claimed[0]
-        known = self.agent.links.get(peer)
         old = self.links.get(peer)
-        if known is not None and known.up and incarnation == known.incarnation and old:
+        if (self.agent.link_is_up(peer) and incarnation == self.agent.link_incarnation(peer)
+                and old):
             # a live process that dials again has lost its end of the old connection (a
             # reset that only it saw): that is the old link's hang-up, here and now, not
             # when keepalive or a retransmission timeout would find it

@@ -37,7 +37,7 @@ class FaultInjector:
         begins now."""
         self.kill_at = (
             -1 if kill_after_bytes < 0
-            else self.agent.statistics().bytes_received + kill_after_bytes
+            else self.agent.bytes_received + kill_after_bytes
         )
         self.reset_peer = reset_peer
         self.damaging = damage
@@ -46,7 +46,7 @@ class FaultInjector:
         """``mock=...,after_bytes,peer,1``: flip the bits of the last byte that just landed
         from ``peer`` once the call has received that many bytes, before the agent looks."""
         if (self.kill_at >= 0 and peer == self.reset_peer
-                and self.agent.statistics().bytes_received + nbytes >= self.kill_at):
+                and self.agent.bytes_received + nbytes >= self.kill_at):
             self.kill_at = -1
             self.damaging = False
             landed[nbytes - 1] ^= 0x10
@@ -54,7 +54,7 @@ class FaultInjector:
 
     def after_bytes(self, links: Mapping[int, PeerLink]) -> None:
         """Bytes arrived while a reset or a kill is armed: fire it once enough did."""
-        if not self.damaging and self.agent.statistics().bytes_received >= self.kill_at:
+        if not self.damaging and self.agent.bytes_received >= self.kill_at:
             self.fire(links)
 
     def fire(self, links: Mapping[int, PeerLink]) -> None:

@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING, cast
 
 from rabit2.config import Config
 from rabit2.core.agent import Agent, Command
-from rabit2.core.fsm import State
 from rabit2.errors import RabitError
 from rabit2.io.tracker_client import Assignment, TrackerClient
 
@@ -25,10 +24,6 @@ PARTITION_SEC = 15.0
 """How long a lost link may stay down before the tracker is asked whether the peer lives
 (docs/recovery.md, "Partial partitions"): long enough for a reset to be dialed again, far
 shorter than the replacement wait (``recover_timeout_sec``)."""
-BOOTSTRAP_STATES = (State.CONNECTING_TRACKER, State.CONNECTING_PEERS, State.ACCEPTING_PEERS)
-"""The agent's states while the engine wires up its links at init."""
-ENDED_STATES = (State.TASK_COMPLETE, State.FAILED)
-"""The agent's states after which no link is dialed again."""
 _NO_BYTES = memoryview(b"")
 
 
@@ -112,23 +107,26 @@ class LinksMixin:
         # while this worker is still setting up (they are newer than its assignment)
         self._recovered_at: dict[int, tuple[str, int]] = {}
 
+    def _incarnation_of(self, peer: int) -> int:
+        incarnation = self.agent.link_incarnation(peer)
+        assert incarnation is not None, f"rank {peer} is not a neighbour"
+        return incarnation
+
     def on_hangup(self, peer: int, reason: str) -> None:
-        if self.config.recover and peer not in self.agent.dead_links:
+        if self.config.recover and self.agent.link_down_reason(peer) is None:
             logger.info("link to rank %d down at %.6f: %s", peer, time.time(), reason)
         self._execute(self.agent.on_hangup(peer, reason, self.loop.time()))
         assignment = self.assignment
         if (self.config.recover and assignment is not None and peer < assignment.rank
-                and self.agent.error is None
-                and self.agent.state not in ENDED_STATES):
+                and self.agent.error is None and not self.agent.ended):
             # the higher rank of a broken link dials again: the same process if it lives
             # (a reset), or its replacement once the tracker says where (peer_recovered).
             # A rank that holds in finalize waits for peer_recovered: links also close when
             # the ranks leave after bye.
-            self._schedule_redial(peer, self.agent.links[peer].incarnation,
-                                  assignment.peers[peer])
+            self._schedule_redial(peer, self._incarnation_of(peer), assignment.peers[peer])
         if self.config.recover and peer not in self._partition_checks:
             self._partition_checks[peer] = self.loop.call_later(
-                PARTITION_SEC, self._check_partition, peer, self.agent.links[peer].incarnation,
+                PARTITION_SEC, self._check_partition, peer, self._incarnation_of(peer),
                 self.loop.time())
 
     def _check_partition(self, peer: int, incarnation: int, since: float) -> None:
@@ -137,17 +135,17 @@ class LinksMixin:
         (both reach it but not each other: a partition), and leaves it to recovery if not
         (a dead or paused peer).  Asked again every ``PARTITION_SEC`` while it lasts."""
         self._partition_checks.pop(peer, None)
-        link = self.agent.links.get(peer)
-        if (link is None or link.up or link.incarnation != incarnation or self._closing
-                or self.tracker is None or self.agent.error is not None
-                or self.agent.state in ENDED_STATES):
+        agent = self.agent
+        if (agent.link_is_up(peer) or agent.link_incarnation(peer) != incarnation
+                or self._closing or self.tracker is None or agent.error is not None
+                or agent.ended):
             return
         down = self.loop.time() - since
         logger.warning("the link to rank %d has been down for %.0f s: asking the tracker "
                        "whether rank %d is alive", peer, down, peer)
         self.tracker.report_unreachable(
             peer, f"rank {self.agent.rank}'s link to rank {peer} has been down for "
-                  f"{down:.0f} s ({self.agent.dead_links.get(peer, 'lost')})")
+                  f"{down:.0f} s ({agent.link_down_reason(peer) or 'lost'})")
         self._partition_checks[peer] = self.loop.call_later(
             PARTITION_SEC, self._check_partition, peer, incarnation, since)
 
@@ -156,8 +154,8 @@ class LinksMixin:
         links open, so only the tracker's heartbeat deadline can tell): treat it as that
         link's hang-up, so a call that needs it fails (or, with recovery on, waits for the
         replacement) now instead of at the progress deadline."""
-        known = self.agent.links.get(rank)
-        if known is None or incarnation < known.incarnation:
+        known = self.agent.link_incarnation(rank)
+        if known is None or incarnation < known:
             return  # about an incarnation that was already replaced
         link = self.links.get(rank)
         if link is not None and link.write_blocked and link.transport is not None:
@@ -174,12 +172,12 @@ class LinksMixin:
         self._recovered_at[rank] = address  # (the dial at init may be trying the old one)
         self._issued[rank] = max(self._issued.get(rank, -1), incarnation)
         assignment = self.assignment
-        if assignment is None or rank not in self.agent.links:
+        if assignment is None or self.agent.link_incarnation(rank) is None:
             return
         # where it listens now: a later reset of that link is dialed there, not at the
         # address of the process that died
         assignment.peers[rank] = address
-        if rank < assignment.rank and self.agent.state not in BOOTSTRAP_STATES:
+        if rank < assignment.rank and not self.agent.bootstrapping:
             # (during init, the dial at init tries the new address itself)
             self._schedule_redial(rank, incarnation, address)
 
@@ -200,7 +198,8 @@ class LinksMixin:
     async def _redial(self, rank: int, incarnation: int, address: tuple[str, int]) -> None:
         deadline = self.loop.time() + self.config.recover_timeout_sec
         delay = 0.05
-        while self.agent.links[rank].incarnation < incarnation or not self.agent.links[rank].up:
+        while (self._incarnation_of(rank) < incarnation
+               or not self.agent.link_is_up(rank)):
             try:
                 # where a replacement listens once peer_recovered said so (the peer may have
                 # died again after this redial began, e.g. while this worker was in init)
