@@ -932,7 +932,7 @@ def test_bytes_moving_elsewhere_in_a_call_keep_every_rank_s_deadline_at_bay() ->
 def test_without_progress_notes_the_waiting_leaf_would_time_out(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """(The control: what the notes prevent.)"""
-    monkeypatch.setattr(Agent, "_tell_progress", lambda *args, **kwargs: None)
+    monkeypatch.setattr("rabit2.core.progress.tell", lambda *args, **kwargs: None)
     net, _ = _tree_job_with_a_slow_link(stall=False)
     assert any(isinstance(e, CollectiveTimeoutError) for e in net.failed.values())
 

@@ -18,10 +18,8 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rabit2.core import fsm
-from rabit2.core.framing import (
-    CollectiveKind,
-)
+from rabit2.core import fsm, progress
+from rabit2.core.framing import CollectiveKind, error_from_wire, error_type_of
 from rabit2.core.fsm import TRANSITIONS
 from rabit2.core.pair import Receiver
 from rabit2.core.planning import Planner
@@ -52,7 +50,6 @@ from rabit2.core.topology import topology
 from rabit2.errors import (
     CollectiveTimeoutError,
     JobAbortedError,
-    MismatchError,
     PeerLostError,
     ProtocolError,
     RabitError,
@@ -62,15 +59,6 @@ from rabit2.errors import (
 State, Event = fsm.State, fsm.Event
 _BOOTSTRAP = frozenset((State.CONNECTING_TRACKER, State.CONNECTING_PEERS, State.ACCEPTING_PEERS))
 
-_ERROR_CLASSES: dict[str, type[RabitError]] = {
-    "mismatch": MismatchError,
-    "peer_lost": PeerLostError,
-    "protocol": ProtocolError,
-    "timeout": CollectiveTimeoutError,
-    "aborted": JobAbortedError,
-    "unrecoverable": UnrecoverableError,
-}
-_ERROR_NAMES = {cls: name for name, cls in _ERROR_CLASSES.items()}
 
 __all__ = [
     "STAGE_SIZE",
@@ -518,43 +506,8 @@ class Agent:
         if late is not None:
             self.fail(late, cmds)
             return cmds
-        self._tell_progress(active, now, cmds)
+        progress.tell(self, active, now, cmds)
         return cmds
-
-    def _tell_progress(self, active: ActiveCall, now: float, cmds: list[Command],
-                       exclude: int = -1) -> None:
-        """Bytes that move anywhere in a call are progress for every rank in it: a rank that
-        waits for peers which are themselves still receiving over a slow link must not time
-        out.  Each rank tells the neighbours of its call how long ago the call last moved
-        (its own bytes, or what a neighbour told it), at most twice per tick interval and
-        link; ages, not times, so that clocks need not agree, and a note passed round a
-        cycle only ever grows older (docs/design.md, "Timeouts")."""
-        age = now - self.last_progress
-        if age >= self.timeout or self.error is not None:
-            return
-        spacing = min(1.0, self.timeout / 4) / 2
-        plan = active.plan
-        msg = {"t": "progress", "call": list(active.call_id), "age_us": int(age * 1e6)}
-        for peer, link in self.links.items():
-            if (peer != exclude and link.up and not link.awaiting_state
-                    and now - link.progress_told >= spacing
-                    and (peer in plan.in_streams or peer in plan.out_streams)):
-                link.progress_told = now
-                self.send_control(peer, msg, cmds)
-
-    def on_progress_note(self, peer: int, msg: dict[str, Any], now: float,
-                     cmds: list[Command]) -> None:
-        """A neighbour says the call moved ``age_us`` ago somewhere: progress here too."""
-        active = self.active
-        age = msg["age_us"]
-        if not isinstance(age, int) or isinstance(age, bool) or age < 0:
-            raise ProtocolError(f"rank {peer} sent a malformed progress note")
-        if active is None or tuple(msg["call"]) != active.call_id:
-            return  # (about a call this rank is not in)
-        moved = now - age / 1e6
-        if moved > self.last_progress:
-            self.last_progress = moved
-            self._tell_progress(active, now, cmds, exclude=peer)
 
     def abort(self, reason: str) -> list[Command]:
         """The tracker aborted the job."""
@@ -572,7 +525,7 @@ class Agent:
         self.go(Event.PRIORITY)
         if self.error is not None:
             return
-        error = _ERROR_CLASSES[error_type](f"{reason} (reported by rank {origin})")
+        error = error_from_wire(error_type, f"{reason} (reported by rank {origin})")
         self._record_failure(error, cmds, source=peer, origin=origin, reason=reason)
 
     def fail(self, error: RabitError, cmds: list[Command], *, source: int = -1,
@@ -591,8 +544,7 @@ class Agent:
         self.error = error
         call_id = self.active.call_id if self.active is not None else None
         if flood:
-            self.sender.flood_error(_ERROR_NAMES.get(type(error), "protocol"), reason, origin,
-                                    cmds, source)
+            self.sender.flood_error(error_type_of(error), reason, origin, cmds, source)
         self.active = None
         cmds.append(CallFailed(call_id, error))
 

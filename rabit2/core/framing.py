@@ -28,7 +28,15 @@ from typing import Any
 import msgpack
 from crc32c import crc32c
 
-from rabit2.errors import ProtocolError
+from rabit2.errors import (
+    CollectiveTimeoutError,
+    JobAbortedError,
+    MismatchError,
+    PeerLostError,
+    ProtocolError,
+    RabitError,
+    UnrecoverableError,
+)
 
 HEADER = struct.Struct("<HBBBBHIIQQIII")  # everything but the header's own CRC
 HEADER_SIZE = HEADER.size + 4  # 48
@@ -197,7 +205,28 @@ def parse_header(data: bytes | bytearray | memoryview) -> FrameHeader:
                        payload_crc if kind_byte & FLAG_CHECKED else None)
 
 
-ERROR_TYPES = ("mismatch", "peer_lost", "protocol", "timeout", "aborted", "unrecoverable")
+_ERROR_CLASSES: dict[str, type[RabitError]] = {
+    "mismatch": MismatchError,
+    "peer_lost": PeerLostError,
+    "protocol": ProtocolError,
+    "timeout": CollectiveTimeoutError,
+    "aborted": JobAbortedError,
+    "unrecoverable": UnrecoverableError,
+}
+_ERROR_NAMES = {cls: name for name, cls in _ERROR_CLASSES.items()}
+ERROR_TYPES = tuple(_ERROR_CLASSES)
+"""The error types an ERROR frame names: every rank raises the same one."""
+
+
+def error_type_of(error: RabitError) -> str:
+    """The wire name of ``error``'s type (any other error travels as a protocol error)."""
+    return _ERROR_NAMES.get(type(error), "protocol")
+
+
+def error_from_wire(error_type: str, message: str) -> RabitError:
+    """The error an ERROR frame's type names (``error_type`` was checked by
+    :func:`decode_error`)."""
+    return _ERROR_CLASSES[error_type](message)
 
 
 def encode_error(error_type: str, reason: str, origin: int) -> bytes:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rabit2.core import fsm
+from rabit2.core import fsm, progress
 from rabit2.core.control import decode_body
 from rabit2.core.framing import (
     CALL_PREFIX_SIZE,
@@ -352,7 +352,7 @@ class Receiver:
         msg = decode_body(body)
         kind = msg["t"]
         if kind == "progress":
-            self.agent.on_progress_note(peer, msg, now, cmds)
+            progress.heard(self.agent, peer, msg, now, cmds)
         elif (recovery := self.agent.recovery) is None or not recovery.on_control(
                 peer, link, msg, cmds):
             raise ProtocolError(f"rank {peer} sent a {kind!r} message on a peer link")
