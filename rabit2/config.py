@@ -172,7 +172,7 @@ def _parse_mock(value: str) -> MockSpec:
     return MockSpec(*nums)
 
 
-def _convert(field: str, value: Any) -> Any:
+def _convert(field: str, value: Any) -> Any:  # noqa: C901, PLR0911, PLR0912
     if field == "secret":
         if isinstance(value, bytes):
             return value
@@ -240,7 +240,7 @@ def launcher_task(env: Mapping[str, str]) -> tuple[str | None, str | None]:
             first(("DMLC_NUM_ATTEMPT", *_ATTEMPT_FALLBACKS)))
 
 
-def load_config(
+def load_config(  # noqa: C901
     args: Iterable[str | bytes] | None = None,
     kwargs: Mapping[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,

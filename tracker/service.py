@@ -313,7 +313,7 @@ class Tracker:
                 if not self._on_message(conn, msg):
                     return "worker shut down"
 
-    def _on_message(self, conn: _Conn, msg: dict[str, Any]) -> bool:
+    def _on_message(self, conn: _Conn, msg: dict[str, Any]) -> bool:  # noqa: PLR0911
         """Handle one frame; False when the connection is finished (after shutdown)."""
         kind = msg["t"]
         if kind == "status":

@@ -92,7 +92,7 @@ def restart_refused(env: Mapping[str, str], task: str,
     return None
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901
     parser = argparse.ArgumentParser(
         prog="python -m tracker.slot",
         description="Run a rabit2 worker and restart it when it fails (for srun, mpirun, ...).",

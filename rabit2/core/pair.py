@@ -94,7 +94,7 @@ class Receiver:
         """Where bytes of a connection that was replaced go (they are never looked at)."""
         return self._discard
 
-    def on_bytes(self, peer: int, nbytes: int, now: float) -> list[Command]:
+    def on_bytes(self, peer: int, nbytes: int, now: float) -> list[Command]:  # noqa: PLR0912
         """``nbytes`` landed in the buffer returned by the last :meth:`recv_buffer`."""
         self.agent.go(Event.READABLE)
         if self.agent.state is State.FAILED or (self.agent.state is State.TASK_COMPLETE

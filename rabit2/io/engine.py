@@ -142,7 +142,7 @@ class Engine(ConnectionsMixin, LinksMixin):
         self._completed = False
         self._execute(cmds)
 
-    def _execute(self, cmds: list[Command]) -> None:
+    def _execute(self, cmds: list[Command]) -> None:  # noqa: C901, PLR0912
         for cmd in cmds:
             if isinstance(cmd, Send):
                 link = self.links.get(cmd.peer)

@@ -128,7 +128,7 @@ def remote_python_for(command: Sequence[str]) -> str:
     return command[0] if first.startswith("python") else "python3"
 
 
-def parse_args(argv: Sequence[str]) -> LaunchOptions:
+def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PLR0915
     """Parse ``[options] -- command...``; exits with status 2 on bad usage (argparse)."""
     argv = list(argv)
     if "--" in argv:
