@@ -1,6 +1,6 @@
 """The benchmark-sized GBDT example over rabit2 and over XGBoost 1.7.6's classic rabit engine.
 
-The same trainer (``rabit2/examples/gbdt.py``, loaded by path so that the classic engine's
+The same trainer (``rabit2/examples/gbdt/``, loaded by path so that the classic engine's
 Python needs nothing of rabit2) runs twice per N: once through ``rabit2-submit``, once with
 its ``allreduce`` bound to ``xgboost.collective`` 1.7.6 (in ``bench/peers/.venv17``, launched
 with XGBoost's own tracker, TCP_NODELAY on). Both print ``allreduce_s`` (time inside
@@ -34,7 +34,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-GBDT = REPO / "rabit2" / "examples" / "gbdt.py"
+GBDT = REPO / "rabit2" / "examples" / "gbdt"
 VENV17_PYTHON = HERE / ".venv17" / "bin" / "python"
 ENV_ARGS = "RABIT2_BENCH_XGB_ARGS"
 
@@ -79,7 +79,8 @@ class ClassicComm:
 
 
 def worker(gbdt_args: list[str]) -> int:
-    spec = importlib.util.spec_from_file_location("gbdt_example", GBDT)
+    spec = importlib.util.spec_from_file_location(
+        "gbdt_example", GBDT / "__init__.py", submodule_search_locations=[str(GBDT)])
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules["gbdt_example"] = module  # dataclasses resolve their module by name
