@@ -15,7 +15,7 @@ failure path (ERROR), or to the recovery component (CONTROL, BLOB).  The frame l
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from rabit2.core import fsm, progress
 from rabit2.core.control import decode_body
@@ -46,10 +46,7 @@ from rabit2.core.records import (
 )
 from rabit2.core.recovery.component import Recovery
 from rabit2.core.schedule import Plan, TreeBroadcast
-from rabit2.errors import MismatchError, ProtocolError, UnrecoverableError
-
-if TYPE_CHECKING:
-    from rabit2.core.agent import Agent
+from rabit2.errors import MismatchError, ProtocolError, RabitError, UnrecoverableError
 
 State, Event = fsm.State, fsm.Event
 
@@ -58,10 +55,34 @@ MAX_CORRUPT_STREAK = 8
 link once more (a link that damages every frame will not heal by being reset)."""
 
 
+class Owner(Protocol):
+    """What the receive side reads and calls of the agent that owns it."""
+
+    rank: int
+    version: int
+    seqno: int
+    state: fsm.State
+    links: dict[int, Link]
+    active: ActiveCall | None
+    error: RabitError | None
+    recovery: Recovery | None
+    last_progress: float
+    timeout: float
+
+    def go(self, event: fsm.Event) -> None: ...
+    def advance(self, cmds: list[Command]) -> None: ...
+    def fail(self, error: RabitError, cmds: list[Command], *, source: int = -1,
+             close: int = -1, flood: bool = True) -> None: ...
+    def on_hangup(self, peer: int, reason: str, now: float) -> list[Command]: ...
+    def on_remote_error(self, peer: int, error_type: str, reason: str, origin: int,
+                        cmds: list[Command]) -> None: ...
+    def send_control(self, peer: int, msg: dict[str, Any], cmds: list[Command]) -> None: ...
+
+
 class Receiver:
     """Every peer link's receive side, for one agent (loop thread only)."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: Owner) -> None:
         self.agent = agent
         self._discard = memoryview(bytearray(64 * 1024))
         self.bytes_received = 0  # payload only, like the bytes sent

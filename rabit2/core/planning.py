@@ -7,14 +7,15 @@ Pure: the plan is built from the call, the rank's place in the job and its setti
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from rabit2.core import schedule
 from rabit2.core.framing import NONE_U8, NONE_U16, UNKNOWN_TOTAL, CallDescriptor, CollectiveKind
 from rabit2.core.ops import dtype_code
-from rabit2.core.records import Call
+from rabit2.core.records import Call, Link
+from rabit2.core.recovery.component import Recovery
 from rabit2.core.recovery.store import fresh_buffer
 from rabit2.core.schedule import (
     PairExchange,
@@ -25,9 +26,6 @@ from rabit2.core.schedule import (
     TreeBroadcast,
 )
 from rabit2.core.topology import broadcast_route, topology
-
-if TYPE_CHECKING:
-    from rabit2.core.agent import Agent
 
 AUTO_RING_MIN_BYTES = 512 * 1024
 """The default tree/ring threshold: the ring's 2(n - 1) dependent steps cost more than the
@@ -53,10 +51,21 @@ def choose_allreduce(nbytes: int, itemsize: int, world: int,
     return CollectiveKind.ALLREDUCE_TREE
 
 
+class Owner(Protocol):
+    """What planning reads of the agent that owns it."""
+
+    rank: int
+    world: int
+    version: int
+    seqno: int
+    links: dict[int, Link]
+    recovery: Recovery | None
+
+
 class Planner:
     """Descriptors and plans for one agent's calls (loop thread only)."""
 
-    def __init__(self, agent: Agent, ring_mincount: int | None, tree_chunk: int) -> None:
+    def __init__(self, agent: Owner, ring_mincount: int | None, tree_chunk: int) -> None:
         self.agent = agent
         self.ring_mincount = ring_mincount  # ``rabit_reduce_ring_mincount``
         self.tree_chunk = tree_chunk  # ``rabit_tree_reduce_minsize``

@@ -9,16 +9,25 @@ not agree, and a note passed round a cycle only ever grows older (``docs/design.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from rabit2.core.records import ActiveCall, Command
-from rabit2.errors import ProtocolError
-
-if TYPE_CHECKING:
-    from rabit2.core.agent import Agent
+from rabit2.core.records import ActiveCall, Command, Link
+from rabit2.errors import ProtocolError, RabitError
 
 
-def tell(agent: Agent, active: ActiveCall, now: float, cmds: list[Command],
+class Owner(Protocol):
+    """What the notes read and change of the agent that sends and hears them."""
+
+    links: dict[int, Link]
+    active: ActiveCall | None
+    error: RabitError | None
+    timeout: float
+    last_progress: float
+
+    def send_control(self, peer: int, msg: dict[str, Any], cmds: list[Command]) -> None: ...
+
+
+def tell(agent: Owner, active: ActiveCall, now: float, cmds: list[Command],
          exclude: int = -1) -> None:
     """Tell the call's neighbours (but ``exclude``) how long ago it last moved, at most
     twice per tick interval and link."""
@@ -36,7 +45,7 @@ def tell(agent: Agent, active: ActiveCall, now: float, cmds: list[Command],
             agent.send_control(peer, msg, cmds)
 
 
-def heard(agent: Agent, peer: int, msg: dict[str, Any], now: float,
+def heard(agent: Owner, peer: int, msg: dict[str, Any], now: float,
           cmds: list[Command]) -> None:
     """A neighbour says the call moved ``age_us`` ago somewhere: progress here too."""
     active = agent.active

@@ -9,7 +9,7 @@ of it (``docs/protocol.md``, "Checksums").
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from rabit2.core.control import encode_body
 from rabit2.core.framing import (
@@ -24,16 +24,22 @@ from rabit2.core.framing import (
     encode_error,
     pack_header,
 )
-from rabit2.core.records import NO_CALL, ActiveCall, Command, Send
+from rabit2.core.records import NO_CALL, ActiveCall, Command, Link, Send
 
-if TYPE_CHECKING:
-    from rabit2.core.agent import Agent
+
+class Owner(Protocol):
+    """What the send side reads of the agent that owns it."""
+
+    links: dict[int, Link]
+    version: int
+    seqno: int
+    incarnation: int
 
 
 class Sender:
     """Every peer link's send side, for one agent (loop thread only)."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: Owner) -> None:
         self.agent = agent
         self.bytes_sent = 0  # payload only
         self.frames_sent = 0
