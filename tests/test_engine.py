@@ -22,6 +22,7 @@ from rabit2.core.control import MAGIC
 from rabit2.core.framing import CollectiveKind
 from rabit2.core.ops import Op
 from rabit2.errors import MismatchError, RabitError
+from rabit2.io.connections import Connections
 from rabit2.io.engine import Engine
 from tracker.server import TrackerThread
 
@@ -186,10 +187,10 @@ def test_hostile_connections_at_a_worker_port(loop_kind: str) -> None:
     started = threading.Thread(target=first.start)
     started.start()
     deadline = time.monotonic() + 10
-    while first._server is None and time.monotonic() < deadline:
+    while first.connections.server is None and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert first._server is not None
-    port = first._server.getsockname()[1]
+    assert first.connections.server is not None
+    port = first.connections.server.getsockname()[1]
     outcome: dict[str, str] = {}
     hostile = [threading.Thread(target=_hostile, args=(port, kind, outcome))
                for kind in ("garbage", "huge", "stranger", "silent")]
@@ -225,8 +226,8 @@ def test_a_stale_or_duplicate_incarnation_is_refused_at_a_worker_port(loop_kind:
 
     tracker, engines = start_job(3, loop_kind, RABIT2_RECOVER="1")
     target = engines[0]
-    assert target._server is not None  # still listening after init
-    host, port = target._server.getsockname()[:2]
+    assert target.connections.server is not None  # still listening after init
+    host, port = target.connections.server.getsockname()[:2]
     higher = next(p for p in target.agent.links if p > 0)
     hello = {"rank": higher, "world": 3, "incarnation": -1}
     with pytest.raises(RabitError, match="incarnation -1 is stale"):
@@ -265,8 +266,8 @@ def test_a_flood_of_idle_connections_on_a_peer_port_is_bounded(
     caplog.set_level(logging.WARNING, logger="rabit2")
     tracker, engines = start_job(2, loop_kind, RABIT2_RECOVER="1")
     target = engines[0]
-    assert target._server is not None
-    address = target._server.getsockname()[:2]
+    assert target.connections.server is not None
+    address = target.connections.server.getsockname()[:2]
     flood = [socket.create_connection(address, timeout=5) for _ in range(150)]
     try:
         dropped = 0
@@ -431,12 +432,12 @@ def test_close_leaves_no_redial_behind(loop_kind: str) -> None:
     silent.bind(("127.0.0.1", 0))
     silent.listen(1)  # accepts and never answers: the redial is in its handshake
     engine = engines[1]
-    engine.loop.call_soon_threadsafe(engine._schedule_redial, 0, 5, silent.getsockname())
+    engine.loop.call_soon_threadsafe(engine.keeper.schedule_redial, 0, 5, silent.getsockname())
     time.sleep(0.3)
     t0 = time.monotonic()
     engine.close()
     assert time.monotonic() - t0 < 5
-    assert not [task for task in engine._redials if not task.done()]
+    assert not [task for task in engine.keeper.redials if not task.done()]
     engines[0].close()
     tracker.stop()
     silent.close()
@@ -454,18 +455,19 @@ def test_an_abort_ends_a_bootstrap_wait_even_where_a_cancellation_is_lost() -> N
 
     async def scenario() -> float:
         loop = asyncio.get_running_loop()
-        engine = SimpleNamespace(_failed=asyncio.Event(),
+        engine = SimpleNamespace(failed=asyncio.Event(),
                                  agent=SimpleNamespace(error=JobAbortedError("aborted")))
+        connections = SimpleNamespace(engine=engine)
 
         async def stubborn() -> None:
             for _ in range(150):  # (ends by itself in 1.5 s, so that the loop can close)
                 with contextlib.suppress(asyncio.CancelledError):
                     await asyncio.sleep(0.01)
 
-        loop.call_later(0.05, engine._failed.set)
+        loop.call_later(0.05, engine.failed.set)
         t0 = loop.time()
         with pytest.raises(JobAbortedError):
-            await Engine._unless_aborted(engine, stubborn(), 30.0)  # type: ignore[arg-type]
+            await Connections.unless_aborted(connections, stubborn(), 30.0)  # type: ignore[arg-type]
         return loop.time() - t0
 
     assert asyncio.run(scenario()) < 1.4

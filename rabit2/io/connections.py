@@ -9,10 +9,9 @@ import contextlib
 import logging
 import socket
 from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rabit2.config import Config
-from rabit2.core.agent import Agent, Command
 from rabit2.core.fsm import State
 from rabit2.core.topology import topology
 from rabit2.errors import (
@@ -31,7 +30,7 @@ from rabit2.io.handshake import (
     tune_socket,
 )
 from rabit2.io.links import PeerLink
-from rabit2.io.tracker_client import Assignment, TrackerClient
+from rabit2.io.tracker_client import TrackerClient
 
 if TYPE_CHECKING:
     from rabit2.io.engine import Engine
@@ -44,33 +43,15 @@ _ACCEPT_ERROR_PAUSE_SEC = 0.1  # e.g. EMFILE: back off instead of spinning on ac
 NOT_ISSUED = "was not issued by the tracker"
 
 
-class ConnectionsMixin:
-    """The connections of :class:`~rabit2.io.engine.Engine`: bootstrap, peer port, dialing."""
+class Connections:
+    """How the engine joins the job and connects its links: bootstrap, peer port, dialing."""
 
-    if TYPE_CHECKING:  # owned by Engine and LinksMixin
-        config: Config
-        agent: Agent
-        tracker: TrackerClient | None
-        assignment: Assignment | None
-        links: dict[int, PeerLink]
-        _congestion: str | None
-        _issued: dict[int, int]
-        _recovered_at: dict[int, tuple[str, int]]
-        _failed: asyncio.Event
-
-        def _execute(self, cmds: list[Command]) -> None: ...
-        def _schedule_tick(self) -> None: ...
-        def _on_abort(self, reason: str) -> None: ...
-        def _on_peer_lost(self, rank: int, incarnation: int, reason: str) -> None: ...
-        def _on_peer_recovered(self, rank: int, incarnation: int,
-                               address: tuple[str, int]) -> None: ...
-        def on_hangup(self, peer: int, reason: str) -> None: ...
-
-    def _init_connections(self) -> None:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
         self._accepted: dict[int, PeerLink] = {}
         self._all_accepted: asyncio.Event | None = None
         self._expect_accept: set[int] = set()
-        self._server: socket.socket | None = None
+        self.server: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
         self._handshakes: set[asyncio.Task[None]] = set()
         # accepted, not yet authenticated -> when (the oldest is dropped past the cap)
@@ -79,27 +60,27 @@ class ConnectionsMixin:
 
     # ------------------------------------------------------------------ bootstrap
 
-    async def _bootstrap(self) -> None:
-        cfg = self.config
-        self.agent.start()
+    async def bootstrap(self) -> None:
+        cfg = self.engine.config
+        self.engine.agent.start()
         loop = asyncio.get_running_loop()
         self._all_accepted = asyncio.Event()
         try:
-            self._server = self._listen(cfg)
-            self._accept_task = loop.create_task(self._accept_loop(self._server))
-            self.tracker = await TrackerClient.connect(cfg, self._server.getsockname()[1])
-            self.tracker.on_abort = self._on_abort
-            self.tracker.on_peer_lost = self._on_peer_lost
-            self.tracker.on_peer_recovered = self._on_peer_recovered
-            assignment = await self.tracker.wait_assignment(cfg.timeout_sec)
-            self.assignment = assignment
-            for rank, address in self._recovered_at.items():  # (notices that came first)
+            self.server = self._listen(cfg)
+            self._accept_task = loop.create_task(self._accept_loop(self.server))
+            self.engine.tracker = await TrackerClient.connect(cfg, self.server.getsockname()[1])
+            self.engine.tracker.on_abort = self.engine.on_abort
+            self.engine.tracker.on_peer_lost = self.engine.keeper.on_peer_lost
+            self.engine.tracker.on_peer_recovered = self.engine.keeper.on_peer_recovered
+            assignment = await self.engine.tracker.wait_assignment(cfg.timeout_sec)
+            self.engine.assignment = assignment
+            for rank, address in self.engine.recovered_at.items():  # (notices that came first)
                 if rank in assignment.peers:
                     assignment.peers[rank] = address
             # a restarted worker replays: it learns its neighbours' states first
-            self.agent.assigned(assignment.incarnation)
+            self.engine.agent.assigned(assignment.incarnation)
             self._raise_if_failed()  # the tracker may have aborted the job meanwhile
-            self.agent.connect_tracker(assignment.rank, assignment.world_size)
+            self.engine.agent.connect_tracker(assignment.rank, assignment.world_size)
             topo = topology(assignment.rank, assignment.world_size)
             if (topo.parent, topo.ring_prev, topo.ring_next) != (
                 assignment.parent, assignment.ring_prev, assignment.ring_next
@@ -109,17 +90,17 @@ class ConnectionsMixin:
             higher = {p for p in topo.neighbors if p > assignment.rank}
             self._expect_accept = higher
             # every wait below also ends at once if the tracker aborts the job
-            await self._unless_aborted(
+            await self.unless_aborted(
                 asyncio.gather(*(self._dial_at_init(p) for p in lower)),
                 cfg.connect_timeout_sec + 1)
             self._raise_if_failed()
-            self.agent.connect_peers()
+            self.engine.agent.connect_peers()
             if len(self._accepted) < len(higher):
-                await self._unless_aborted(self._all_accepted.wait(), cfg.timeout_sec)
+                await self.unless_aborted(self._all_accepted.wait(), cfg.timeout_sec)
             self._raise_if_failed()
-            self.agent.accept_peers(loop.time())
-            if self.agent.restarted:
-                await self._unless_aborted(self._states_known(), cfg.connect_timeout_sec)
+            self.engine.agent.accept_peers(loop.time())
+            if self.engine.agent.restarted:
+                await self.unless_aborted(self._states_known(), cfg.connect_timeout_sec)
         except TimeoutError:
             error = CollectiveTimeoutError("peers did not connect in time")
             self._bootstrap_failed(error)
@@ -130,29 +111,29 @@ class ConnectionsMixin:
         finally:
             # with recovery on, the listening socket stays open: a restarted neighbour dials
             # back in, and so does a live one whose link was reset
-            agent = self.agent
+            agent = self.engine.agent
             if (not (cfg.recover and agent.error is None) or agent.state is State.FAILED
                     or agent.bootstrapping):
-                self._stop_listening()
-        self._schedule_tick()
+                self.stop_listening()
+        self.engine.schedule_tick()
 
     def _raise_if_failed(self) -> None:
         """Stop the bootstrap if the tracker aborted the job.  A failure a neighbour reported
         (e.g. a mismatch in a first call it began already) belongs to that call: it is
         raised by the call, as the state machine records it."""
-        if isinstance(self.agent.error, JobAbortedError):
-            raise self.agent.error
+        if isinstance(self.engine.agent.error, JobAbortedError):
+            raise self.engine.agent.error
 
     async def _states_known(self) -> None:
-        while not self.agent.states_known():
+        while not self.engine.agent.states_known():
             self._raise_if_failed()
             await asyncio.sleep(0.002)
 
-    async def _unless_aborted(self, awaitable: Awaitable[T], timeout: float) -> T:
+    async def unless_aborted(self, awaitable: Awaitable[T], timeout: float) -> T:
         """Await ``awaitable`` for at most ``timeout`` seconds (``TimeoutError``), or until
         the agent fails (the tracker aborted the job): then raise that failure."""
         task = asyncio.ensure_future(awaitable)
-        failed = asyncio.ensure_future(self._failed.wait())
+        failed = asyncio.ensure_future(self.engine.failed.wait())
         try:
             done, _ = await asyncio.wait({task, failed}, timeout=timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
@@ -167,15 +148,15 @@ class ConnectionsMixin:
         # future completes (a dial refused at that moment), and a retry loop would go on
         with contextlib.suppress(BaseException):
             await asyncio.wait({task}, timeout=1.0)
-        if self._failed.is_set() and self.agent.error is not None:
+        if self.engine.failed.is_set() and self.engine.agent.error is not None:
             # aborted; an agent that had failed already (a neighbour's error reached it
             # during init) keeps that error, the cause, rather than a misleading timeout
-            raise self.agent.error
+            raise self.engine.agent.error
         raise TimeoutError
 
     def _bootstrap_failed(self, error: RabitError) -> None:
-        if self.agent.bootstrapping:
-            self.agent.bootstrap_failed(error)
+        if self.engine.agent.bootstrapping:
+            self.engine.agent.bootstrap_failed(error)
 
     # ------------------------------------------------------------------ dialing
 
@@ -184,29 +165,29 @@ class ConnectionsMixin:
         adjacent ranks lost at once) finds nobody at the address the tracker knew: it dials
         again, with backoff, at the address ``peer_recovered`` announces once that
         neighbour's replacement registers (bounded by the caller's connect deadline)."""
-        assignment = self.assignment
+        assignment = self.engine.assignment
         assert assignment is not None
         delay = 0.02
         while True:
             try:
-                address = self._recovered_at.get(peer, assignment.peers[peer])
-                return await self._dial(peer, *address)
+                address = self.engine.recovered_at.get(peer, assignment.peers[peer])
+                return await self.dial(peer, *address)
             except (PeerLostError, ProtocolError) as exc:
                 # (a restarted worker may also dial before the neighbour heard from the
                 # tracker that its incarnation exists: it asks again)
                 again = isinstance(exc, PeerLostError) or NOT_ISSUED in str(exc)
-                if not again or not self.agent.restarted or self._failed.is_set():
+                if not again or not self.engine.agent.restarted or self.engine.failed.is_set():
                     raise  # (aborted: a cancellation of this loop can be lost, see below)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 0.5)
 
-    async def _dial(self, peer: int, host: str, port: int) -> PeerLink:
-        assignment = self.assignment
+    async def dial(self, peer: int, host: str, port: int) -> PeerLink:
+        assignment = self.engine.assignment
         assert assignment is not None
         hello = {"rank": assignment.rank, "world": assignment.world_size,
                  "incarnation": assignment.incarnation}
         sock, welcome = await connect_authenticated(
-            host, port, self.config.secret, hello, self.config.connect_timeout_sec
+            host, port, self.engine.config.secret, hello, self.engine.config.connect_timeout_sec
         )
         incarnation = welcome.get("incarnation", 0)
         if welcome.get("rank") != peer or not isinstance(incarnation, int):
@@ -223,22 +204,22 @@ class ConnectionsMixin:
         learns about the new link before its first byte can be read."""
         loop = asyncio.get_running_loop()
         try:
-            cmds = self.agent.on_link_up(peer, incarnation, loop.time(),
+            cmds = self.engine.agent.on_link_up(peer, incarnation, loop.time(),
                                          checked=self._checks_payloads(sock))
         except RabitError as exc:  # e.g. an older incarnation: the current link stays
             logger.warning("link to rank %d refused: %s", peer, exc)
             sock.close()
             raise
-        set_congestion(sock, self._congestion)  # every peer link, dialed or accepted
-        link = PeerLink(cast("Engine", self), peer)
-        old = self.links.get(peer)
-        self.links[peer] = link
+        set_congestion(sock, self.engine.congestion)  # every peer link, dialed or accepted
+        link = PeerLink(self.engine, peer)
+        old = self.engine.links.get(peer)
+        self.engine.links[peer] = link
         if old is not None:
             old.current = False  # nothing more is read from it
             if old.transport is not None:
                 old.transport.abort()
         await loop.create_connection(lambda: link, sock=sock)
-        self._execute(cmds)
+        self.engine.execute(cmds)
         return link
 
     def _checks_payloads(self, sock: socket.socket) -> bool:
@@ -247,7 +228,7 @@ class ConnectionsMixin:
         byte that TCP's sum lets through, and not those within one host, whose bytes never
         leave its memory (there the checks would make 16-64 MiB calls 1.4-2.1x slower:
         docs/performance.md, "Checksums")."""
-        mode = self.config.checksum
+        mode = self.engine.config.checksum
         if mode != "auto":
             return mode == "on"
         try:
@@ -273,13 +254,20 @@ class ConnectionsMixin:
         server.setblocking(False)
         return server
 
-    def _stop_listening(self) -> None:
+    def tasks(self) -> list[asyncio.Task[Any]]:
+        """What is still running here: the accept loop and unfinished handshakes."""
+        pending: list[asyncio.Task[Any]] = [*self._handshakes]
+        if self._accept_task is not None:
+            pending.append(self._accept_task)
+        return pending
+
+    def stop_listening(self) -> None:
         if self._accept_task is not None:
             self._accept_task.cancel()
             self._accept_task = None
-        if self._server is not None:
-            self._server.close()
-            self._server = None
+        if self.server is not None:
+            self.server.close()
+            self.server = None
 
     async def _accept_loop(self, server: socket.socket) -> None:
         loop = asyncio.get_running_loop()
@@ -315,7 +303,7 @@ class ConnectionsMixin:
 
         def check(hello: dict[str, Any]) -> dict[str, Any]:
             rank, world = hello.get("rank"), hello.get("world")
-            assignment = self.assignment
+            assignment = self.engine.assignment
             if assignment is None:
                 raise ProtocolError("not ready: no rank assigned yet")
             if world != assignment.world_size:
@@ -326,25 +314,26 @@ class ConnectionsMixin:
             incarnation = hello.get("incarnation")
             if not isinstance(incarnation, int) or isinstance(incarnation, bool):
                 raise ProtocolError("hello.incarnation is not an int")
-            issued = max(assignment.peer_incarnations.get(rank, -1), self._issued.get(rank, -1))
+            issued = max(assignment.peer_incarnations.get(rank, -1),
+                         self.engine.issued.get(rank, -1))
             if incarnation > issued >= 0:
                 # only incarnations the tracker issued: a holder of the secret who claims a
                 # newer one does not take over a live link
                 raise ProtocolError(f"rank {rank} incarnation {incarnation} {NOT_ISSUED} "
                                     f"(latest {issued})")
-            if rank in self.links:
-                self.agent.fence(rank, incarnation)  # (a zombie of an older one is refused)
+            if rank in self.engine.links:
+                self.engine.agent.fence(rank, incarnation)  # (a zombie of an older one is refused)
             claimed.append((rank, incarnation))
             return {"rank": assignment.rank, "incarnation": assignment.incarnation}
 
         try:
             # a neighbour can dial before the tracker's assignment reached us: the handshake
             # needs it (to check the dialer's rank), so wait for it, bounded
-            waited = loop.time() + self.config.timeout_sec
-            while self.assignment is None and loop.time() < waited:
+            waited = loop.time() + self.engine.config.timeout_sec
+            while self.engine.assignment is None and loop.time() < waited:
                 await asyncio.sleep(0.005)
-            deadline = loop.time() + self.config.connect_timeout_sec
-            await server_handshake(loop, sock, self.config.secret, deadline, check)
+            deadline = loop.time() + self.engine.config.connect_timeout_sec
+            await server_handshake(loop, sock, self.engine.config.secret, deadline, check)
         except RabitError as exc:
             self._refusals.warning("refused a peer connection from %s: %s", addr, exc)
             return
@@ -355,9 +344,9 @@ class ConnectionsMixin:
         if task is not None:
             self._forget_handshake(task)  # authenticated: no longer one to drop
         peer, incarnation = claimed[0]
-        old = self.links.get(peer)
-        if (self.agent.link_is_up(peer) and incarnation == self.agent.link_incarnation(peer)
-                and old):
+        old = self.engine.links.get(peer)
+        agent = self.engine.agent
+        if agent.link_is_up(peer) and incarnation == agent.link_incarnation(peer) and old:
             # a live process that dials again has lost its end of the old connection (a
             # reset that only it saw): that is the old link's hang-up, here and now, not
             # when keepalive or a retransmission timeout would find it
@@ -365,7 +354,7 @@ class ConnectionsMixin:
             old.current = False
             if old.transport is not None:
                 old.transport.abort()
-            self.on_hangup(peer, "the same process dialed again (its end of the link broke)")
+            self.engine.on_hangup(peer, "the same process dialed again (its end of the link broke)")
         self._accepted[peer] = await self._adopt(sock, peer, incarnation)
         if set(self._accepted) >= self._expect_accept and self._all_accepted is not None:
             self._all_accepted.set()

@@ -45,10 +45,10 @@ from rabit2.errors import (
     TrackerError,
     UnrecoverableError,
 )
-from rabit2.io.connections import ConnectionsMixin
+from rabit2.io.connections import Connections
 from rabit2.io.faults import FaultInjector
 from rabit2.io.handshake import resolve_congestion
-from rabit2.io.links import LinksMixin
+from rabit2.io.links import LinkKeeper, PeerLink
 from rabit2.io.loop_thread import LoopThread, bind_to_cpu
 from rabit2.io.tracker_client import Assignment, TrackerClient
 from rabit2.io.waiting import Poller, Waiter
@@ -56,13 +56,13 @@ from rabit2.io.waiting import Poller, Waiter
 logger = logging.getLogger("rabit2.engine")
 
 
-class Engine(ConnectionsMixin, LinksMixin):
+class Engine:
     """A worker's connection to the job: tracker client, peer links, agent, loop thread."""
 
     def __init__(self, config: Config) -> None:
         self.config = config
         # the peer links' congestion control (a bad explicit setting fails here, at init)
-        self._congestion = resolve_congestion(config.tcp_congestion)
+        self.congestion = resolve_congestion(config.tcp_congestion)
         bind_to_cpu(os.environ.get("RABIT2_BIND_CPU"))
         self.agent = Agent(
             ring_mincount=config.reduce_ring_mincount,
@@ -80,10 +80,16 @@ class Engine(ConnectionsMixin, LinksMixin):
         self.loop = self.loop_thread.loop
         self._poller = Poller(config.spin_us / 1e6, self.loop_thread)
         self.faults = FaultInjector(self.agent)
-        self._init_links()
-        self._init_connections()
         self.tracker: TrackerClient | None = None
         self.assignment: Assignment | None = None
+        self.links: dict[int, PeerLink] = {}
+        # what the tracker said of restarted neighbours: the newest incarnation it named,
+        # and where each listens now (also notices that come while this worker sets up:
+        # they are newer than its assignment)
+        self.issued: dict[int, int] = {}
+        self.recovered_at: dict[int, tuple[str, int]] = {}
+        self.connections = Connections(self)
+        self.keeper = LinkKeeper(self)
         self._pending: Waiter | None = None
         self._completed = False  # the agent finished the call; waiting for writes to drain
         self._sent_at = 0.0  # when bytes last left on a link, or a drain wait began
@@ -92,8 +98,8 @@ class Engine(ConnectionsMixin, LinksMixin):
         self._overflow_told = False  # the replay store's first overflow was logged
         self._ckpt_waiter: Waiter | None = None
         self._ckpt_loaded: tuple[int, bytes | None, bytes | None] = (0, None, None)
-        self._closing = False
-        self._failed = asyncio.Event()  # set when the tracker aborts the job
+        self.closing = False
+        self.failed = asyncio.Event()  # set when the tracker aborts the job
 
     # ------------------------------------------------------------------ bootstrap
 
@@ -103,7 +109,7 @@ class Engine(ConnectionsMixin, LinksMixin):
             self.config.timeout_sec
         )
         try:
-            self.loop_thread.run(self._bootstrap(), budget)
+            self.loop_thread.run(self.connections.bootstrap(), budget)
         except BaseException:
             self.close()
             raise
@@ -140,9 +146,9 @@ class Engine(ConnectionsMixin, LinksMixin):
             return
         self._pending = waiter
         self._completed = False
-        self._execute(cmds)
+        self.execute(cmds)
 
-    def _execute(self, cmds: list[Command]) -> None:  # noqa: C901, PLR0912
+    def execute(self, cmds: list[Command]) -> None:  # noqa: C901, PLR0912
         for cmd in cmds:
             if isinstance(cmd, Send):
                 link = self.links.get(cmd.peer)
@@ -206,8 +212,12 @@ class Engine(ConnectionsMixin, LinksMixin):
             "raise rabit2_replay_mb (said once)", self.agent.rank,
             self.agent.replay_overflow, self.config.replay_mb)
 
+    def on_hangup(self, peer: int, reason: str) -> None:
+        """A link closed or failed (its :class:`PeerLink` says so)."""
+        self.keeper.on_hangup(peer, reason)
+
     def on_bytes(self, peer: int, nbytes: int) -> None:
-        self._execute(self.agent.on_bytes(peer, nbytes, self.loop.time()))
+        self.execute(self.agent.on_bytes(peer, nbytes, self.loop.time()))
         if self.faults.kill_at >= 0:
             self.faults.after_bytes(self.links)
 
@@ -238,21 +248,21 @@ class Engine(ConnectionsMixin, LinksMixin):
 
     # ------------------------------------------------------------------ the job and the clock
 
-    def _on_abort(self, reason: str) -> None:
-        self._execute(self.agent.abort(reason))
-        self._failed.set()
+    def on_abort(self, reason: str) -> None:
+        self.execute(self.agent.abort(reason))
+        self.failed.set()
 
-    def _schedule_tick(self) -> None:
+    def schedule_tick(self) -> None:
         interval = min(1.0, self.config.timeout_sec / 4)
         self._tick_handle = self.loop.call_later(interval, self._tick)
 
     def _tick(self) -> None:
         now = self.loop.time()
-        if self._sending_progressed():
+        if self.keeper.sending_progressed():
             self._sent_at = now
             self.agent.on_send_progress(now)
-        self._execute(self.agent.on_tick(now))
-        self._schedule_tick()
+        self.execute(self.agent.on_tick(now))
+        self.schedule_tick()
 
     # ------------------------------------------------------------------ tracker services
 
@@ -277,7 +287,7 @@ class Engine(ConnectionsMixin, LinksMixin):
                           local: bytes | None) -> int:
         version = self.agent.checkpoint(blob)
         if local is not None and self.config.recover:
-            self._execute(self.agent.push_local(local))
+            self.execute(self.agent.push_local(local))
         return version
 
     @property
@@ -316,10 +326,10 @@ class Engine(ConnectionsMixin, LinksMixin):
             self._ckpt_waiter = None
             if isinstance(exc, UnrecoverableError):
                 # the job cannot go on: the neighbours hear it now, the tracker at finalize
-                self._execute(self.agent.fail_load(exc))
+                self.execute(self.agent.fail_load(exc))
             waiter.finish(exc)
             return
-        self._execute(cmds)
+        self.execute(cmds)
 
     def recovery_statistics(self) -> dict[str, int]:
         """The agent's recovery counters (links re-established, bytes fetched, resent...)."""
@@ -357,7 +367,7 @@ class Engine(ConnectionsMixin, LinksMixin):
             # which no peer's error reaches, stops at once instead of at its deadlines
             self.tracker.signal_error(f"{type(error).__name__}: {error}")
         if self.agent.state is not State.TASK_COMPLETE:
-            self._execute(self.agent.shutdown())
+            self.execute(self.agent.shutdown())
         try:
             if self.tracker is not None:
                 await self.tracker.shutdown(wait, hold=hold,
@@ -374,18 +384,16 @@ class Engine(ConnectionsMixin, LinksMixin):
             return
 
         async def _close() -> None:
-            self._closing = True
-            pending = [*self._redials, *self._handshakes]
-            if self._accept_task is not None:
-                pending.append(self._accept_task)
-            self._stop_listening()
+            self.closing = True
+            pending = [*self.keeper.redials, *self.connections.tasks()]
+            self.connections.stop_listening()
             for task in pending:
                 task.cancel()
             # let them unwind here, so that none is destroyed pending with the loop
             await asyncio.gather(*pending, return_exceptions=True)
             if self._tick_handle is not None:
                 self._tick_handle.cancel()
-            for handle in self._partition_checks.values():
+            for handle in self.keeper.partition_checks.values():
                 handle.cancel()
             for link in self.links.values():
                 if link.transport is not None:
