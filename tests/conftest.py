@@ -1,15 +1,10 @@
-"""Shared fixtures: both event loops, real trackers, in-process engines."""
+"""For every folder: ``--slow`` (the soak tests) and the markers it acts on."""
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -23,9 +18,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.fixture(params=["uvloop", "asyncio"])
-def loop_kind(request: pytest.FixtureRequest) -> str:
-    """Every engine test runs under both loops."""
-    return str(request.param)

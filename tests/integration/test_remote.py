@@ -1,7 +1,7 @@
 """tracker.remote, the far end of ``rabit2-submit --cluster ssh``, as a real process.
 
 It is started here as ssh would start it (its stdin a pipe from the launcher); tests/
-test_ssh_cluster.py runs it through a real sshd.
+cluster/test_ssh_cluster.py runs it through a real sshd.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs import assert_gone
 
+from tests.support.jobs import assert_gone
 from tracker.remote import HeaderError, check_header, encode_header
 
 pytestmark = pytest.mark.timeout(60)

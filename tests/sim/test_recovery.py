@@ -15,7 +15,6 @@ import re
 
 import numpy as np
 import pytest
-from simnet import SimNet
 
 from rabit2.core.agent import Agent, Call
 from rabit2.core.framing import CallDescriptor, CollectiveKind
@@ -31,6 +30,7 @@ from rabit2.errors import (
     RabitError,
     UnrecoverableError,
 )
+from tests.sim.simnet import SimNet
 
 BCAST = CollectiveKind.BROADCAST
 GATHER = CollectiveKind.ALLGATHER
