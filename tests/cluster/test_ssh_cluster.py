@@ -204,8 +204,8 @@ def test_no_remote_worker_outlives_its_launcher(
         proc.send_signal(signum)
         proc.wait(timeout=30)
     finally:
-        proc.kill()
-        proc.wait()
+        with proc:  # (closes its pipes)
+            proc.kill()
     deadline = time.monotonic() + 20
     while workers_left(bed):
         assert time.monotonic() < deadline, f"left on the hosts: {workers_left(bed)}"

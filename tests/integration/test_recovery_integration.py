@@ -748,8 +748,8 @@ def test_a_tracker_restarted_at_its_address_takes_the_job_over(tmp_path: Path) -
         _, tracker_err = second.communicate(timeout=30)
     finally:
         for proc in [first, *workers, *([second] if second else [])]:
-            proc.kill()
-            proc.wait()
+            with proc:  # (closes its pipes)
+                proc.kill()
     for i, (out, err) in enumerate(outs):
         assert workers[i].returncode == 0, err
         assert "done" in out, err
