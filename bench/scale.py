@@ -5,7 +5,7 @@
    process, for W in 64, 256, 1024 by default.  Reports wall time from the first connect to
    the last assignment and to the tracker's "job done", plus the tracker's peak memory
    growth (tracemalloc), so that growth with W can be read off the table.
-2. Bytes per link: the in-process simulation (``tests/simnet.py``) runs one tree and one
+2. Bytes per link: the in-process simulation (``tests/sim/simnet.py``) runs one tree and one
    ring allreduce at world sizes up to 1024 and checks every directed link's payload
    against the formulas of ``docs/algorithms.md``.
 
@@ -34,8 +34,8 @@ from rabit2.core.topology import topology
 from rabit2.io.tracker_client import TrackerClient
 from tracker.server import Tracker
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from simnet import SimNet
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the tests package
+from tests.sim.simnet import SimNet
 
 
 async def rendezvous(world: int) -> dict[str, float]:

@@ -1,15 +1,23 @@
-"""Shared fixtures: both event loops, real trackers, in-process engines."""
+"""For every folder: ``--slow`` (the soak tests) and the markers it acts on; an error that an
+event loop reports instead of raising fails the test it happened in.
+
+Warnings are errors (``filterwarnings`` in pyproject.toml), and with them the exceptions
+pytest reports as warnings: one raised in a thread and never caught, one raised where
+Python can only print it (a ``__del__``, a callback of the garbage collector).  An event
+loop, asyncio's or uvloop's, in a test or in an engine's or a tracker's thread, does
+neither: an exception in a callback, or a task's that nobody retrieved, goes to the loop's
+exception handler, whose default only logs it on the ``asyncio`` logger.  Those records
+are collected here and fail the test during which they were logged.
+"""
 
 from __future__ import annotations
 
+import gc
+import logging
 import os
-import sys
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -25,7 +33,41 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-@pytest.fixture(params=["uvloop", "asyncio"])
-def loop_kind(request: pytest.FixtureRequest) -> str:
-    """Every engine test runs under both loops."""
-    return str(request.param)
+class LoopErrors(logging.Handler):
+    """What event loops' default exception handlers logged (at ERROR, on ``asyncio``)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.setFormatter(logging.Formatter("%(message)s"))
+        self.reports: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.reports.append(self.format(record))
+
+    def take(self) -> str:
+        """Everything logged since the last call, one report after another."""
+        reports, self.reports = self.reports, []
+        return "\n\n".join(reports)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def loop_errors() -> Iterator[LoopErrors]:
+    handler = LoopErrors()
+    logger = logging.getLogger("asyncio")
+    logger.addHandler(handler)
+    yield handler
+    # a task dropped with an exception nobody retrieved reports it when it is collected
+    gc.collect()
+    logger.removeHandler(handler)
+    if reports := handler.take():
+        pytest.fail(f"an event loop reported an error after the last test:\n{reports}",
+                    pytrace=False)
+
+
+@pytest.fixture(autouse=True)
+def _loop_errors_fail_the_test(loop_errors: LoopErrors) -> Iterator[None]:
+    # (set up before, and so torn down after, the fixtures that start loops and engines)
+    yield
+    if reports := loop_errors.take():
+        pytest.fail("an event loop reported an error while this test ran (or collected a task\n"
+                    f"an earlier test left with one):\n{reports}", pytrace=False)

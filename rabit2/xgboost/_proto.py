@@ -3,7 +3,7 @@
 XGBoost (2.1 and later, with ``USE_FEDERATED``) sends every collective it needs as one
 unary gRPC call of the service ``xgboost.collective.federated.Federated``.  The contract is
 ``federated.proto`` beside this module; the same descriptor is compiled into
-``libxgboost.so``, and ``tests/test_xgboost_service.py`` checks the two are equal.  Building
+``libxgboost.so``; ``tests/integration/test_xgboost.py`` checks the two are equal.  Building
 the classes from the descriptor at run time (instead of committing ``protoc`` output) keeps
 them working on every protobuf runtime from 4.21 on, which generated code does not.
 """

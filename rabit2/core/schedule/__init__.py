@@ -5,7 +5,7 @@ from each in-link (and where it lands) and what leaves on each out-link (and fro
 The driver tells the plan how far each in-stream has arrived (:meth:`Plan.on_received`); the
 plan reduces what it can and answers how far each out-stream may be sent
 (:meth:`Plan.out_ready`).  Nothing here blocks, reads a clock or touches a socket, so many
-plans can be run against each other in one process (``tests/test_schedule.py``).
+plans can be run against each other in one process (``tests/sim/test_schedule.py``).
 
 Counters only grow.  For the tree allreduce at a node (after rabit's allreduce_base):
 

@@ -1,6 +1,6 @@
 """The sans-I/O agent: framing on the receive side, held frames, failures, deadlines, stats.
 
-Single agents are driven directly with hand-built frames; groups run over ``tests/simnet.py``.
+Single agents are driven directly with hand-built frames; groups run over ``tests/sim/simnet.py``.
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from simnet import SimNet
 
 from rabit2.core.agent import (
     Agent,
@@ -46,6 +45,7 @@ from rabit2.errors import (
     ProtocolError,
     RabitError,
 )
+from tests.sim.simnet import SimNet
 
 BCAST = CollectiveKind.BROADCAST
 TREE, RING = CollectiveKind.ALLREDUCE_TREE, CollectiveKind.ALLREDUCE_RING

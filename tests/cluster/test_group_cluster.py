@@ -20,7 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from jobs import (
+
+from tests.support import WORKERS
+from tests.support.jobs import (
     assert_gone,
     assert_one_model,
     assert_one_xgboost_model,
@@ -235,8 +237,8 @@ def test_xgboost_1_7_workers_under_the_cluster_launchers(
     """XGBoost 1.7.6 workers (the classic rabit protocol) started by srun or mpirun: one
     model, the same as under rabit2-submit --cluster local, and every rank in the summary.
     (The slots run rabit2's Python; the workers run the XGBoost 1.7 environment's.)"""
-    from test_classic_tracker import WORKER as CLASSIC_WORKER  # noqa: PLC0415
-    from test_classic_tracker import xgb17_python  # noqa: PLC0415
+    from tests.integration.test_classic_tracker import WORKER as CLASSIC_WORKER  # noqa: PLC0415
+    from tests.integration.test_classic_tracker import xgb17_python  # noqa: PLC0415
 
     python = xgb17_python()
     kind, env = cluster
@@ -269,7 +271,7 @@ def test_xgboost_training_recovers_under_the_cluster_launchers(
     it takes the training state from its neighbours, and every rank ends with one model."""
     need_federated_xgboost()
     kind, env = cluster
-    worker = str(Path(__file__).parent / "workers" / "xgb_worker.py")
+    worker = str(WORKERS / "xgb_worker.py")
     done = subprocess.run(submit(kind, worker, "--kill", "2,2,mid"), env=env,
                           capture_output=True, text=True, timeout=170, check=False)
     assert done.returncode == 0, done.stdout + done.stderr

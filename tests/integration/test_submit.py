@@ -281,7 +281,7 @@ def test_bind_and_heartbeat_options_are_parsed_and_checked() -> None:
             parse_args(["-n", "2", *bad, "--", "true"])
 
 
-# -- --cluster ssh: the pure parts (tests/test_ssh_cluster.py runs real ssh) ------------------
+# -- --cluster ssh: the pure parts (tests/cluster/test_ssh_cluster.py runs real ssh) ----------
 
 
 def test_parse_host_file() -> None:
@@ -397,7 +397,7 @@ def test_parse_args_ssh_unknown_host(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert "cannot resolve host 'no-such-host.invalid'" in capsys.readouterr().err
 
 
-# -- --cluster slurm / mpi: the pure parts (tests/test_group_cluster.py runs the real ones) --
+# -- --cluster slurm / mpi: the pure parts (tests/cluster/test_group_cluster.py runs the real ones)
 
 
 def test_group_argv_runs_every_worker_under_a_slot() -> None:

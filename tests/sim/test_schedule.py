@@ -7,13 +7,13 @@ import weakref
 
 import numpy as np
 import pytest
-from simnet import SimNet
 
 from rabit2.core.agent import Call
 from rabit2.core.framing import HEADER_SIZE, CollectiveKind
 from rabit2.core.ops import SUPPORTED_DTYPES, Op
 from rabit2.core.schedule import ring_segments
 from rabit2.core.topology import topology
+from tests.sim.simnet import SimNet
 
 WORLDS = [1, 2, 3, 4, 5, 7, 8, 16, 17]
 ALGOS = {"tree": CollectiveKind.ALLREDUCE_TREE, "ring": CollectiveKind.ALLREDUCE_RING,

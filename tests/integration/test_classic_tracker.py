@@ -18,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import ROOT
 from tracker.classic import CLASSIC_MAGIC
 from tracker.server import Tracker
 
-ROOT = Path(__file__).resolve().parent.parent
 CACHE = Path(os.environ.get("RABIT2_TEST_CACHE", Path.home() / ".cache" / "rabit2-tests"))
 SECRET = bytes(range(32))
 

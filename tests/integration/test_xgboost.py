@@ -24,10 +24,10 @@ if not xgboost.build_info().get("USE_FEDERATED"):
 import rabit2  # noqa: E402
 from rabit2.xgboost import _proto  # noqa: E402
 from rabit2.xgboost.service import Endpoint  # noqa: E402
+from tests.support import WORKERS  # noqa: E402
 
 pytestmark = pytest.mark.integration
 
-WORKERS = Path(__file__).parent / "workers"
 LINE = re.compile(r"xgb rank=(\d+) world=(\d+) model=([0-9a-f]{64}) pred=([0-9a-f]{64})")
 
 

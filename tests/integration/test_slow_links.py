@@ -1,7 +1,7 @@
 """Deadlines measure progress, not time: a transfer over a slow link that takes longer than
 the progress deadline completes as long as bytes keep moving.
 
-The job runs inside one network namespace (tests/netns.py) whose loopback is shaped with
+The job runs inside one network namespace (tests/support/netns.py) whose loopback is shaped with
 ``tc`` to a few Mbit/s; nothing outside the namespace is slowed.  Skipped, with the reason,
 where namespaces or ``tc`` are missing."""
 
@@ -14,8 +14,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import netns
 import pytest
+
+from tests.support import netns
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

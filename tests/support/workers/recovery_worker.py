@@ -1,4 +1,5 @@
-"""Worker program for the lazy-recovery integration tests (tests/test_recovery_integration.py).
+"""Worker program for the lazy-recovery integration tests
+(tests/integration/test_recovery_integration.py).
 
 Run under ``rabit2-submit``.  It runs ``--iters`` iterations; iteration ``it`` is checkpoint
 version ``it`` and makes the calls named by ``--calls`` (seqno = position in the list):

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs import assert_gone, assert_one_model, wait_until
 
+from tests.support.jobs import assert_gone, assert_one_model, wait_until
 from tracker.server import TrackerThread
 from tracker.slot import restart_refused
 

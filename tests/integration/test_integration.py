@@ -6,12 +6,10 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKERS = Path(__file__).resolve().parent / "workers"
+from tests.support import ROOT, WORKERS
 
 
 def submit(n: int, *cmd: str, loop: str = "uvloop", timeout: float = 240,

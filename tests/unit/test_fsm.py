@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from pathlib import Path
 
 import pytest
 
@@ -17,8 +16,8 @@ from rabit2.core.fsm import (
     transition,
 )
 from rabit2.errors import RabitError
+from tests.support import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 ALL_PAIRS = list(itertools.product(State, Event))
 LISTED = [pair for pair in ALL_PAIRS if pair in TRANSITIONS]
 UNLISTED = [pair for pair in ALL_PAIRS if pair not in TRANSITIONS]

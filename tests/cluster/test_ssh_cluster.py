@@ -1,6 +1,6 @@
 """``rabit2-submit --cluster ssh`` across hosts: real sshd servers in network namespaces.
 
-Three hosts on a private bridge (tests/netns.py): the launcher, with its tracker, runs on
+Three hosts on a private bridge (tests/support/netns.py): the launcher, with its tracker, runs on
 host 1; an sshd on each of hosts 2 and 3 starts two workers each.  Every byte stays in the
 namespaces.  Skipped (with the reason) where namespaces or OpenSSH are missing; `.ci/run`
 installs openssh-server.
@@ -20,9 +20,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import netns
 import pytest
-from jobs import assert_one_model, assert_one_xgboost_model, need_federated_xgboost
+
+from tests.support import WORKERS, netns
+from tests.support.jobs import assert_one_model, assert_one_xgboost_model, need_federated_xgboost
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -203,8 +204,8 @@ def test_no_remote_worker_outlives_its_launcher(
         proc.send_signal(signum)
         proc.wait(timeout=30)
     finally:
-        proc.kill()
-        proc.wait()
+        with proc:  # (closes its pipes)
+            proc.kill()
     deadline = time.monotonic() + 20
     while workers_left(bed):
         assert time.monotonic() < deadline, f"left on the hosts: {workers_left(bed)}"
@@ -290,8 +291,8 @@ def test_xgboost_1_7_workers_across_hosts_with_the_classic_protocol(
     """XGBoost 1.7.6 workers (the classic rabit engine) on two hosts, their tracker on a
     third: served with --classic any (the protocol has no secret), the same model as the
     same job on one host."""
-    from test_classic_tracker import WORKER as CLASSIC_WORKER  # noqa: PLC0415
-    from test_classic_tracker import xgb17_python  # noqa: PLC0415
+    from tests.integration.test_classic_tracker import WORKER as CLASSIC_WORKER  # noqa: PLC0415
+    from tests.integration.test_classic_tracker import xgb17_python  # noqa: PLC0415
 
     python = xgb17_python()
     bed, keys = cluster
@@ -348,7 +349,7 @@ def test_xgboost_training_across_hosts_recovers_a_remote_worker(
     restarted on its host and every rank ends with one model."""
     need_federated_xgboost()
     bed, keys = cluster
-    worker = str(Path(__file__).parent / "workers" / "xgb_worker.py")
+    worker = str(WORKERS / "xgb_worker.py")
     done = subprocess.run(submit(bed, keys, worker, "--kill", "2,2,mid"), check=False,
                           capture_output=True, text=True, timeout=170, cwd=keys)
     assert done.returncode == 0, done.stdout + done.stderr

@@ -54,7 +54,7 @@ def need_federated_xgboost() -> None:
 
 
 def assert_one_xgboost_model(stdout: str, world: int) -> None:
-    """Every rank of a ``tests/workers/xgb_worker.py`` job printed the same model digest."""
+    """Every rank of a ``tests/support/workers/xgb_worker.py`` job printed the same model digest."""
     found = re.findall(rf"xgb rank=(\d+) world={world} model=([0-9a-f]{{64}})", stdout)
     assert sorted(int(rank) for rank, _ in found) == list(range(world)), stdout
     assert len({model for _, model in found}) == 1, found

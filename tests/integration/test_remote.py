@@ -1,7 +1,7 @@
 """tracker.remote, the far end of ``rabit2-submit --cluster ssh``, as a real process.
 
 It is started here as ssh would start it (its stdin a pipe from the launcher); tests/
-test_ssh_cluster.py runs it through a real sshd.
+cluster/test_ssh_cluster.py runs it through a real sshd.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from jobs import assert_gone
 
+from tests.support.jobs import assert_gone
 from tracker.remote import HeaderError, check_header, encode_header
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,7 +34,8 @@ def finish(proc: subprocess.Popen[bytes], header: bytes) -> tuple[str, str]:
     proc.stdin.flush()
     proc.wait(timeout=20)
     proc.stdin.close()
-    return proc.stdout.read().decode(), proc.stderr.read().decode()
+    with proc:  # (closes its pipes)
+        return proc.stdout.read().decode(), proc.stderr.read().decode()
 
 
 def test_runs_the_command_with_the_job_environment_and_returns_its_status() -> None:
@@ -75,6 +76,8 @@ def test_the_launcher_going_away_stops_the_whole_process_group(tmp_path: Path) -
     started = time.monotonic()
     proc.stdin.close()
     proc.wait(timeout=20)
+    proc.stdout.close()
+    proc.stderr.close()
     assert time.monotonic() - started < 10
     assert proc.returncode == 128 + 9  # SIGTERM was ignored, SIGKILL was not
     assert_gone((worker, grandchild), 10)
@@ -111,6 +114,8 @@ def test_no_job_description_in_time_is_an_error_not_a_hang() -> None:
     assert "no job description on stdin within 0.5 s" in proc.stderr.read().decode()
     assert time.monotonic() - started < 15
     proc.stdin.close()
+    proc.stdout.close()
+    proc.stderr.close()
 
 
 def test_an_unstartable_command_exits_127() -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-PEERS = Path(__file__).resolve().parent.parent / "bench" / "peers"
+from tests.support import ROOT
+
+PEERS = ROOT / "bench" / "peers"
 
 
 def _assigned(path: Path, name: str) -> object:

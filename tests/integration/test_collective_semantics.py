@@ -8,15 +8,15 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import rabit2
 from rabit2 import collective
+from tests.support import WORKERS
 
-WORKER = Path(__file__).parent / "workers" / "collective_semantics.py"
+WORKER = WORKERS / "collective_semantics.py"
 
 
 def _reports(out: str) -> dict[int, dict[str, object]]:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support import ROOT
+
 PACKAGE = ROOT / "rabit2"
 
 # what the sans-I/O core must never touch: it is driven by events and told the time

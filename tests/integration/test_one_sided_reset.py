@@ -1,6 +1,6 @@
 """A reset that only one end of a link sees: the other end takes the re-dial at once.
 
-The job runs inside one network namespace (tests/netns.py) whose loopback drops every TCP
+The job runs inside one network namespace (tests/support/netns.py) whose loopback drops every TCP
 segment with RST set (``tc`` u32 filter), so when a worker aborts its link mid-call the
 neighbour never hears of it: its end of the old connection still looks up, and neither
 keepalive (about 25 s) nor a retransmission timeout would find it soon.  The worker that
@@ -15,15 +15,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
-import netns
 import pytest
+
+from tests.support import ROOT, WORKERS, netns
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = ROOT / "tests" / "workers" / "recovery_worker.py"
+WORKER = WORKERS / "recovery_worker.py"
 R = 2  # the ring allreduce's seqno in the worker's default program
 
 

@@ -2,10 +2,10 @@
 replays from its neighbours' checkpoint, fetches the calls they finished and resumes the one
 they are blocked in; a reset link between two live workers is dialed again.
 
-Every job runs ``tests/workers/recovery_worker.py`` (or the GBDT example) and every result is
-compared bit for bit with a run of the same program without a fault: each rank prints a
-sha256 chained over all its results (``DIGEST rank=R <hex>``), which must be the same on
-every rank and equal to the no-fault run's.
+Every job runs ``tests/support/workers/recovery_worker.py`` (or the GBDT example) and
+every result is compared bit for bit with a run of the same program without a fault: each
+rank prints a sha256 chained over all its results (``DIGEST rank=R <hex>``), which must be
+the same on every rank and equal to the no-fault run's.
 
 The worker's default program, per iteration ``v`` (= checkpoint version, 4 of them):
 seqno 0 a tree allreduce of 30 000 int64, 1 a small allreduce, 2 a ring allreduce of
@@ -33,9 +33,9 @@ import pytest
 
 from rabit2 import errors
 from rabit2.core.topology import topology
+from tests.support import ROOT, WORKERS
 
-ROOT = Path(__file__).resolve().parent.parent
-WORKER = Path(__file__).resolve().parent / "workers" / "recovery_worker.py"
+WORKER = WORKERS / "recovery_worker.py"
 
 T, S, R, B = 0, 1, 2, 3  # seqno of each call in an iteration of the default program
 TREE_BYTES = 30_000 * 8
@@ -748,8 +748,8 @@ def test_a_tracker_restarted_at_its_address_takes_the_job_over(tmp_path: Path) -
         _, tracker_err = second.communicate(timeout=30)
     finally:
         for proc in [first, *workers, *([second] if second else [])]:
-            proc.kill()
-            proc.wait()
+            with proc:  # (closes its pipes)
+                proc.kill()
     for i, (out, err) in enumerate(outs):
         assert workers[i].returncode == 0, err
         assert "done" in out, err
@@ -781,7 +781,7 @@ def test_gbdt_example_survives_a_kill(mock: str, victim: int, loop_kind: str) ->
 
 
 def _run_local_model_worker(mock: str) -> str:
-    worker = Path(__file__).resolve().parent / "workers" / "local_model_worker.py"
+    worker = WORKERS / "local_model_worker.py"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("RABIT2_RECOVER", None)
     proc = subprocess.run(
@@ -827,7 +827,7 @@ def test_a_worker_killed_after_its_last_collective_rejoins(victim: int, where: s
     assert f"DYING rank={victim} before {where}" in job.stdout, job.tail()
     assert_recovered(job, 3, {victim: 1}, ("--iters=2",))
     # the others took the last checkpoint (before they finalized): the replacement loads it
-    # and has nothing to replay (tests/test_recovery.py replays from finalized neighbours)
+    # and has nothing to replay (tests/sim/test_recovery.py replays from finalized neighbours)
     mine = job.stats()[victim, 1]
     assert mine["replayed_calls"] == 0 and 0 < mine["fetched_bytes"] <= CHECKPOINT_SLACK, mine
     assert not job.leftovers()

@@ -1,0 +1,1 @@
+"""Jobs across several hosts: network namespaces with sshd, Slurm and mpirun."""

@@ -1,0 +1,1 @@
+"""Many agents in one process over the seeded in-memory network, fault plans included."""

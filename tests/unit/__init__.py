@@ -1,0 +1,1 @@
+"""Pure checks of one module at a time: codecs, tables, plans, configuration; no sockets."""
