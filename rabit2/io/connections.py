@@ -56,6 +56,9 @@ class Connections:
         self._handshakes: set[asyncio.Task[None]] = set()
         # accepted, not yet authenticated -> when (the oldest is dropped past the cap)
         self._unauthenticated: dict[asyncio.Task[Any], float] = {}
+        # handshake tasks that have not run yet -> their socket: one cancelled before it
+        # first ran never reaches its own close, so dropping it closes the socket here
+        self._unstarted: dict[asyncio.Task[Any], socket.socket] = {}
         self._refusals = RateLimitedLog(logger)
 
     # ------------------------------------------------------------------ bootstrap
@@ -285,19 +288,27 @@ class Connections:
                 oldest = min(self._unauthenticated, key=self._unauthenticated.__getitem__)
                 del self._unauthenticated[oldest]
                 oldest.cancel()
+                unstarted = self._unstarted.pop(oldest, None)
+                if unstarted is not None:
+                    unstarted.close()
                 self._refusals.warning("peer port: dropped the oldest of %d unfinished "
                                        "handshakes to admit %s", _MAX_PEER_HANDSHAKES, addr)
             task = loop.create_task(self._accept_one(sock, addr))
             self._handshakes.add(task)  # keep a reference until it finishes
             self._unauthenticated[task] = loop.time()
+            self._unstarted[task] = sock
             task.add_done_callback(self._handshakes.discard)
             task.add_done_callback(self._forget_handshake)
 
     def _forget_handshake(self, task: asyncio.Task[Any]) -> None:
         self._unauthenticated.pop(task, None)
+        self._unstarted.pop(task, None)
 
     async def _accept_one(self, sock: socket.socket, addr: Any) -> None:
         loop = asyncio.get_running_loop()
+        me = asyncio.current_task()
+        if me is not None:
+            self._unstarted.pop(me, None)  # (from here, this task closes its socket)
         tune_socket(sock)
         claimed: list[tuple[int, int]] = []
 
