@@ -14,7 +14,6 @@ import os
 import pickle
 import signal
 import socket
-import struct
 import sys
 import threading
 from collections.abc import Callable, Iterable
@@ -23,17 +22,23 @@ from typing import Any
 import numpy as np
 
 from rabit2.config import Config, load_config
-from rabit2.core.framing import CollectiveKind
+from rabit2.core.framing import (
+    BROADCAST_HEAD,
+    GATHER_INFO,
+    HEAD_ARRAY,
+    HEAD_PICKLE,
+    MAX_NDIM,
+    CollectiveKind,
+    pack_broadcast_head,
+    shape_tag,
+    unpack_broadcast_head,
+)
 from rabit2.core.ops import Op, check_op_dtype, dtype_code, dtype_from_code
 from rabit2.core.records import Call
 from rabit2.errors import JobAbortedError, MismatchError, NotInitializedError, RabitError
 
 logger = logging.getLogger("rabit2")
 
-# broadcast sends a fixed descriptor first, then the payload (rabit sends a length first)
-_DESC = struct.Struct("<BBBxIQ8Q")  # kind, dtype code, ndim, pad, reserved, nbytes, shape[8]
-_DESC_PICKLE, _DESC_ARRAY = 1, 2
-_MAX_NDIM = 8
 
 
 class _Communicator:
@@ -332,15 +337,13 @@ def broadcast(data: Any, root: int) -> Any:
             _pickle(data)  # the same TypeError alone as in a job
         return data
     if comm.rank == root:
-        desc = bytearray(_DESC.size)
-        if isinstance(data, np.ndarray) and data.ndim <= _MAX_NDIM and _supported(data.dtype):
+        if isinstance(data, np.ndarray) and data.ndim <= MAX_NDIM and _supported(data.dtype):
             payload = _flat_bytes(np.ascontiguousarray(data))
-            shape = list(data.shape) + [0] * (_MAX_NDIM - data.ndim)
-            _DESC.pack_into(desc, 0, _DESC_ARRAY, dtype_code(data.dtype), data.ndim, 0,
-                            len(payload), *shape)
+            desc = pack_broadcast_head(HEAD_ARRAY, dtype_code(data.dtype), data.shape,
+                                       len(payload))
         else:
             payload = memoryview(_pickle(data))
-            _DESC.pack_into(desc, 0, _DESC_PICKLE, 0, 0, 0, len(payload), *([0] * _MAX_NDIM))
+            desc = pack_broadcast_head(HEAD_PICKLE, 0, (), len(payload))
         # one call: the head (kind, dtype, shape, size) and the payload as one stream
         _run(Call(CollectiveKind.BROADCAST, memoryview(b""), root=root,
                   pieces=(memoryview(desc), payload)))
@@ -349,12 +352,9 @@ def broadcast(data: Any, root: int) -> Any:
 
     def place(head: memoryview) -> memoryview:
         """Called on the loop thread once the head arrived: where the payload goes."""
-        kind, code, ndim, _, nbytes, *shape = _DESC.unpack(head)
-        if kind == _DESC_ARRAY:
-            if ndim > _MAX_NDIM:
-                raise ValueError(f"broadcast head has {ndim} dimensions")
+        kind, code, dims, nbytes = unpack_broadcast_head(head)
+        if kind == HEAD_ARRAY:
             dtype = dtype_from_code(code)
-            dims = tuple(shape[:ndim])
             if math.prod(dims) * dtype.itemsize != nbytes:  # (exact: Python ints)
                 raise ValueError(f"broadcast head: shape {dims} of {dtype} is not {nbytes} B")
             if (isinstance(data, np.ndarray) and data.dtype == dtype and data.shape == dims
@@ -364,14 +364,14 @@ def broadcast(data: Any, root: int) -> Any:
                 out = np.empty(dims, dtype=dtype)
             received["array"] = out
             return _flat_bytes(out)
-        if kind != _DESC_PICKLE:
+        if kind != HEAD_PICKLE:
             raise ValueError(f"broadcast head of unknown kind {kind}")
         blob = bytearray(nbytes)
         received["pickle"] = blob
         return memoryview(blob)
 
     _run(Call(CollectiveKind.BROADCAST, memoryview(b""), root=root, receive=place,
-              head_size=_DESC.size))
+              head_size=BROADCAST_HEAD.size))
     if "array" in received:
         return received["array"]
     return pickle.loads(received["pickle"])
@@ -395,9 +395,6 @@ def _supported(dtype: np.dtype) -> bool:
 # ----------------------------------------------------------------------------- allgather
 
 
-_GATHER_INFO = 4  # uint64 per rank: nbytes, dtype code, rows, hash of trailing shape
-
-
 def allgather(data: Any) -> np.ndarray:
     """Concatenate every rank's array along axis 0, in rank order, on every rank.
 
@@ -412,13 +409,12 @@ def allgather(data: Any) -> np.ndarray:
     arr = np.ascontiguousarray(data).reshape(data.shape if data.ndim else (1,))
     if comm.engine is None:
         return arr.copy()
-    trailing = hash(tuple(arr.shape[1:])) & (2**63 - 1)
-    info = np.zeros(comm.world * _GATHER_INFO, dtype=np.uint64)
-    mine = slice(comm.rank * _GATHER_INFO, (comm.rank + 1) * _GATHER_INFO)
-    info[mine] = (arr.nbytes, code, arr.shape[0], trailing)
-    blocks = tuple((r * _GATHER_INFO * 8, (r + 1) * _GATHER_INFO * 8) for r in range(comm.world))
+    info = np.zeros(comm.world * GATHER_INFO, dtype=np.uint64)
+    mine = slice(comm.rank * GATHER_INFO, (comm.rank + 1) * GATHER_INFO)
+    info[mine] = (arr.nbytes, code, arr.shape[0], shape_tag(arr.shape[1:]))
+    blocks = tuple((r * GATHER_INFO * 8, (r + 1) * GATHER_INFO * 8) for r in range(comm.world))
     _run(Call(CollectiveKind.ALLGATHER, _flat_bytes(info), blocks=blocks))
-    table = info.reshape(comm.world, _GATHER_INFO)
+    table = info.reshape(comm.world, GATHER_INFO)
     if len({(int(c), int(t)) for _, c, _, t in table}) != 1:
         raise MismatchError(
             "allgather: ranks passed different dtypes or trailing shapes: "

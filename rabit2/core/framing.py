@@ -248,3 +248,45 @@ def decode_error(payload: bytes | bytearray | memoryview) -> tuple[str, str, int
             or not isinstance(origin, int) or isinstance(origin, bool)):
         raise ProtocolError("error frame lacks a known type, a reason or an origin")
     return error_type, reason, origin
+
+
+# ----------------------------------------------------------------------------- API payloads
+# The layouts the API puts inside a collective's stream: they travel as data, but every rank
+# reads them, so they are wire formats like the frames above.
+
+BROADCAST_HEAD = struct.Struct("<BBBxIQ8Q")
+"""What an API broadcast sends before its payload, in the same stream: kind, dtype code,
+ndim, pad, reserved, payload bytes, shape[8] (rabit sends a length first)."""
+HEAD_PICKLE, HEAD_ARRAY = 1, 2
+"""A broadcast head's kinds: a pickled object, or a numpy array's raw bytes."""
+MAX_NDIM = 8
+
+
+def pack_broadcast_head(kind: int, code: int, shape: tuple[int, ...], nbytes: int) -> bytearray:
+    """The head of a broadcast of ``nbytes`` payload bytes (``code`` and ``shape``: an
+    array's dtype code and shape; 0 and () for a pickle)."""
+    head = bytearray(BROADCAST_HEAD.size)
+    BROADCAST_HEAD.pack_into(head, 0, kind, code, len(shape), 0, nbytes,
+                             *shape, *([0] * (MAX_NDIM - len(shape))))
+    return head
+
+
+def unpack_broadcast_head(head: bytes | bytearray | memoryview
+                          ) -> tuple[int, int, tuple[int, ...], int]:
+    """``(kind, dtype code, shape, payload bytes)``.  Raises ``ValueError`` for more than
+    :data:`MAX_NDIM` dimensions."""
+    kind, code, ndim, _, nbytes, *shape = BROADCAST_HEAD.unpack(head)
+    if kind == HEAD_ARRAY and ndim > MAX_NDIM:
+        raise ValueError(f"broadcast head has {ndim} dimensions")
+    return kind, code, tuple(shape[:ndim]), nbytes
+
+
+GATHER_INFO = 4
+"""uint64 words per rank in an allgather's first round: payload bytes, dtype code, rows,
+and a tag of the trailing shape (which must agree on every rank)."""
+
+
+def shape_tag(shape: tuple[int, ...]) -> int:
+    """A 63-bit tag of a tuple of ints that equal tuples share on every rank (the hash of a
+    tuple of ints does not depend on the process: no hash randomization applies to ints)."""
+    return hash(tuple(int(d) for d in shape)) & (2**63 - 1)

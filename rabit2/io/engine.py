@@ -292,8 +292,10 @@ class Engine:
 
     @property
     def restarted(self) -> bool:
-        """This worker replaces a lost one and replays (decided at init)."""
-        return self.agent.restarted
+        """This worker replaces a lost one and replays (decided at init, from the
+        assignment: the API thread asks, and must not read the loop thread's agent)."""
+        assignment = self.assignment
+        return self.config.recover and assignment is not None and assignment.incarnation > 0
 
     def choose_allreduce(self, nbytes: int, itemsize: int) -> CollectiveKind:
         """The allreduce algorithm for ``nbytes`` of ``itemsize``-byte elements (the API
@@ -302,7 +304,13 @@ class Engine:
         return choose_allreduce(nbytes, itemsize, world, self.config.reduce_ring_mincount)
 
     def replays_next(self) -> bool:
-        """The next call's result comes from a neighbour (``prepare_fun`` is skipped)."""
+        """The next call's result comes from a neighbour (``prepare_fun`` is skipped).  Only
+        a restarted worker can replay; it asks its agent on the loop thread."""
+        if not self.restarted:
+            return False
+        return self.loop_thread.run(self._replays_next(), self.config.timeout_sec)
+
+    async def _replays_next(self) -> bool:
         return self.agent.replays()
 
     def load_checkpoint(self, with_local: bool = False) -> tuple[int, bytes | None, bytes | None]:
