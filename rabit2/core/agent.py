@@ -20,7 +20,7 @@ from typing import Any
 
 from rabit2.core import fsm, progress
 from rabit2.core.framing import CollectiveKind, error_from_wire, error_type_of
-from rabit2.core.fsm import TRANSITIONS
+from rabit2.core.fsm import TRANSITIONS, Mode
 from rabit2.core.pair import Receiver
 from rabit2.core.planning import Planner
 from rabit2.core.records import (
@@ -34,7 +34,6 @@ from rabit2.core.records import (
     CloseLink,
     Command,
     Link,
-    Mode,
     PauseReading,
     ResumeReading,
     Send,

@@ -165,6 +165,60 @@ TRANSITIONS: Mapping[tuple[State, Event], State] = MappingProxyType(_table)
 del _table
 
 
+# ----------------------------------------------------------------------------- per link
+
+
+class Mode(enum.Enum):
+    """What the next bytes from a peer are (each link has its own receive mode)."""
+
+    __hash__ = object.__hash__
+
+    HEADER = "header"  # a frame header (and whatever small payload follows it in the stage)
+    PAYLOAD = "payload"  # a DATA frame's payload, landing in the call's plan
+    BODY = "body"  # the msgpack payload of an ERROR or CONTROL frame
+    HELD = "held"  # a header of a later call was read; the link is paused until that call starts
+    BLOB = "blob"  # the raw bytes a "reply" announced, landing where the fetch said
+
+
+class LinkEvent(enum.Enum):
+    __hash__ = object.__hash__
+
+    DATA = "data"  # a DATA header of the call in progress, with a payload
+    BODY = "control-or-error"  # a CONTROL or ERROR header
+    BLOB = "blob"  # the BLOB header a reply announced
+    LATER_CALL = "later-call"  # a header of a call this rank has not begun
+    FRAME_DONE = "frame-done"  # the frame is whole (and verified): the next is a header
+    CALL_BEGAN = "call-began"  # the call a held header belongs to began
+    RESET = "reset"  # a new connection: nothing of the old one's framing carries over
+
+
+LINK_MODES: Mapping[tuple[Mode, LinkEvent], Mode] = MappingProxyType({
+    (Mode.HEADER, LinkEvent.DATA): Mode.PAYLOAD,
+    (Mode.HEADER, LinkEvent.BODY): Mode.BODY,
+    (Mode.HEADER, LinkEvent.BLOB): Mode.BLOB,
+    (Mode.HEADER, LinkEvent.LATER_CALL): Mode.HELD,
+    # an empty DATA frame (an announce), or a blob of 0 B: whole with its header
+    (Mode.HEADER, LinkEvent.FRAME_DONE): Mode.HEADER,
+    (Mode.PAYLOAD, LinkEvent.FRAME_DONE): Mode.HEADER,
+    (Mode.BODY, LinkEvent.FRAME_DONE): Mode.HEADER,
+    (Mode.BLOB, LinkEvent.FRAME_DONE): Mode.HEADER,
+    (Mode.HELD, LinkEvent.CALL_BEGAN): Mode.HEADER,
+    **{(mode, LinkEvent.RESET): Mode.HEADER for mode in Mode},
+})
+"""A link's receive modes: ``(mode, event) -> next mode``.  The receive side
+(``rabit2.core.pair``) moves a link only through this table; a pair not listed is a bug."""
+
+
+def link_transition(mode: Mode, event: LinkEvent) -> Mode:
+    """The next receive mode, or :class:`InvalidTransition` for a pair not listed."""
+    try:
+        return LINK_MODES[(mode, event)]
+    except KeyError:
+        raise InvalidTransition(
+            f"link event {event.value!r} is not valid in receive mode {mode.value!r}"
+        ) from None
+
+
 def transition(state: State, event: Event) -> State:
     """The next state, or :class:`InvalidTransition` for a pair the table does not list."""
     try:
@@ -206,7 +260,12 @@ def render_markdown() -> str:
     for (state, event), nxt in TRANSITIONS.items():
         if state is not nxt:
             lines.append(f"    {state.name} --> {nxt.name}: {event.value}")
-    lines += ["```", ""]
+    lines += ["```", "", "## A link's receive mode", "",
+              "Each peer link has its own receive mode (`LINK_MODES`): what its next bytes "
+              "are.", "", "| mode | event | next mode |", "| --- | --- | --- |"]
+    for (mode, link_event), nxt_mode in LINK_MODES.items():
+        lines.append(f"| {mode.value} | {link_event.value} | {nxt_mode.value} |")
+    lines.append("")
     return "\n".join(lines)
 
 

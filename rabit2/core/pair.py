@@ -35,12 +35,12 @@ from rabit2.core.framing import (
     parse_header,
     unpack_tail,
 )
+from rabit2.core.fsm import LinkEvent, Mode
 from rabit2.core.records import (
     ActiveCall,
     CloseLink,
     Command,
     Link,
-    Mode,
     PauseReading,
     ResumeReading,
 )
@@ -134,7 +134,7 @@ class Receiver:
                     link.pos += nbytes
                     self.received(active.plan, peer, link.pos)
                     if link.remaining == 0:
-                        link.mode = Mode.HEADER
+                        link.go(LinkEvent.FRAME_DONE)
                         link.filled = 0
                 else:
                     # a checked frame: no byte of it is used before all of it is verified
@@ -143,7 +143,7 @@ class Receiver:
                     link.crc = checksum(link.check_buf[at : link.filled], link.crc)
                     if link.remaining:
                         return cmds
-                    link.mode = Mode.HEADER
+                    link.go(LinkEvent.FRAME_DONE)
                     self._verified(peer, link, active.plan)
                 self.agent.advance(cmds)
             elif link.mode is Mode.HEADER:
@@ -154,7 +154,8 @@ class Receiver:
             elif link.mode is Mode.BODY:
                 link.filled += nbytes
                 if link.filled == len(link.error_buf):
-                    link.mode, link.filled = Mode.HEADER, 0
+                    link.go(LinkEvent.FRAME_DONE)
+                    link.filled = 0
                     self._check_whole(link, link.error_buf)
                     self._on_body(peer, link, now, cmds)
                 else:
@@ -235,7 +236,7 @@ class Receiver:
             self.bytes_received += take
             self.agent.last_progress = now
             if not link.remaining:
-                link.mode = Mode.HEADER
+                link.go(LinkEvent.FRAME_DONE)
                 if link.expect >= 0:
                     self._verified(peer, link, plan)
         elif link.mode is Mode.BODY:
@@ -246,7 +247,8 @@ class Receiver:
             link.start += take
             link.filled += take
             if link.filled == len(link.error_buf):
-                link.mode, link.filled = Mode.HEADER, 0
+                link.go(LinkEvent.FRAME_DONE)
+                link.filled = 0
                 self._check_whole(link, link.error_buf)
                 self._on_body(peer, link, now, cmds)
         elif link.mode is Mode.BLOB:
@@ -335,7 +337,8 @@ class Receiver:
                 raise ProtocolError(f"empty {frame.kind.name.lower()} frame from rank {peer}")
             link.error_buf = bytearray(frame.length)
             link.body_kind = frame.kind
-            link.mode, link.filled = Mode.BODY, 0
+            link.go(LinkEvent.BODY)
+            link.filled = 0
             link.expect = -1 if frame.payload_crc is None else frame.payload_crc
             return
         if frame.kind is FrameKind.BLOB:
@@ -343,7 +346,8 @@ class Receiver:
             if fetch is None or frame.length != len(link.blob):
                 raise ProtocolError(f"rank {peer} sent a blob of {frame.length} B that no "
                                     "reply announced")
-            link.mode, link.filled, link.remaining = Mode.BLOB, 0, frame.length
+            link.go(LinkEvent.BLOB)
+            link.filled, link.remaining = 0, frame.length
             link.expect = -1 if frame.payload_crc is None else frame.payload_crc
             return
         active = self.agent.active
@@ -358,7 +362,8 @@ class Receiver:
                 # for that peer's bytes means the ranks' call sequences diverged (an extra
                 # collective or checkpoint on one side); waiting would hang until the deadline
                 raise self._diverged(peer, frame.call_id, current)
-            link.mode, link.frame = Mode.HELD, frame
+            link.go(LinkEvent.LATER_CALL)
+            link.frame = frame
             cmds.append(PauseReading(peer))
             return
         self._accept_frame(peer, link, frame, active, now, cmds)
@@ -449,7 +454,8 @@ class Receiver:
         link.seen_version = active.call_id[0]
         self.agent.last_progress = now
         if length:
-            link.mode, link.remaining = Mode.PAYLOAD, length
+            link.go(LinkEvent.DATA)
+            link.remaining = length
             if crc is None:
                 link.expect = -1
             else:
@@ -457,7 +463,7 @@ class Receiver:
                 if len(link.check_buf) < length:
                     link.check_buf = memoryview(bytearray(CHECKED_FRAME))
         else:
-            link.mode = Mode.HEADER  # (an announce: the pass after this frame completes)
+            link.go(LinkEvent.FRAME_DONE)  # (an announce: the pass after it completes)
 
     def release_held(self, held: list[int], active: ActiveCall, now: float,
                      cmds: list[Command]) -> bool:
@@ -471,7 +477,7 @@ class Receiver:
             link.remaining = 0
             assert link.frame is not None
             if link.frame.call_id == call_id:
-                link.mode = Mode.HEADER
+                link.go(LinkEvent.CALL_BEGAN)
                 try:
                     self._accept_frame(peer, link, link.frame, active, now, cmds)
                     self._take_staged(peer, link, now, cmds)

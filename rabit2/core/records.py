@@ -9,7 +9,6 @@ socket.
 from __future__ import annotations
 
 import dataclasses
-import enum
 
 import numpy as np
 
@@ -23,6 +22,7 @@ from rabit2.core.framing import (
     FrameKind,
     data_prefix,
 )
+from rabit2.core.fsm import LinkEvent, Mode, link_transition
 from rabit2.core.ops import Op
 from rabit2.core.recovery.peer_state import PeerState
 from rabit2.core.recovery.store import CallId
@@ -133,14 +133,6 @@ STAGE_SIZE = 16 * 1024  # holds a small call whole; larger payloads land zero-co
 NO_VIEW = memoryview(b"")
 
 
-class Mode(enum.Enum):
-    HEADER = 1
-    PAYLOAD = 2
-    BODY = 3  # the msgpack payload of an ERROR or CONTROL frame
-    HELD = 4  # a header of a later call was read; the link is paused until that call starts
-    BLOB = 5  # the raw bytes a "reply" announced, landing where the fetch said
-
-
 class Link:
     """Receive-side framing state of one peer link."""
 
@@ -197,9 +189,13 @@ class Link:
         # a replaying peer's needs for calls this rank has not begun yet (call -> offset)
         self.pending_needs: dict[CallId, int] = {}
 
+    def go(self, event: LinkEvent) -> None:
+        """Move the receive mode through :data:`rabit2.core.fsm.LINK_MODES`."""
+        self.mode = link_transition(self.mode, event)
+
     def reset_framing(self, pos: int) -> None:
         """A new connection: nothing of the old one's partial frames carries over."""
-        self.mode = Mode.HEADER
+        self.go(LinkEvent.RESET)
         self.start = self.end = self.filled = self.remaining = 0
         self.expect = -1
         self.frame = None

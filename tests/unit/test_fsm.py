@@ -8,10 +8,14 @@ from collections import deque
 import pytest
 
 from rabit2.core.fsm import (
+    LINK_MODES,
     TRANSITIONS,
     Event,
     InvalidTransition,
+    LinkEvent,
+    Mode,
     State,
+    link_transition,
     render_markdown,
     transition,
 )
@@ -164,3 +168,49 @@ def test_render_markdown_lists_every_transition() -> None:
         assert f"| {state.value} | {event.value} | {nxt.value} |" in text
     for state in State:
         assert f"| {state.value} | " in text
+
+
+# ----------------------------------------------------------------------------- fired events
+
+
+def _core_source() -> str:
+    return "\n".join(p.read_text() for p in sorted((ROOT / "rabit2" / "core").rglob("*.py"))
+                     if p.name != "fsm.py")
+
+
+@pytest.mark.parametrize("event", list(Event), ids=lambda e: e.name)
+def test_every_event_of_the_table_is_fired_by_the_agent(event: Event) -> None:
+    """An event nothing fires is table entries that decide nothing: delete it."""
+    source = _core_source()
+    fired = f"Event.{event.name}" in source or (
+        event.name.startswith(("CALL_", "RESUME_")) and "_EVENTS" in source)
+    assert fired, f"nothing in rabit2/core fires {event.name}"
+
+
+# ----------------------------------------------------------------------------- link modes
+
+
+@pytest.mark.parametrize("pair", list(LINK_MODES), ids=lambda p: f"{p[0].name}-{p[1].name}")
+def test_every_listed_link_pair_moves_as_listed(pair: tuple[Mode, LinkEvent]) -> None:
+    assert link_transition(*pair) is LINK_MODES[pair]
+
+
+@pytest.mark.parametrize("pair", [p for p in itertools.product(Mode, LinkEvent)
+                                  if p not in LINK_MODES],
+                         ids=lambda p: f"{p[0].name}-{p[1].name}")
+def test_an_unlisted_link_pair_is_refused(pair: tuple[Mode, LinkEvent]) -> None:
+    with pytest.raises(InvalidTransition):
+        link_transition(*pair)
+
+
+def test_a_reset_brings_every_mode_back_to_header_and_every_mode_leaves_by_a_frame() -> None:
+    assert all(link_transition(m, LinkEvent.RESET) is Mode.HEADER for m in Mode)
+    # (a link is never stuck: from every mode some event leads back to reading headers)
+    for mode in Mode:
+        assert any(LINK_MODES.get((mode, e)) is Mode.HEADER for e in LinkEvent if
+                   e is not LinkEvent.RESET), mode
+
+
+@pytest.mark.parametrize("event", list(LinkEvent), ids=lambda e: e.name)
+def test_every_link_event_is_fired_by_the_core(event: LinkEvent) -> None:
+    assert f"LinkEvent.{event.name}" in _core_source(), event

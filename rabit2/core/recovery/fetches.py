@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from rabit2.core.framing import MAX_BROADCAST, CallDescriptor, CollectiveKind
-from rabit2.core.records import NO_CALL, ActiveCall, CheckpointLoaded, Command, Fetch, Link, Mode
+from rabit2.core.fsm import LinkEvent
+from rabit2.core.records import NO_CALL, ActiveCall, CheckpointLoaded, Command, Fetch, Link
 from rabit2.core.recovery.peer_state import (
     Role,
     call_id,
@@ -260,7 +261,8 @@ class Fetches:
         fetch = link.blob_fetch
         assert fetch is not None and fetch.dest is not None
         link.blob_fetch = None
-        link.mode, link.filled, link.remaining = Mode.HEADER, 0, 0
+        link.go(LinkEvent.FRAME_DONE)
+        link.filled, link.remaining = 0, 0
         self.requests.pop(fetch.request, None)
         owner = self.owner
         if fetch.what == "discard":
