@@ -205,7 +205,7 @@ def main() -> int:
         med = statistics.median(rs)
         print(f"N={n}: classic / rabit2 per run: median {med:.2f}x, "
               f"{min(rs):.2f}-{max(rs):.2f}x, rabit2 faster in {wins} of {len(rs)} runs; "
-              "issue-4 target (allreduce time no worse than classic rabit, median over the "
+              "speed target (allreduce time no worse than classic rabit, median over the "
               f"runs): {'met' if med >= 1.0 else 'NOT met'}")
     for n, run, mine, theirs in breakdowns:
         print(f"\nN={n}, run {run}: seconds in the calls of each size (slowest rank), and "

@@ -193,7 +193,7 @@ def verdicts(rows: list[dict[str, Any]]) -> str:
     if not variants:
         return ""
     out = [
-        "### Issue-4 targets, judged from this run",
+        "### Speed targets, judged from this run",
         "",
         "Ratios are peer / rabit2 medians (> 1: rabit2 faster; with rounds, the median of the "
         "per-round ratios and the rounds rabit2 won); the loopback limit is the faster of the "

@@ -137,7 +137,7 @@ def test_paused_worker_fails_its_neighbours_within_the_heartbeat_deadline() -> N
 def test_kill_9_mid_transfer_fails_every_survivor_fast(count: int, victim: int,
                                                        after: int) -> None:
     """``mock=rank,version,seqno,trial,after_bytes`` SIGKILLs a worker in the middle of a
-    transfer.  Without recovery (issue 3) every survivor must still get a typed error at
+    transfer.  Without recovery every survivor must still get a typed error at
     once (its own link resets, or the flooded error), and the launcher must report it."""
     code = (
         "import sys, time, numpy as np, rabit2\n"
