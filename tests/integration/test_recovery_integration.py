@@ -336,6 +336,26 @@ def test_survivors_run_ahead_of_a_lost_leaf_through_the_next_broadcasts() -> Non
     assert mine["replayed_calls"] >= 3, mine  # the three broadcasts, copied from its parent
 
 
+@pytest.mark.integration
+def test_survivors_run_ahead_of_a_lost_inner_rank_through_the_next_broadcasts() -> None:
+    """The same with rank 1, whose child is rank 2: ranks 0 and 3 return from all three
+    broadcasts before the replacement starts (rank 0 does not wait for rank 1's announce);
+    rank 2 waits for its input, and the replacement forwards each result it fetches."""
+    victim = 1
+    assert topology(victim, 4).children == (2,)
+    job = run_job(4, *RUN_AHEAD_ARGS, f"mock={victim},1,0,0,{MIB}", restart_delay=3.0)
+    assert_recovered(job, 4, {victim: 1}, RUN_AHEAD_ARGS)
+    (restart,) = [t for r, a, t in job.times("START") if r == victim and a == 1]
+    for seqno in (1, 2):
+        done = {r: t for r, a, t in job.times(rf"BCAST_DONE(?= .* v=1 s={seqno} )")
+                if r != victim and a == 0}
+        assert sorted(done) == [0, 2, 3], job.tail()
+        assert all(done[r] < restart for r in (0, 3)), (seqno, done, restart)
+        assert done[2] > restart, (seqno, done, restart)  # (it needs rank 1's input)
+    mine = job.stats()[victim, 1]
+    assert mine["replayed_calls"] >= 3, mine
+
+
 # ----------------------------------------------------------------------------- 4. twice
 
 

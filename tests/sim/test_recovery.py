@@ -167,6 +167,39 @@ def test_survivors_run_ahead_of_a_lost_leaf_until_their_next_checkpoint(world: i
     assert job.net.agents[parent].recovery_statistics()["links_up"] == 1
 
 
+def _subtree(rank: int, world: int) -> set[int]:
+    below = {rank}
+    for child in topology(rank, world).children:
+        below |= _subtree(child, world)
+    return below
+
+
+@pytest.mark.parametrize("world", [6, 8])
+def test_survivors_run_ahead_of_a_lost_inner_rank_until_their_next_checkpoint(
+        world: int) -> None:
+    """The same with an inner rank of the tree lost: every rank outside its subtree finishes
+    that version's broadcasts (its parent does not wait for its announce), its subtree waits
+    for its input; restarted late, it fetches each result from its parent and forwards it to
+    its children, still waiting in the call, and every result is exact."""
+    bcasts = [Spec("broadcast", 4000, root=0), Spec("broadcast", 300, root=0),
+              Spec("object", 2000, root=0)]
+    program = [bcasts, [Spec("broadcast", 100, root=0), SMALL]]
+    victim = next(r for r in range(1, world) if topology(r, world).children)  # inner
+    below = _subtree(victim, world)
+    # (killed in the second broadcast: its frames of the first told its parent that it got
+    # to version 0, how far the parent may run ahead of it)
+    held = Job(world, program, kills=[Kill(victim, (0, 1), 100, restart_after=10**9)], **KW)
+    with pytest.raises(AssertionError, match="did not finish"):
+        held.run(max_steps=200_000)
+    for r in range(world):
+        done = [held.results[r].get((0, j)) == expected(world, 0, j, spec)
+                for j, spec in enumerate(bcasts)]
+        assert all(done) if r not in below else not any(done[1:]), r
+    assert (1, 0) not in held.results[topology(victim, world).parent]
+    job = run_job(world, [Kill(victim, (0, 1), 100, restart_after=150_000)], program=program)
+    assert job.resumed_from.get(victim, 0) == 0
+
+
 def test_no_survivor_resends_bytes_that_arrived() -> None:
     """Resumed mid-ring: survivors resend only what the dead rank held."""
     job = run_job(4, [Kill(2, (0, 1), 20000)], program=[[RING, RING]])
@@ -840,6 +873,17 @@ def test_random_chain_fault_plans(k: int) -> None:
     documented errors, and nearly all recover (3: 383 of 400 plans, 4: 380 of 400)."""
     recovered = sum(run_chain_plan(seed, k) for seed in range(40))
     assert recovered >= 37, recovered
+
+
+def test_a_replacement_that_catches_up_before_a_replaying_neighbour_s_call_hears_its_need(
+        ) -> None:
+    """Chain plan (k=4, seed 173): a replaying inner rank fetched a broadcast whose result
+    its parent had run ahead with, and sent its need to a child that was then lost too.  The
+    child's replacement caught up before it reached that call, so it held its announce back
+    for the replaying rank's need, which had gone down with the old connection: both waited.
+    The need is said again on the new connection as soon as the replacement's state
+    shows it behind."""
+    assert run_chain_plan(173, 4)
 
 
 @pytest.mark.slow

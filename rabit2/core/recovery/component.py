@@ -27,7 +27,6 @@ from rabit2.core.recovery.replay import Replay
 from rabit2.core.recovery.replicas import LocalReplicas
 from rabit2.core.recovery.store import GENERATIONS, SMALL_RESULT, ResultStore
 from rabit2.core.schedule import EMPTY, RingAllreduce, TreeBroadcast
-from rabit2.core.topology import topology
 from rabit2.errors import PeerLostError, ProtocolError, RabitError, UnrecoverableError
 
 State = fsm.State
@@ -194,13 +193,12 @@ class Recovery:
         """A lost neighbour owes this call nothing but the empty frame that announces it (a
         broadcast child towards the root): do not wait for it.  What this rank owes it waits
         in the result store, and the replacement's call is checked against it when it
-        replays.  Only for a leaf of the tree (its replay of a broadcast is a copy of this
-        rank's result, with nobody to forward to), and only in the version it was last seen
-        in: beyond that, the call waits for the replacement (how far survivors run ahead,
+        replays (a lost inner rank then fetches the result and forwards it to its children,
+        which wait in the call for its input).  Only in the version it was last seen in:
+        beyond that, the call waits for the replacement (how far survivors run ahead,
         docs/recovery.md)."""
         if (active.plan.in_streams.get(peer) is EMPTY and not active.frames_seen.get(peer)
-                and active.call_id[0] <= self.lost_in_version.get(peer, -1)
-                and not topology(peer, self.agent.world).children):
+                and active.call_id[0] <= self.lost_in_version.get(peer, -1)):
             active.skip_in.add(peer)
 
     def check_deadline(self, active: ActiveCall, now: float) -> RabitError | None:
@@ -387,6 +385,12 @@ class Recovery:
             # we began this call after the link came up: the peer, in it already, waits to
             # hear how much of its stream we hold
             self.needs.send(peer, active.call_id, active.plan.received[peer], cmds)
+        elif (state.at < active.call_id and self.replay.replaying()
+              and peer in active.plan.in_streams and peer not in active.skip_in):
+            # a replacement behind our call: if it catches up before it gets here, it holds
+            # its stream back for our need, and the one we sent went down with the old
+            # connection.  Said now, it waits there for the call
+            self.needs.send(peer, active.call_id, active.plan.received[peer], cmds, held=True)
 
     def _stand_in(self, peer: int, state: PeerState, cmds: list[Command]) -> bool:
         """``peer`` is still in a call this rank finished (it may be in a later one, or
