@@ -8,8 +8,13 @@ scratch), so the hot path copies nothing but the few bytes that arrive with a he
     begin(call) | on_bytes(peer, n) | on_hangup(peer) | on_tick(now) | abort(reason)
         ->  [Send | PauseReading | ResumeReading | CallComplete | CallFailed | CloseLink]
 
-Every state change goes through :func:`rabit2.core.fsm.transition`.  Time is an argument
+Every state change goes through the tables of :mod:`rabit2.core.fsm`.  Time is an argument
 (``now``, seconds on any monotonic clock); the agent never reads a clock.
+
+The agent owns its parts: the receive side (:mod:`rabit2.core.pair`), the send side
+(:mod:`rabit2.core.sending`), planning (:mod:`rabit2.core.planning`), and, with recovery on
+only, the recovery component (:mod:`rabit2.core.recovery`).  Each input changes records;
+then one pass, :meth:`Agent.advance`, sends what became ready and completes the call.
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ _EVERY_RANK_CONTRIBUTES = frozenset((CollectiveKind.ALLREDUCE_TREE, CollectiveKi
                                      CollectiveKind.ALLREDUCE_PAIR, CollectiveKind.ALLGATHER))
 """Collectives whose result depends on every rank's input (a broadcast does not: a rank on
 its route can finish one while a rank off it is still in an older version)."""
+
 
 class Agent:
     """One rank's agent.  Not thread-safe: the I/O layer calls it from its loop thread only."""
