@@ -442,7 +442,9 @@ class Registry(Generic[C]):
             return []
         out: list[Decision[C]] = []
         for rank in topology(task.rank, self.n_workers).neighbors:
-            neighbor = self.by_rank[rank]
+            neighbor = self.by_rank.get(rank)
+            if neighbor is None:
+                continue  # (not back yet at a restarted tracker: it rejoins or registers)
             if neighbor.conn is not None and (neighbor.held or not neighbor.finished):
                 out.append(Send(neighbor.task_id, neighbor.conn,
                                 {**notice, "rank": task.rank, "incarnation": task.incarnation},

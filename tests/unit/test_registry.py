@@ -212,6 +212,19 @@ def test_a_new_tracker_adopts_the_workers_that_rejoin_it() -> None:
         registry.rejoin("c8", rejoin_msg("d", rank=0), host="h", peer="p", now=0.0)
 
 
+def test_an_adopted_worker_lost_before_its_neighbours_are_back_is_a_loss() -> None:
+    """After a tracker restart rank 2 rejoins and is lost before ranks 0 and 1 come back: a
+    loss like any other (the launcher hears of it), told to whichever neighbours are back."""
+    registry: Registry[str] = Registry(3, rejoin_grace=5.0)
+    registry.rejoin("c2", rejoin_msg("c", 2), host="h", peer="p", now=0.0)
+    (grace,) = registry.connection_ended("c2", "connection reset")
+    assert isinstance(grace, Grace)
+    decisions = registry.grace_over("c", grace.token)
+    assert [hook.args for hook in hooks(decisions, "on_worker_lost")] == [
+        ("c", 2, "connection reset")]
+    assert not sends(decisions, "peer_lost")  # (nobody is back to be told)
+
+
 def test_an_abort_reaches_every_worker_and_keeps_the_first_reason() -> None:
     registry: Registry[str] = Registry(3)
     register(registry, "c0", "0")
