@@ -244,8 +244,7 @@ class Registry(Generic[C]):
                     out.append(Send(other.task_id, other.conn, {"t": "bye"},
                                     "every rank shut down"))
                 other.held = False
-            if self.outcome is None:  # (an aborted job stays aborted)
-                out += self.finish(True, "every rank shut down")
+            out += self.finish(True, "every rank shut down")  # (an aborted job stays so)
         return out
 
     def connection_ended(self, conn: C, reason: str) -> list[Decision[C]]:
@@ -320,7 +319,10 @@ class Registry(Generic[C]):
         return out + self.finish(False, reason)
 
     def finish(self, success: bool, reason: str) -> list[Decision[C]]:
-        """The job ended (every rank shut down, or aborted)."""
+        """The job ended (every rank shut down, or aborted).  The first outcome stands: a job
+        of classic workers that all shut down after an abort stays aborted."""
+        if self.outcome is not None:
+            return []
         self.outcome = Finish(success, reason)
         return [self.outcome]
 

@@ -242,6 +242,15 @@ def test_an_abort_reaches_every_worker_and_keeps_the_first_reason() -> None:
     assert registry.status()["reason"] == reason and not registry.status()["success"]
 
 
+def test_the_first_outcome_stands() -> None:
+    """(A job of classic workers reports that every rank shut down through ``finish``: after
+    an abort, that must not turn the job into a success.)"""
+    registry, _ = job(2)
+    registry.abort("the launcher gave up")
+    assert registry.finish(True, "every rank shut down") == []
+    assert registry.outcome == Finish(False, "the launcher gave up")
+
+
 def test_an_abort_reason_is_bounded() -> None:
     registry, _ = job(1)
     decisions = registry.abort("x" * 100_000)
