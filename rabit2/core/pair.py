@@ -115,7 +115,7 @@ class Receiver:
         """Where bytes of a connection that was replaced go (they are never looked at)."""
         return self._discard
 
-    def on_bytes(self, peer: int, nbytes: int, now: float) -> list[Command]:  # noqa: PLR0912
+    def on_bytes(self, peer: int, nbytes: int, now: float) -> list[Command]:
         """``nbytes`` landed in the buffer returned by the last :meth:`recv_buffer`."""
         self.agent.go(Event.READABLE)
         if self.agent.state is State.FAILED or (self.agent.state is State.TASK_COMPLETE
@@ -153,13 +153,9 @@ class Receiver:
                 self._drain(peer, link, now, cmds)
             elif link.mode is Mode.BODY:
                 link.filled += nbytes
-                if link.filled == len(link.error_buf):
-                    link.go(LinkEvent.FRAME_DONE)
-                    link.filled = 0
-                    self._check_whole(link, link.error_buf)
-                    self._on_body(peer, link, now, cmds)
-                else:
+                if link.filled != len(link.error_buf):
                     return cmds
+                self._body_whole(peer, link, now, cmds)
                 self.agent.advance(cmds)
                 self._drain(peer, link, now, cmds)
             elif link.mode is Mode.BLOB:
@@ -167,8 +163,7 @@ class Receiver:
                 link.filled += nbytes
                 link.remaining -= nbytes
                 if not link.remaining:
-                    self._check_whole(link, link.blob)
-                    self._blob_done(link, cmds)
+                    self._blob_whole(link, cmds)
                     self.agent.advance(cmds)
                     self._drain(peer, link, now, cmds)
             else:
@@ -247,10 +242,7 @@ class Receiver:
             link.start += take
             link.filled += take
             if link.filled == len(link.error_buf):
-                link.go(LinkEvent.FRAME_DONE)
-                link.filled = 0
-                self._check_whole(link, link.error_buf)
-                self._on_body(peer, link, now, cmds)
+                self._body_whole(peer, link, now, cmds)
         elif link.mode is Mode.BLOB:
             take = min(avail, link.remaining)
             link.blob[link.filled : link.filled + take] = link.stage[
@@ -260,10 +252,18 @@ class Receiver:
             link.filled += take
             link.remaining -= take
             if not link.remaining:
-                self._check_whole(link, link.blob)
-                self._blob_done(link, cmds)
+                self._blob_whole(link, cmds)
 
-    def _blob_done(self, link: Link, cmds: list[Command]) -> None:
+    def _body_whole(self, peer: int, link: Link, now: float, cmds: list[Command]) -> None:
+        """An ERROR or CONTROL frame's payload landed whole: verify it, then act on it."""
+        link.go(LinkEvent.FRAME_DONE)
+        link.filled = 0
+        self._check_whole(link, link.error_buf)
+        self._on_body(peer, link, now, cmds)
+
+    def _blob_whole(self, link: Link, cmds: list[Command]) -> None:
+        """The BLOB a fetch announced landed whole: verify it, then hand it to recovery."""
+        self._check_whole(link, link.blob)
         recovery = self.agent.recovery
         assert recovery is not None  # (a blob is accepted only where a fetch announced it)
         recovery.fetches.blob_done(link, cmds)

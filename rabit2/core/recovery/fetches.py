@@ -20,8 +20,7 @@ from rabit2.core.recovery.peer_state import (
     descriptor_to_wire,
     role_of,
 )
-from rabit2.core.recovery.port import AgentPort
-from rabit2.core.recovery.replicas import send_blob
+from rabit2.core.recovery.port import AgentPort, send_blob
 from rabit2.core.recovery.store import CallId
 from rabit2.core.schedule import RingAllreduce, TreeBroadcast
 from rabit2.errors import MismatchError, ProtocolError, UnrecoverableError
@@ -251,9 +250,10 @@ class Fetches:
         self.expect_blob(link, fetch, cmds)
 
     def expect_blob(self, link: Link, fetch: Fetch, cmds: list[Command]) -> None:
-        """The next frame on ``link`` is the BLOB that ``fetch`` waits for."""
-        link.blob, link.blob_fetch = fetch.dest or memoryview(b""), fetch
-        if fetch.dest is None or not len(fetch.dest):
+        """The next frame on ``link`` is the BLOB that ``fetch`` waits for (none, for 0 B)."""
+        assert fetch.dest is not None
+        link.blob, link.blob_fetch = fetch.dest, fetch
+        if not len(fetch.dest):
             self.blob_done(link, cmds)
 
     def blob_done(self, link: Link, cmds: list[Command]) -> None:

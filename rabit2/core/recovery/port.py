@@ -12,7 +12,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from rabit2.core import fsm
-from rabit2.core.records import ActiveCall, Command, Link
+from rabit2.core.framing import CallDescriptor, FrameKind, checksum, pack_header
+from rabit2.core.records import NO_CALL, ActiveCall, Command, Link
 from rabit2.core.schedule import Plan, TreeBroadcast
 from rabit2.errors import RabitError
 
@@ -50,3 +51,13 @@ class AgentPort(Protocol):
     def send_frame(self, peer: int, parts: Sequence[bytes | memoryview],
                    cmds: list[Command]) -> None:
         """Send one frame: a packed header and its payload."""
+
+
+def send_blob(agent: AgentPort, peer: int, header_call: tuple[int, int],
+              blob: bytes | memoryview,
+              cmds: list[Command], desc: CallDescriptor = NO_CALL) -> None:
+    """Send ``blob`` as the BLOB frame a ``reply`` or ``local`` message announced."""
+    crc = checksum(blob) if agent.links[peer].checked else None
+    header = pack_header(FrameKind.BLOB, desc, header_call[0], header_call[1], 0, len(blob),
+                         agent.incarnation, crc)
+    agent.send_frame(peer, [header, blob], cmds)

@@ -11,20 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from rabit2.core.framing import MAX_BROADCAST, CallDescriptor, FrameKind, checksum, pack_header
-from rabit2.core.records import NO_CALL, Command, Fetch
-from rabit2.core.recovery.port import AgentPort
+from rabit2.core.framing import MAX_BROADCAST
+from rabit2.core.records import Command, Fetch
+from rabit2.core.recovery.port import AgentPort, send_blob
 from rabit2.core.recovery.store import GENERATIONS
 from rabit2.errors import ProtocolError
-
-
-def send_blob(agent: AgentPort, peer: int, header_call: tuple[int, int], blob: bytes | memoryview,
-              cmds: list[Command], desc: CallDescriptor = NO_CALL) -> None:
-    """Send ``blob`` as the BLOB frame a ``reply`` or ``local`` message announced."""
-    crc = checksum(blob) if agent.links[peer].checked else None
-    header = pack_header(FrameKind.BLOB, desc, header_call[0], header_call[1], 0, len(blob),
-                         agent.incarnation, crc)
-    agent.send_frame(peer, [header, blob], cmds)
 
 
 class LocalReplicas:
