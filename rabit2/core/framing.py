@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 import struct
 from typing import Any
 
@@ -287,6 +288,8 @@ and a tag of the trailing shape (which must agree on every rank)."""
 
 
 def shape_tag(shape: tuple[int, ...]) -> int:
-    """A 63-bit tag of a tuple of ints that equal tuples share on every rank (the hash of a
-    tuple of ints does not depend on the process: no hash randomization applies to ints)."""
-    return hash(tuple(int(d) for d in shape)) & (2**63 - 1)
+    """A 63-bit tag of a shape, the same on every rank whatever its Python: the first 8
+    bytes of the BLAKE2b digest of ``ndim`` (u8) and the dimensions (u64 each), little-endian,
+    shifted right by one."""
+    packed = struct.pack(f"<B{len(shape)}Q", len(shape), *(int(d) for d in shape))
+    return int.from_bytes(hashlib.blake2b(packed, digest_size=8).digest(), "little") >> 1

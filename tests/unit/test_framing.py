@@ -6,6 +6,7 @@ import itertools
 import struct
 
 import msgpack
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -29,6 +30,7 @@ from rabit2.core.framing import (
     encode_error,
     pack_header,
     parse_header,
+    shape_tag,
 )
 from rabit2.errors import ProtocolError
 
@@ -290,3 +292,13 @@ def test_fuzz_error_payload_structures(value: object) -> None:
     if result is not None:
         assert isinstance(value, dict)
         assert result == (value["type"], value["reason"], value["origin"])
+
+
+def test_the_allgather_shape_tag_is_a_fixed_function_of_the_shape() -> None:
+    # pinned: the tag travels between ranks, so it may not depend on the Python that runs
+    # a rank (as the hash of a tuple does)
+    assert shape_tag(()) == 2612498352262937418
+    assert shape_tag((3, 4)) == 5892923559969883823
+    assert shape_tag((3, 4)) == shape_tag((np.int64(3), np.int32(4)))
+    tags = {shape_tag(s) for s in [(), (0,), (3,), (3, 4), (4, 3), (3, 4, 1), (2**40,)]}
+    assert len(tags) == 7 and all(0 <= t < 2**63 for t in tags)
