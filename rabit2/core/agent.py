@@ -12,26 +12,30 @@ Every state change goes through the tables of :mod:`rabit2.core.fsm`.  Time is a
 (``now``, seconds on any monotonic clock); the agent never reads a clock.
 
 The agent owns its parts: the receive side (:mod:`rabit2.core.pair`), the send side
-(:mod:`rabit2.core.sending`), planning (:mod:`rabit2.core.planning`), and, with recovery on
-only, the recovery component (:mod:`rabit2.core.recovery`).  Each input changes records;
+(:mod:`rabit2.core.sending`), planning (:mod:`rabit2.core.planning`), links coming and going
+(:mod:`rabit2.core.peers`), the failure path (:mod:`rabit2.core.failures`) and, with recovery
+on only, the recovery component (:mod:`rabit2.core.recovery`).  Each input changes records;
 then one pass, :meth:`Agent.advance`, sends what became ready and completes the call.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rabit2.core import fsm, progress
-from rabit2.core.framing import CollectiveKind, error_from_wire, error_type_of
-from rabit2.core.fsm import TRANSITIONS, Mode
+from rabit2.core import fsm
+from rabit2.core.failures import Failures
+from rabit2.core.framing import CollectiveKind
+from rabit2.core.fsm import TRANSITIONS, Mode, PhaseEvent
 from rabit2.core.pair import Receiver
+from rabit2.core.peers import Peers
 from rabit2.core.planning import Planner
 from rabit2.core.records import (
     CALL_EVENTS,
+    EVERY_RANK_CONTRIBUTES,
     STAGE_SIZE,
     ActiveCall,
+    AgentStats,
     Call,
     CallComplete,
     CallFailed,
@@ -52,8 +56,6 @@ from rabit2.core.schedule import (
 from rabit2.core.sending import Sender
 from rabit2.core.topology import topology
 from rabit2.errors import (
-    CollectiveTimeoutError,
-    JobAbortedError,
     PeerLostError,
     ProtocolError,
     RabitError,
@@ -78,24 +80,6 @@ __all__ = [
     "ResumeReading",
     "Send",
 ]
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class AgentStats:
-    """A frozen snapshot of counters, for humans and tests."""
-
-    state: str
-    calls_completed: int
-    bytes_sent: int
-    bytes_received: int
-    frames_sent: int
-    frames_received: int
-
-
-_EVERY_RANK_CONTRIBUTES = frozenset((CollectiveKind.ALLREDUCE_TREE, CollectiveKind.ALLREDUCE_RING,
-                                     CollectiveKind.ALLREDUCE_PAIR, CollectiveKind.ALLGATHER))
-"""Collectives whose result depends on every rank's input (a broadcast does not: a rank on
-its route can finish one while a rank off it is still in an older version)."""
 
 
 class Agent:
@@ -136,6 +120,8 @@ class Agent:
         self.planner = Planner(self, ring_mincount, tree_chunk)
         self.receiver = Receiver(self)
         self.sender = Sender(self)
+        self.peers = Peers(self)
+        self.failures = Failures(self)
         # present only with recovery on (docs/recovery.md)
         self.recovery = (Recovery(self, timeout=recover_timeout, retain_bytes=retain_bytes,
                                   local_replica=local_replica) if recover else None)
@@ -200,7 +186,7 @@ class Agent:
 
     def size_to(self, plan: TreeBroadcast, total: int, active: ActiveCall) -> None:
         """A broadcast of unknown size learned its size: lay out its streams."""
-        self.receiver.size_to(plan, total, active)
+        self.planner.size_to(plan, total, active)
 
     # ------------------------------------------------------------------ calls
 
@@ -230,12 +216,12 @@ class Agent:
         if recovery is None:
             for peer in self.dead_links:
                 if peer in plan.in_streams or peer in plan.out_streams:
-                    self.fail(self._lost(peer), cmds, source=peer)
+                    self.fail(self.peers.lost(peer), cmds, source=peer)
                     return cmds
         held: list[int] = []
         for peer, link in self.links.items():
             link.pos = 0
-            link.awaiting_need = False  # it was about the call that ended before this one
+            link.phase_go(PhaseEvent.RELEASE)  # a need awaited was about the call that ended
             mode = link.mode
             if mode is Mode.HELD:
                 held.append(peer)
@@ -297,7 +283,7 @@ class Agent:
         self.active = None
         self._calls_completed += 1
         if self.recovery is not None:
-            self.recovery.on_complete(active, active.desc.kind in _EVERY_RANK_CONTRIBUTES)
+            self.recovery.on_complete(active, active.desc.kind in EVERY_RANK_CONTRIBUTES)
         self.go(Event.OP_COMPLETE)
         cmds.append(CallComplete(active.call_id))
 
@@ -362,42 +348,13 @@ class Agent:
         replacement (or the same process, after a reset) connects.  Framing starts afresh;
         a call in progress sends nothing more to ``peer`` until ``peer`` says with a
         ``need`` from which offset it wants this rank's stream (``docs/recovery.md``)."""
-        self.go(Event.LINK_UP)
-        cmds: list[Command] = []
-        self.fence(peer, incarnation)
-        link = self.links[peer]
-        was_down = not link.up
-        same_process = incarnation == link.incarnation
-        link.incarnation = incarnation
-        link.checked = self.checked if checked is None else checked
-        link.up = True
-        link.peer_state = link.pending_state = link.need_sent = None
-        self.dead_links.pop(peer, None)
-        active = self.active
-        link.reset_framing(active.plan.received.get(peer, 0) if active is not None else 0)
-        link.up_call = active.call_id if active is not None else None
-        link.up_at = link.up_call or (self.version, self.seqno)
-        recovery = self.recovery
-        if recovery is not None:
-            try:
-                recovery.link_up(peer, link, was_down, same_process, cmds)
-            except RabitError as exc:
-                self.fail(exc, cmds)
-                return cmds
-            event = recovery.resume_event()
-            if event is not None:
-                self.go(event)
         del now
-        return cmds
+        return self.peers.link_up(peer, incarnation, checked)
 
     def fence(self, peer: int, incarnation: int) -> None:
-        """The fencing rule: only a newer incarnation of ``peer``, or the same process
-        dialing again (its end of the link broke, even where ours did not see it), may take
-        the link; an older one is a zombie.  Raises :class:`ProtocolError` for one."""
-        known = self.links[peer].incarnation
-        if incarnation < known:
-            raise ProtocolError(f"rank {peer} incarnation {incarnation} is stale (known: "
-                                f"{known})")
+        """Raises :class:`ProtocolError` if ``incarnation`` of ``peer`` may not take the
+        link (:meth:`rabit2.core.peers.Peers.fence`)."""
+        self.peers.fence(peer, incarnation)
 
     def link_incarnation(self, peer: int) -> int | None:
         """The incarnation of the process at the other end of the link to ``peer`` (the
@@ -433,55 +390,14 @@ class Agent:
 
     def on_hangup(self, peer: int, reason: str, now: float) -> list[Command]:
         """The link to ``peer`` closed or failed."""
-        self.go(Event.HANGUP)
-        cmds: list[Command] = []
-        recovery = self.recovery
-        if peer in self.dead_links or self.state is State.FAILED or (
-                self.state is State.TASK_COMPLETE and recovery is None):
-            return cmds
-        self.dead_links[peer] = reason
-        active = self.active
-        if recovery is None:
-            # a peer that finished its last call closes its links; that is only an error if
-            # the call in progress still needs that link
-            if active is not None and active.needs(peer):
-                self.fail(self._lost(peer), cmds, source=peer)
-            return cmds
-        try:
-            recovery.link_down(peer, self.links[peer], now, cmds)
-        except RabitError as exc:
-            self.fail(exc, cmds)
-            return cmds
-        if active is not None and self.active is active:
-            if active.needs_input(peer):
-                if self.state is not State.PEER_ERROR:
-                    self.go(Event.PEER_DOWN)  # wait for the replacement, only on this input
-            else:
-                self.advance(cmds)  # its share is served later, if at all
-        return cmds
+        return self.peers.hangup(peer, reason, now)
 
     def on_peer_dead(self, peer: int, now: float) -> list[Command]:
         """The tracker says the process at the other end of the (lost) link to ``peer``
         died: a replacement will replay what it missed, rather than the same process
         reconnecting and going on (a reset).  From here this rank runs ahead of it."""
-        cmds: list[Command] = []
-        link = self.links.get(peer)
-        recovery = self.recovery
-        if recovery is None or link is None or link.up or self.state in (
-                State.FAILED, State.TASK_COMPLETE):
-            return cmds
-        recovery.peer_dead(peer, link)
-        active = self.active
-        if active is not None:
-            recovery.skip_announce(active, peer)
-            self.advance(cmds)
         del now
-        return cmds
-
-    def _lost(self, peer: int) -> PeerLostError:
-        return PeerLostError(
-            f"rank {self.rank}: link to rank {peer} lost ({self.dead_links[peer]})"
-        )
+        return self.peers.dead(peer)
 
     def on_send_progress(self, now: float) -> None:
         """The I/O layer saw bytes of this rank leave on a link (the kernel took some of
@@ -493,65 +409,16 @@ class Agent:
     def on_tick(self, now: float) -> list[Command]:
         """Check the deadlines: no byte moved for ``timeout`` seconds, or a lost input not
         back within ``recover_timeout``, fails the call."""
-        self.go(Event.TIMEOUT)
-        cmds: list[Command] = []
-        active = self.active
-        if active is None:
-            return cmds
-        if now - self.last_progress > self.timeout:
-            self.fail(
-                CollectiveTimeoutError(
-                    f"rank {self.rank}: no progress in call {active.call_id} for "
-                    f"{self.timeout:g} s"
-                ),
-                cmds,
-            )
-            return cmds
-        late = self.recovery.check_deadline(active, now) if self.recovery is not None else None
-        if late is not None:
-            self.fail(late, cmds)
-            return cmds
-        progress.tell(self, active, now, cmds)
-        return cmds
+        return self.failures.tick(now)
 
     def abort(self, reason: str) -> list[Command]:
         """The tracker aborted the job."""
-        cmds: list[Command] = []
-        if self.state in (State.FAILED, State.TASK_COMPLETE):
-            return cmds
-        if self.state is State.IDLE:
-            self.error = JobAbortedError(reason)
-            return cmds
-        self.fail(JobAbortedError(reason), cmds, flood=False)
-        return cmds
-
-    def on_remote_error(self, peer: int, error_type: str, reason: str, origin: int,
-                      cmds: list[Command]) -> None:
-        self.go(Event.PRIORITY)
-        if self.error is not None:
-            return
-        error = error_from_wire(error_type, f"{reason} (reported by rank {origin})")
-        self._record_failure(error, cmds, source=peer, origin=origin, reason=reason)
+        return self.failures.abort(reason)
 
     def fail(self, error: RabitError, cmds: list[Command], *, source: int = -1,
-              close: int = -1, flood: bool = True) -> None:
-        if self.state not in (State.FAILED, State.TASK_COMPLETE):
-            self.go(Event.OP_FAILED)
-        if close >= 0:
-            cmds.append(CloseLink(close, str(error)))
-        if self.error is not None:
-            return
-        self._record_failure(error, cmds, source=source, origin=self.rank, reason=str(error),
-                             flood=flood)
-
-    def _record_failure(self, error: RabitError, cmds: list[Command], *, source: int,
-                        origin: int, reason: str, flood: bool = True) -> None:
-        self.error = error
-        call_id = self.active.call_id if self.active is not None else None
-        if flood:
-            self.sender.flood_error(error_type_of(error), reason, origin, cmds, source)
-        self.active = None
-        cmds.append(CallFailed(call_id, error))
+             close: int = -1, flood: bool = True) -> None:
+        """Fail with ``error`` (:meth:`rabit2.core.failures.Failures.fail`)."""
+        self.failures.fail(error, cmds, source=source, close=close, flood=flood)
 
     # ------------------------------------------------------------------ introspection
 

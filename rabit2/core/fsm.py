@@ -219,6 +219,69 @@ def link_transition(mode: Mode, event: LinkEvent) -> Mode:
         ) from None
 
 
+class Phase(enum.Enum):
+    """Where a link stands in the recovery protocol (with recovery off a link stays ``up``)."""
+
+    __hash__ = object.__hash__
+
+    UP = "up"  # connected, and sending whatever of the call is ready
+    HELD = "held"  # connected; our stream of the call waits for the peer's "need"
+    GREETING = "greeting"  # just connected: nothing is sent until the peer's state is in
+    GREETING_HELD = "greeting-held"  # both: the state first, then the need
+    DOWN = "down"  # hung up, until the same process or its replacement connects
+
+
+class PhaseEvent(enum.Enum):
+    __hash__ = object.__hash__
+
+    HANGUP = "hang-up"  # the connection closed or failed
+    CONNECT = "connect"  # a connection came up: the peer's state comes first
+    CONNECT_HELD = "connect-held"  # ... back during a call that sends to it: and then its need
+    STATE = "state"  # the peer said where it stands
+    HOLD = "hold"  # our stream of the call waits for the peer's need
+    RELEASE = "release"  # the need was heard (or the call it was about ended)
+
+
+_held = {Phase.UP: Phase.HELD, Phase.GREETING: Phase.GREETING_HELD}
+LINK_PHASES: Mapping[tuple[Phase, PhaseEvent], Phase] = MappingProxyType({
+    **{(phase, PhaseEvent.HANGUP): Phase.DOWN for phase in Phase if phase is not Phase.DOWN},
+    (Phase.DOWN, PhaseEvent.CONNECT): Phase.GREETING,
+    (Phase.DOWN, PhaseEvent.CONNECT_HELD): Phase.GREETING_HELD,
+    # the same process dialing again where this rank did not see the old connection go down
+    (Phase.UP, PhaseEvent.CONNECT): Phase.GREETING,
+    (Phase.HELD, PhaseEvent.CONNECT): Phase.GREETING_HELD,
+    (Phase.GREETING, PhaseEvent.CONNECT): Phase.GREETING,
+    (Phase.GREETING_HELD, PhaseEvent.CONNECT): Phase.GREETING_HELD,
+    (Phase.GREETING, PhaseEvent.STATE): Phase.UP,
+    (Phase.GREETING_HELD, PhaseEvent.STATE): Phase.HELD,
+    # a restarted rank says again where it resumes, once its checkpoint is chosen
+    (Phase.UP, PhaseEvent.STATE): Phase.UP,
+    (Phase.HELD, PhaseEvent.STATE): Phase.HELD,
+    **{(phase, PhaseEvent.HOLD): _held.get(phase, phase)
+       for phase in (Phase.UP, Phase.HELD, Phase.GREETING, Phase.GREETING_HELD)},
+    (Phase.HELD, PhaseEvent.RELEASE): Phase.UP,
+    (Phase.GREETING_HELD, PhaseEvent.RELEASE): Phase.GREETING,
+    # a call begins: a need still awaited was about the call that ended
+    (Phase.UP, PhaseEvent.RELEASE): Phase.UP,
+    (Phase.GREETING, PhaseEvent.RELEASE): Phase.GREETING,
+    (Phase.DOWN, PhaseEvent.RELEASE): Phase.DOWN,
+})
+"""A link's recovery phases: ``(phase, event) -> next phase``.  Only ``up`` sends a call's
+stream; ``greeting`` and ``held`` wait for the peer to say where it stands and what it needs
+(``docs/recovery.md``)."""
+del _held
+
+
+def phase_transition(phase: Phase, event: PhaseEvent) -> Phase:
+    """The next recovery phase, or :class:`InvalidTransition` for a pair not listed."""
+    try:
+        return LINK_PHASES[(phase, event)]
+    except KeyError:
+        raise InvalidTransition(
+            f"link event {event.value!r} is not valid in phase {phase.value!r}"
+        ) from None
+
+
 def transition(state: State, event: Event) -> State:
     """The next state, or :class:`InvalidTransition` for a pair the table does not list."""
     try:
@@ -265,6 +328,12 @@ def render_markdown() -> str:
               "are.", "", "| mode | event | next mode |", "| --- | --- | --- |"]
     for (mode, link_event), nxt_mode in LINK_MODES.items():
         lines.append(f"| {mode.value} | {link_event.value} | {nxt_mode.value} |")
+    lines += ["", "## A link's recovery phase", "",
+              "With recovery on, each peer link also has a phase (`LINK_PHASES`): whether this "
+              "rank may send it the call's stream, or waits for its state or its need first.",
+              "", "| phase | event | next phase |", "| --- | --- | --- |"]
+    for (phase, phase_event), nxt_phase in LINK_PHASES.items():
+        lines.append(f"| {phase.value} | {phase_event.value} | {nxt_phase.value} |")
     lines.append("")
     return "\n".join(lines)
 

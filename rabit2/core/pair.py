@@ -19,23 +19,21 @@ from typing import Any, Protocol
 
 from rabit2.core import fsm, progress
 from rabit2.core.control import decode_body
+from rabit2.core.failures import Failures
 from rabit2.core.framing import (
     CALL_PREFIX_SIZE,
     CHECKED_FRAME,
     HEADER_SIZE,
-    MAX_BROADCAST,
-    UNKNOWN_TOTAL,
-    CallDescriptor,
     FrameCorruptError,
     FrameHeader,
     FrameKind,
     checksum,
-    data_prefix,
     decode_error,
     parse_header,
     unpack_tail,
 )
 from rabit2.core.fsm import LinkEvent, Mode
+from rabit2.core.planning import Planner
 from rabit2.core.records import (
     ActiveCall,
     CloseLink,
@@ -66,6 +64,8 @@ class Owner(Protocol):
     active: ActiveCall | None
     error: RabitError | None
     recovery: Recovery | None
+    planner: Planner
+    failures: Failures
     last_progress: float
     timeout: float
 
@@ -74,8 +74,6 @@ class Owner(Protocol):
     def fail(self, error: RabitError, cmds: list[Command], *, source: int = -1,
              close: int = -1, flood: bool = True) -> None: ...
     def on_hangup(self, peer: int, reason: str, now: float) -> list[Command]: ...
-    def on_remote_error(self, peer: int, error_type: str, reason: str, origin: int,
-                        cmds: list[Command]) -> None: ...
     def send_control(self, peer: int, msg: dict[str, Any], cmds: list[Command]) -> None: ...
 
 
@@ -373,7 +371,7 @@ class Receiver:
         body = bytes(link.error_buf)
         if link.body_kind is FrameKind.ERROR:
             error_type, reason, origin = decode_error(body)
-            self.agent.on_remote_error(peer, error_type, reason, origin, cmds)
+            self.agent.failures.remote_error(peer, error_type, reason, origin, cmds)
             return
         msg = decode_body(body)
         kind = msg["t"]
@@ -390,41 +388,12 @@ class Receiver:
             "collectives or checkpoints"
         )
 
-    def _size_broadcast(self, plan: TreeBroadcast, frame: FrameHeader, active: ActiveCall) -> None:
-        """The first frame from the root's side says how large the broadcast is."""
-        total = frame.call.total_bytes
-        if total == UNKNOWN_TOTAL or total > MAX_BROADCAST:
-            raise ProtocolError(f"broadcast size {total} from the wire is out of bounds")
-        if frame.call.root != active.desc.root or frame.call.kind is not active.desc.kind:
-            return  # the descriptor check reports the mismatch
-        self.size_to(plan, total, active)
-
-    def size_to(self, plan: TreeBroadcast, total: int, active: ActiveCall) -> None:
-        """A broadcast of unknown size learned its size: lay out its streams."""
-        try:
-            plan.size(total)
-        except (ValueError, TypeError, MemoryError) as exc:
-            raise ProtocolError(f"broadcast of {total} B: {exc}") from None
-        desc = active.desc  # (dataclasses.replace costs several microseconds here)
-        active.desc = CallDescriptor(desc.kind, desc.dtype_code, desc.op_code, desc.root, total)
-        active.prefix = data_prefix(active.desc, *active.call_id, False)
-        active.prefix_checked = data_prefix(active.desc, *active.call_id, True)
-        recovery = self.agent.recovery
-        if recovery is not None and plan.in_link >= 0:
-            recovery.start_mirror(active, plan)
-        for peer in plan.out_streams:
-            active.sent.setdefault(peer, 0)
-        deferred, active.deferred = active.deferred, {}
-        for peer, (offset, seen) in deferred.items():
-            assert recovery is not None  # (needs are deferred only with recovery on)
-            recovery.needs.apply(active, peer, offset, seen=seen)
-
     def _accept_frame(self, peer: int, link: Link, frame: FrameHeader, active: ActiveCall,
                       now: float, cmds: list[Command]) -> None:
         plan = active.plan
         if (isinstance(plan, TreeBroadcast) and not plan.sized and peer == plan.in_link
                 and frame.kind is FrameKind.DATA):
-            self._size_broadcast(plan, frame, active)
+            self.agent.planner.size_broadcast(plan, frame, active)
         if not frame.call.agrees_with(active.desc):
             raise MismatchError(
                 f"collective mismatch at call {active.call_id}: rank {self.agent.rank} called "

@@ -2,7 +2,8 @@
 (tree, ring or pair exchange) and the plan (:mod:`rabit2.core.schedule`) with the buffers it
 works in.
 
-Pure: the plan is built from the call, the rank's place in the job and its settings.
+Pure: the plan is built from the call, the rank's place in the job and its settings (a
+broadcast whose size only its root knows is laid out when its first frame says the size).
 """
 
 from __future__ import annotations
@@ -12,9 +13,18 @@ from typing import Any, Protocol
 import numpy as np
 
 from rabit2.core import schedule
-from rabit2.core.framing import NONE_U8, NONE_U16, UNKNOWN_TOTAL, CallDescriptor, CollectiveKind
+from rabit2.core.framing import (
+    MAX_BROADCAST,
+    NONE_U8,
+    NONE_U16,
+    UNKNOWN_TOTAL,
+    CallDescriptor,
+    CollectiveKind,
+    FrameHeader,
+    data_prefix,
+)
 from rabit2.core.ops import dtype_code
-from rabit2.core.records import Call, Link
+from rabit2.core.records import ActiveCall, Call, Link
 from rabit2.core.recovery.component import Recovery
 from rabit2.core.recovery.store import fresh_buffer
 from rabit2.core.schedule import (
@@ -26,6 +36,7 @@ from rabit2.core.schedule import (
     TreeBroadcast,
 )
 from rabit2.core.topology import broadcast_route, topology
+from rabit2.errors import ProtocolError
 
 AUTO_RING_MIN_BYTES = 512 * 1024
 """The default tree/ring threshold: the ring's 2(n - 1) dependent steps cost more than the
@@ -131,6 +142,35 @@ class Planner:
             return TreeBroadcast(list(call.pieces) or [call.buf], in_link, out_links,
                                  call.receive, call.head_size)
         return RingAllgather(call.buf, call.blocks, rank, world)
+
+    def size_broadcast(self, plan: TreeBroadcast, frame: FrameHeader, active: ActiveCall) -> None:
+        """The first frame from the root's side says how large the broadcast is."""
+        total = frame.call.total_bytes
+        if total == UNKNOWN_TOTAL or total > MAX_BROADCAST:
+            raise ProtocolError(f"broadcast size {total} from the wire is out of bounds")
+        if frame.call.root != active.desc.root or frame.call.kind is not active.desc.kind:
+            return  # the descriptor check reports the mismatch
+        self.size_to(plan, total, active)
+
+    def size_to(self, plan: TreeBroadcast, total: int, active: ActiveCall) -> None:
+        """A broadcast of unknown size learned its size: lay out its streams."""
+        try:
+            plan.size(total)
+        except (ValueError, TypeError, MemoryError) as exc:
+            raise ProtocolError(f"broadcast of {total} B: {exc}") from None
+        desc = active.desc  # (dataclasses.replace costs several microseconds here)
+        active.desc = CallDescriptor(desc.kind, desc.dtype_code, desc.op_code, desc.root, total)
+        active.prefix = data_prefix(active.desc, *active.call_id, False)
+        active.prefix_checked = data_prefix(active.desc, *active.call_id, True)
+        recovery = self.agent.recovery
+        if recovery is not None and plan.in_link >= 0:
+            recovery.start_mirror(active, plan)
+        for peer in plan.out_streams:
+            active.sent.setdefault(peer, 0)
+        deferred, active.deferred = active.deferred, {}
+        for peer, (offset, seen) in deferred.items():
+            assert recovery is not None  # (needs are deferred only with recovery on)
+            recovery.needs.apply(active, peer, offset, seen=seen)
 
     def _scratch(self, peer: int, nbytes: int) -> memoryview:
         """The link's scratch.  Once a call needs 1 MiB or more of it, it is allocated at the

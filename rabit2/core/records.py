@@ -22,7 +22,7 @@ from rabit2.core.framing import (
     FrameKind,
     data_prefix,
 )
-from rabit2.core.fsm import LinkEvent, Mode, link_transition
+from rabit2.core.fsm import LinkEvent, Mode, Phase, PhaseEvent, link_transition, phase_transition
 from rabit2.core.ops import Op
 from rabit2.core.recovery.peer_state import PeerState
 from rabit2.core.recovery.store import CallId
@@ -130,18 +130,35 @@ STAGE_SIZE = 16 * 1024  # holds a small call whole; larger payloads land zero-co
 """Per-link staging buffer for frame headers and the payload bytes that arrive with them."""
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class AgentStats:
+    """A frozen snapshot of counters, for humans and tests."""
+
+    state: str
+    calls_completed: int
+    bytes_sent: int
+    bytes_received: int
+    frames_sent: int
+    frames_received: int
+
+
+EVERY_RANK_CONTRIBUTES = frozenset((CollectiveKind.ALLREDUCE_TREE, CollectiveKind.ALLREDUCE_RING,
+                                     CollectiveKind.ALLREDUCE_PAIR, CollectiveKind.ALLGATHER))
+"""Collectives whose result depends on every rank's input (a broadcast does not: a rank on
+its route can finish one while a rank off it is still in an older version)."""
+
+
 NO_VIEW = memoryview(b"")
 
 
 class Link:
     """Receive-side framing state of one peer link."""
 
-    __slots__ = ("awaiting_need", "awaiting_state", "blob", "blob_fetch", "body_kind",
-                 "check_buf", "checked", "corrupt_streak", "crc", "end", "error_buf",
-                 "expect", "filled", "frame", "incarnation", "mode", "need_sent", "peer_state",
-                 "pending_needs", "pending_state", "pos", "progress_told", "remaining", "scratch",
-                 "seen_version",
-                 "send_scratch", "stage", "start", "up", "up_at", "up_call")
+    __slots__ = ("blob", "blob_fetch", "body_kind", "check_buf", "checked", "corrupt_streak",
+                 "crc", "end", "error_buf", "expect", "filled", "frame", "incarnation", "mode",
+                 "need_sent", "peer_state", "pending_needs", "pending_state", "phase", "pos",
+                 "progress_told", "remaining", "scratch", "seen_version", "send_scratch",
+                 "stage", "start", "up_at", "up_call")
 
     def __init__(self) -> None:
         # headers are read into this staging buffer together with whatever follows them, so
@@ -174,15 +191,13 @@ class Link:
         self.pending_state: PeerState | None = None  # a reset peer's state for a call not begun
         self.up_call: CallId | None = None  # the call in progress when the link came up
         self.up_at: CallId = (0, 0)  # where this rank stood then (the "at" of its state)
-        self.up = True  # connected; False after a hang-up until the link comes up again
+        # where the link stands (fsm.LINK_PHASES): after a connection comes up nothing of
+        # any call is sent until the peer's state arrived (what we send may depend on it, and
+        # an answer to it must not be overtaken); a stream held for the peer's "need" waits
+        # until it says from which offset it wants it
+        self.phase = Phase.UP
         self.incarnation = 0  # of the peer process at the other end
         self.peer_state: PeerState | None = None  # what the peer said when the link came up
-        # the link came up during a call: send nothing of that call until the peer says
-        # from which offset it needs our stream (its "need")
-        self.awaiting_need = False
-        # the link just came up: send nothing of any call until the peer's state arrived
-        # (what we send may depend on it, and an answer to it must not be overtaken)
-        self.awaiting_state = False
         # the call whose "need" this rank sent on the current connection (one per call: a
         # second one would make the peer send its stream again)
         self.need_sent: CallId | None = None
@@ -192,6 +207,23 @@ class Link:
     def go(self, event: LinkEvent) -> None:
         """Move the receive mode through :data:`rabit2.core.fsm.LINK_MODES`."""
         self.mode = link_transition(self.mode, event)
+
+    def phase_go(self, event: PhaseEvent) -> None:
+        """Move the recovery phase through :data:`rabit2.core.fsm.LINK_PHASES`."""
+        self.phase = phase_transition(self.phase, event)
+
+    @property
+    def up(self) -> bool:
+        """Connected (not hung up since it last came up)."""
+        return self.phase is not Phase.DOWN
+
+    @property
+    def awaiting_state(self) -> bool:
+        return self.phase is Phase.GREETING or self.phase is Phase.GREETING_HELD
+
+    @property
+    def awaiting_need(self) -> bool:
+        return self.phase is Phase.HELD or self.phase is Phase.GREETING_HELD
 
     def reset_framing(self, pos: int) -> None:
         """A new connection: nothing of the old one's partial frames carries over."""

@@ -24,6 +24,7 @@ from rabit2.core.framing import (
     encode_error,
     pack_header,
 )
+from rabit2.core.fsm import Phase
 from rabit2.core.records import NO_CALL, ActiveCall, Command, Link, Send
 
 
@@ -55,7 +56,7 @@ class Sender:
         links = self.agent.links
         for peer, stream in plan.out_streams.items():
             link = links[peer]
-            if link.awaiting_need or link.awaiting_state or not link.up:
+            if link.phase is not Phase.UP:  # down, or waiting for its state or need
                 continue
             sent = active.sent.get(peer, 0)
             if sent == stream.length and sent:

@@ -9,13 +9,17 @@ import pytest
 
 from rabit2.core.fsm import (
     LINK_MODES,
+    LINK_PHASES,
     TRANSITIONS,
     Event,
     InvalidTransition,
     LinkEvent,
     Mode,
+    Phase,
+    PhaseEvent,
     State,
     link_transition,
+    phase_transition,
     render_markdown,
     transition,
 )
@@ -214,3 +218,50 @@ def test_a_reset_brings_every_mode_back_to_header_and_every_mode_leaves_by_a_fra
 @pytest.mark.parametrize("event", list(LinkEvent), ids=lambda e: e.name)
 def test_every_link_event_is_fired_by_the_core(event: LinkEvent) -> None:
     assert f"LinkEvent.{event.name}" in _core_source(), event
+
+
+# ----------------------------------------------------------------------------- link phases
+
+
+@pytest.mark.parametrize("pair", list(LINK_PHASES), ids=lambda p: f"{p[0].name}-{p[1].name}")
+def test_every_listed_phase_pair_moves_as_listed(pair: tuple[Phase, PhaseEvent]) -> None:
+    assert phase_transition(*pair) is LINK_PHASES[pair]
+
+
+@pytest.mark.parametrize("pair", [p for p in itertools.product(Phase, PhaseEvent)
+                                  if p not in LINK_PHASES],
+                         ids=lambda p: f"{p[0].name}-{p[1].name}")
+def test_an_unlisted_phase_pair_is_refused(pair: tuple[Phase, PhaseEvent]) -> None:
+    with pytest.raises(InvalidTransition):
+        phase_transition(*pair)
+
+
+def test_every_phase_can_hang_up_and_every_phase_leads_back_to_up() -> None:
+    for phase in Phase:
+        if phase is not Phase.DOWN:
+            assert phase_transition(phase, PhaseEvent.HANGUP) is Phase.DOWN
+        seen, todo = {phase}, deque([phase])
+        while todo:
+            cur = todo.popleft()
+            for event in PhaseEvent:
+                nxt = LINK_PHASES.get((cur, event))
+                if nxt is not None and nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        assert Phase.UP in seen, phase
+
+
+def test_a_state_is_awaited_only_after_a_connection_came_up() -> None:
+    entered = {nxt for (phase, event), nxt in LINK_PHASES.items()
+               if nxt in (Phase.GREETING, Phase.GREETING_HELD) and phase is not nxt}
+    assert entered == {Phase.GREETING, Phase.GREETING_HELD}
+    assert all(event in (PhaseEvent.CONNECT, PhaseEvent.CONNECT_HELD, PhaseEvent.HOLD,
+                         PhaseEvent.RELEASE)
+               for (phase, event), nxt in LINK_PHASES.items()
+               if nxt in (Phase.GREETING, Phase.GREETING_HELD) and phase is not nxt)
+    assert (Phase.DOWN, PhaseEvent.STATE) not in LINK_PHASES
+
+
+@pytest.mark.parametrize("event", list(PhaseEvent), ids=lambda e: e.name)
+def test_every_phase_event_is_fired_by_the_core(event: PhaseEvent) -> None:
+    assert f"PhaseEvent.{event.name}" in _core_source(), event

@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from rabit2.core import fsm
+from rabit2.core.fsm import PhaseEvent
 from rabit2.core.records import NO_CALL, RESUME_EVENTS, ActiveCall, Command, Link
 from rabit2.core.recovery.fetches import Fetches
 from rabit2.core.recovery.needs import Needs, sends_to
@@ -216,8 +217,7 @@ class Recovery:
     def link_down(self, peer: int, link: Link, now: float, cmds: list[Command]) -> None:
         """The link to ``peer`` closed or failed: the call waits for it to come back (the
         same process after a reset, or a replacement).  Raises :class:`RabitError`."""
-        link.up = False
-        link.awaiting_need = False
+        link.phase_go(PhaseEvent.HANGUP)
         self.down_since[peer] = now
         self.fetches.drop_stand_in(link, peer)
         self.fetches.lost(peer, cmds, park=True)
@@ -235,11 +235,11 @@ class Recovery:
         self.down_since.pop(peer, None)
         self.lost_in_version.pop(peer, None)
         active = agent.active
+        held = False
         if was_down:
             self.stats["links_up"] += 1
-            if active is not None and sends_to(active.plan, peer):
-                link.awaiting_need = True
-        link.awaiting_state = True
+            held = active is not None and sends_to(active.plan, peer)
+        link.phase_go(PhaseEvent.CONNECT_HELD if held else PhaseEvent.CONNECT)
         agent.send_control(peer, self.state_for(peer).to_msg(), cmds)
         if was_down and same_process:
             self.fetches.reissue(peer, cmds)
@@ -303,7 +303,7 @@ class Recovery:
             raise ProtocolError(f"rank {peer} states incarnation {state.incarnation} on a "
                                 f"link opened by incarnation {link.incarnation}")
         link.peer_state = state
-        link.awaiting_state = False
+        link.phase_go(PhaseEvent.STATE)
         self.watch_replays = self.watch_replays or state.recovering
         replay = self.replay
         if (replay.no_live_incs.get(peer) == state.incarnation and state.recovering
@@ -341,7 +341,7 @@ class Recovery:
                 # its need, as Needs.hold_for_replaying does at begin
                 offset = link.pending_needs.pop(active.call_id, None)
                 if offset is None:
-                    link.awaiting_need = True
+                    link.phase_go(PhaseEvent.HOLD)
                 else:
                     self.needs.apply(active, peer, offset)
                 return
@@ -353,7 +353,7 @@ class Recovery:
             if link.up_call == active.call_id:
                 # both were in this call when the link came up: resend what the old
                 # connection lost (a peer that had not begun it needs all of it)
-                link.awaiting_need = False
+                link.phase_go(PhaseEvent.RELEASE)
                 self.needs.apply(active, peer, state.need if state.active else 0,
                                  seen=state.seen)
             elif state.active and link.up_at < active.call_id and peer in active.plan.in_streams:
@@ -361,7 +361,7 @@ class Recovery:
                 # still waits to hear how much of its stream we hold
                 self.needs.send(peer, active.call_id, active.plan.received[peer], cmds)
         elif state.at > active.call_id:
-            link.awaiting_need = False  # it finished our call: it needs nothing more of it
+            link.phase_go(PhaseEvent.RELEASE)  # it finished our call: it needs nothing more of it
             self.needs.apply(active, peer, -1)
 
     def _resend_after_reset(self, peer: int, link: Link, state: PeerState,
@@ -374,11 +374,11 @@ class Recovery:
         if active is None:
             return
         if state.at > active.call_id:
-            link.awaiting_need = False
+            link.phase_go(PhaseEvent.RELEASE)
             self.needs.apply(active, peer, -1)
         elif (state.active and state.at == active.call_id
               and link.up_call == active.call_id):
-            link.awaiting_need = False
+            link.phase_go(PhaseEvent.RELEASE)
             self.needs.apply(active, peer, state.need, seen=state.seen)
         elif (state.active and state.at == active.call_id
               and peer in active.plan.in_streams and peer not in active.skip_in):

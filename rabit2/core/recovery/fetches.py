@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from rabit2.core.framing import MAX_BROADCAST, CallDescriptor, CollectiveKind
-from rabit2.core.fsm import LinkEvent
+from rabit2.core.fsm import LinkEvent, PhaseEvent
 from rabit2.core.records import NO_CALL, ActiveCall, CheckpointLoaded, Command, Fetch, Link
 from rabit2.core.recovery.peer_state import (
     Role,
@@ -308,7 +308,7 @@ class Fetches:
         active.refill = None
         link = self.agent.links[peer]
         if link.up and link.awaiting_need:
-            link.awaiting_need = False
+            link.phase_go(PhaseEvent.RELEASE)
             self.owner.needs.apply(active, peer, offset, seen=seen)
 
     def drop_stand_in(self, link: Link, peer: int) -> None:

@@ -3,7 +3,7 @@
 
 A neighbour that comes back during a call (or a restarted rank that reaches it) says from
 which byte of this rank's stream of the call it wants the rest; until then this rank holds
-that stream back (``Link.awaiting_need``).  A replaying rank says it for every call it
+that stream back (the link's phase is ``held``).  A replaying rank says it for every call it
 begins, so that a survivor which held its stream back knows where to start.
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
+from rabit2.core.fsm import PhaseEvent
 from rabit2.core.records import ActiveCall, Command, Link
 from rabit2.core.recovery.port import AgentPort
 from rabit2.core.recovery.store import CallId
@@ -81,7 +82,7 @@ class Needs:
                 # its in-stream: fetch those bytes of the next rank's stream again (it still
                 # holds them unless its own result overwrote them: then it says so)
                 active.refill = (peer, offset, seen)
-                self.agent.links[peer].awaiting_need = True
+                self.agent.links[peer].phase_go(PhaseEvent.HOLD)
                 self.owner.fetches.request(plan.next, "stream", active.call_id, gap[0], gap[1],
                                            memoryview(bytearray(gap[1] - gap[0])), cmds,
                                            active)
@@ -103,7 +104,7 @@ class Needs:
 
     def _release(self, active: ActiveCall, peer: int, offset: int) -> None:
         """A stream held back for ``peer`` goes on from ``offset``."""
-        self.agent.links[peer].awaiting_need = False
+        self.agent.links[peer].phase_go(PhaseEvent.RELEASE)
         self.apply(active, peer, offset)
 
     def on_need(self, peer: int, link: Link, call: CallId, offset: int,
@@ -137,7 +138,7 @@ class Needs:
                 self.send(peer, call, active.plan.received[peer], cmds, held=True)
             if held and not link.awaiting_need:
                 return  # the stream was not held back: it is flowing from its start
-            link.awaiting_need = False
+            link.phase_go(PhaseEvent.RELEASE)
             self.apply(active, peer, offset, cmds=cmds)
         elif call < current:
             if offset < 0:
@@ -186,7 +187,7 @@ class Needs:
                     # said what it holds of our stream, and it sends no other need for it
                     self.apply(active, peer, state.need, seen=state.seen)
                 else:
-                    link.awaiting_need = True
+                    link.phase_go(PhaseEvent.HOLD)
         self.owner.watch_replays = any(
             link.pending_needs or (link.peer_state is not None and link.peer_state.recovering)
             for link in self.agent.links.values())
