@@ -61,6 +61,10 @@ class Config:
     # the caller polls (yielding the CPU) this long before it sleeps on a call's completion:
     # a sleeping vCPU takes ~60 us to wake on this VM class (docs/design.md, "Waiting")
     spin_us: int = 200
+    # the caller drives its own call (no hand-off to the loop thread) for up to this long,
+    # then hands it to the loop thread; 0: every call goes to the loop thread
+    # (docs/design.md, "The caller drives its call")
+    drive_ms: int = 10
     log_level: str = "WARNING"
     mock: tuple[MockSpec, ...] = ()
     # lazy recovery (docs/recovery.md); rabit2-submit turns it on when it restarts workers
@@ -104,6 +108,7 @@ _ALIASES: dict[str, str] = {
     "rabit_tree_reduce_minsize": "tree_reduce_minsize",
     "rabit2_loop": "loop",
     "rabit2_spin_us": "spin_us",
+    "rabit2_drive_ms": "drive_ms",
     "rabit2_log_level": "log_level",
     "mock": "mock",
     "rabit2_recover": "recover",
@@ -144,6 +149,7 @@ _ENV_KEYS = (
     "RABIT2_HEARTBEAT_SEC",
     "RABIT2_LOOP",
     "RABIT2_SPIN_US",
+    "RABIT2_DRIVE_MS",
     "RABIT2_LOG_LEVEL",
     "RABIT2_RECOVER",
     "RABIT2_RECOVER_TIMEOUT_SEC",
@@ -199,7 +205,7 @@ def _convert(field: str, value: Any) -> Any:  # noqa: C901, PLR0911, PLR0912
         raise ValueError(f"checksum: expected auto, on or off, got {value!r}")
     if field in ("tracker_port", "num_attempt", "world_size", "connect_retry",
                  "reduce_ring_mincount", "tree_reduce_minsize", "replay_mb",
-                 "local_replica", "spin_us"):
+                 "local_replica", "spin_us", "drive_ms"):
         try:
             return int(value)
         except (TypeError, ValueError):
@@ -294,6 +300,8 @@ def load_config(  # noqa: C901
         raise ValueError("rabit2_replay_mb must be >= 0")
     if values.get("spin_us", 0) < 0:
         raise ValueError("rabit2_spin_us must be >= 0")
+    if values.get("drive_ms", 0) < 0:
+        raise ValueError("rabit2_drive_ms must be >= 0")
     if values.get("local_replica", 0) < 0:
         raise ValueError("rabit_local_replica must be >= 0")
     return Config(**values, mock=tuple(mocks))

@@ -215,6 +215,7 @@ class Connections:
             raise
         set_congestion(sock, self.engine.congestion)  # every peer link, dialed or accepted
         link = PeerLink(self.engine, peer)
+        link.fd = sock.fileno()
         old = self.engine.links.get(peer)
         self.engine.links[peer] = link
         if old is not None:

@@ -1,11 +1,12 @@
 """The I/O driver: one background event loop per worker, TCP links, and the agent on top.
 
-The loop runs in a daemon thread for the life of the worker (:mod:`rabit2.io.loop_thread`).
-API threads hand it calls with :meth:`Engine.run_call` and wait for them
-(:mod:`rabit2.io.waiting`); the loop feeds the :class:`~rabit2.core.agent.Agent` events and
-executes the commands it returns.  Joining the job and the peer port are in
-:mod:`rabit2.io.connections`, the links and their recovery in :mod:`rabit2.io.links`, the
-``mock=`` hooks in :mod:`rabit2.io.faults`.
+The loop runs in a daemon thread for the life of the worker (:mod:`rabit2.io.loop_thread`)
+and feeds the :class:`~rabit2.core.agent.Agent` events and executes the commands it returns.
+A call (:meth:`Engine.run_call`) is driven by the caller's own thread while it holds the
+parked loop (:mod:`rabit2.io.driving`), and handed to the loop thread, which the caller then
+waits for (:mod:`rabit2.io.waiting`), when it takes longer or leaves the happy path.
+Joining the job and the peer port are in :mod:`rabit2.io.connections`, the links and their
+recovery in :mod:`rabit2.io.links`, the ``mock=`` hooks in :mod:`rabit2.io.faults`.
 
 Links are :class:`asyncio.BufferedProtocol` s: ``get_buffer`` returns the view the agent
 names (the frame header buffer, the user's array or a link's scratch), so received bytes are
@@ -46,6 +47,7 @@ from rabit2.errors import (
     UnrecoverableError,
 )
 from rabit2.io.connections import Connections
+from rabit2.io.driving import Driver
 from rabit2.io.faults import FaultInjector
 from rabit2.io.handshake import resolve_congestion
 from rabit2.io.links import LinkKeeper, PeerLink
@@ -79,6 +81,7 @@ class Engine:
         self.loop_thread.set_batch(config.spin_us > 0)
         self.loop = self.loop_thread.loop
         self._poller = Poller(config.spin_us / 1e6, self.loop_thread)
+        self.driver = Driver(self, config.drive_ms / 1e3, config.spin_us / 1e6)
         self.faults = FaultInjector(self.agent)
         self.tracker: TrackerClient | None = None
         self.assignment: Assignment | None = None
@@ -126,17 +129,18 @@ class Engine:
         flips the bits of one byte that arrives from that rank).
         """
         waiter = Waiter()
-        self.loop.call_soon_threadsafe(self._begin, call, waiter, kill_after_bytes,
-                                       reset_peer, damage)
+        if not self.driver.run(call, waiter, kill_after_bytes, reset_peer, damage):
+            self.loop_thread.call_soon_threadsafe(self.begin_call, call, waiter,
+                                                  kill_after_bytes, reset_peer, damage)
         # the agent's progress deadline fails a stuck call; this outer bound only guards
         # against a dead loop thread
         bound = self.config.timeout_sec * 2 + 60
-        if not self._poller.wait(waiter, bound):
+        if not waiter.finished and not self._poller.wait(waiter, bound):
             raise CollectiveTimeoutError(f"the loop thread did not answer within {bound:g} s")
         if waiter.error is not None:
             raise waiter.error
 
-    def _begin(self, call: Call, waiter: Waiter, kill_after_bytes: int = -1,
+    def begin_call(self, call: Call, waiter: Waiter, kill_after_bytes: int = -1,
                reset_peer: int = -1, damage: bool = False) -> None:
         self.faults.arm(kill_after_bytes, reset_peer, damage)
         try:
@@ -270,10 +274,12 @@ class Engine:
         if self.tracker is None:
             raise TrackerError("not connected to a tracker")
         self.tracker.print(msg)
+        self.loop_thread.wake()  # (a loop lent to calls must not hold it back)
 
     def signal_error(self, msg: str) -> None:
         if self.tracker is not None:
             self.tracker.signal_error(msg)
+            self.loop_thread.wake()
 
     def checkpoint(self, blob: bytes | Callable[[], bytes] | None = None,
                    local: bytes | None = None) -> int:
@@ -318,7 +324,7 @@ class Engine:
         Bounded by ``timeout_sec``; raises :class:`UnrecoverableError` if no neighbour
         holds it."""
         waiter = Waiter()
-        self.loop.call_soon_threadsafe(self._begin_load, waiter, with_local)
+        self.loop_thread.call_soon_threadsafe(self._begin_load, waiter, with_local)
         if not waiter.lock.acquire(True, self.config.timeout_sec):
             raise CollectiveTimeoutError(
                 f"no checkpoint from the neighbours within {self.config.timeout_sec:g} s")
@@ -412,4 +418,5 @@ class Engine:
         with contextlib.suppress(Exception):
             self.loop_thread.run(_close(), 5)
         self.loop_thread.stop()
+        self.driver.close()
 

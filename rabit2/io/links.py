@@ -32,6 +32,7 @@ class PeerLink(asyncio.BufferedProtocol):
         self.faults = engine.faults
         self.peer = peer
         self.transport: asyncio.Transport | None = None
+        self.fd = -1  # the socket's descriptor (a caller driving its call reads it)
         self.write_blocked = False
         self.current = True  # False once a newer connection to the same peer replaced it
         self.landing = _NO_BYTES  # where the last read went (failure injection only)

@@ -1,8 +1,17 @@
-"""The worker's event loop, running forever in its own daemon thread.
+"""The worker's event loop, running forever in its own daemon thread, and lent to callers.
 
 The loop is uvloop where available, plain asyncio when ``RABIT2_LOOP=asyncio``.  API threads
 hand it coroutines with :meth:`LoopThread.run`; a polling caller may switch the loop thread to
 SCHED_BATCH (:meth:`LoopThread.set_batch`, :class:`~rabit2.io.waiting.Poller`).
+
+**Lending** (``docs/design.md``, "The caller drives its call").  The loop thread can *park*:
+block inside one of its own callbacks, so that nothing of the loop runs.  While it is parked,
+one caller may *hold* it (:meth:`LoopThread.hold`) and use the loop's objects from its own
+thread (the agent, the transports, timers): they are then touched by one thread at a time, as
+when the loop runs them.  After a caller lets go (:meth:`LoopThread.release`) the loop stays
+parked for ``linger`` seconds, so the next call of a training loop finds it parked and takes
+it without waking another thread; then, or after ``LEND_MAX`` seconds parked in all, it runs
+again (timers, heartbeats, the tracker's notices, a recovering neighbour's requests).
 """
 
 from __future__ import annotations
@@ -14,13 +23,17 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from rabit2.errors import CollectiveTimeoutError
 
 logger = logging.getLogger("rabit2.engine")
 T = TypeVar("T")
+
+LEND_MAX = 0.1
+"""The longest the loop stays parked across calls that follow each other closely: then it runs
+its timers and I/O once (heartbeats, the tracker's notices) and the next call parks it again."""
 
 
 def new_event_loop(kind: str) -> asyncio.AbstractEventLoop:
@@ -44,6 +57,15 @@ class LoopThread:
         self.is_uvloop = type(self.loop).__module__.startswith("uvloop")
         self._native_id = 0
         self._started = threading.Event()
+        # lending (see the module docstring); every field below is guarded by _gate
+        self._gate = threading.Condition(threading.Lock())
+        self._parked = False  # the loop thread is blocked in _park
+        self._park_asked = False  # a _park callback is scheduled and has not run yet
+        self._held = False  # a caller holds the parked loop
+        self._claiming = False  # a caller waits for the loop to park, to hold it
+        self._resume_at = 0.0  # (monotonic) when the parked, unheld loop runs again
+        self._wanted = False  # the loop must run as soon as no caller holds it
+        self._parked_since = 0.0
         self._thread = threading.Thread(target=self._run, name="rabit2-loop", daemon=True)
         self._thread.start()
         self._started.wait(10)
@@ -74,9 +96,88 @@ class LoopThread:
         except OSError as exc:  # a container may forbid it; only latency suffers
             logger.debug("cannot set the loop thread's scheduling policy: %s", exc)
 
+    # ------------------------------------------------------------------ lending
+
+    def _park(self) -> None:
+        """(On the loop thread.)  Block until no caller holds the loop and its lingering time
+        is over, or someone needs it to run (:meth:`wake`)."""
+        gate = self._gate
+        with gate:
+            self._park_asked = False
+            self._parked = True
+            self._parked_since = time.monotonic()
+            gate.notify_all()
+            while True:
+                wait = self._resume_at - time.monotonic()
+                if not (self._held or self._claiming) and (wait <= 0 or self._wanted):
+                    break
+                # (a caller that lets go with time left to linger does not wake this thread:
+                # it looks again when that time is over, or after LEND_MAX while held)
+                gate.wait(LEND_MAX if self._held or self._claiming else wait)
+            self._parked = self._wanted = False
+            gate.notify_all()
+
+    def hold(self, timeout: float) -> bool:
+        """(On a caller's thread.)  Take the loop: park it if it runs (a hand-off to the loop
+        thread, once per lingering period) and hold it.  False if it did not park within
+        ``timeout`` seconds, or is held already (a second caller thread): the call then goes
+        to the loop as before."""
+        gate = self._gate
+        with gate:
+            if self._held:
+                return False
+            if self._parked and time.monotonic() - self._parked_since >= LEND_MAX:
+                # parked this long across calls that follow each other closely: it runs
+                # once (heartbeats, timers, the tracker's notices) before it is held again
+                self._wanted = True
+                gate.notify_all()
+                if not gate.wait_for(lambda: not self._parked, timeout):
+                    return False
+            if not self._parked:
+                if not self._park_asked:
+                    self._park_asked = True
+                    self.loop.call_soon_threadsafe(self._park)
+                self._claiming = True
+                try:
+                    parked = gate.wait_for(lambda: self._parked, timeout)
+                finally:
+                    self._claiming = False
+                if not parked or self._held:
+                    gate.notify_all()
+                    return False
+            self._held = True
+            return True
+
+    def release(self, linger: float) -> None:
+        """(On the holding caller's thread.)  Let go of the loop; it stays parked for
+        ``linger`` more seconds (0: it runs at once), but never more than ``LEND_MAX``
+        in all since it parked."""
+        gate = self._gate
+        with gate:
+            now = time.monotonic()
+            self._held = False
+            self._resume_at = min(now + linger, self._parked_since + LEND_MAX)
+            if self._resume_at <= now or self._wanted:
+                gate.notify_all()
+
+    def wake(self) -> None:
+        """The loop must run now (a coroutine or callback was handed to it): end the
+        lingering of a parked loop that no caller holds."""
+        gate = self._gate
+        with gate:
+            if self._parked or self._park_asked:
+                self._wanted = True
+                gate.notify_all()
+
+    def call_soon_threadsafe(self, callback: Callable[..., object], *args: object) -> None:
+        """``loop.call_soon_threadsafe`` that also wakes a lingering loop."""
+        self.loop.call_soon_threadsafe(callback, *args)
+        self.wake()
+
     def run(self, coro: Coroutine[Any, Any, T], timeout: float) -> T:
         """Run ``coro`` on the loop and wait for it; ``CollectiveTimeoutError`` past ``timeout``."""
         fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        self.wake()
         try:
             return fut.result(timeout)
         except concurrent.futures.TimeoutError:
@@ -86,7 +187,7 @@ class LoopThread:
     def stop(self) -> None:
         if self.loop.is_closed():
             return
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)
         if not self._thread.is_alive():
             self.loop.close()

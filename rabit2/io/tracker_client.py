@@ -161,6 +161,7 @@ class TrackerClient:
         self._loop_thread = threading.get_ident()
         self._reader = reader
         self._writer = writer
+        self.connections = 1  # connections made so far (a rejoin makes another)
         self._assignment: Assignment | None = None
         self._failure: RabitError | None = None  # why no assignment can come any more
         self._lost: TrackerError | None = None  # set once the connection is closed
@@ -340,6 +341,14 @@ class TrackerClient:
         with contextlib.suppress(RuntimeError):  # the loop is already closed: drop
             self._loop.call_soon_threadsafe(self._send, msg)
 
+    def fileno(self) -> int:
+        """The descriptor of the current connection to the tracker (-1: none)."""
+        sock = self._writer.get_extra_info("socket")
+        try:
+            return -1 if sock is None or self._writer.is_closing() else int(sock.fileno())
+        except (OSError, ValueError):
+            return -1
+
     def _send(self, msg: dict[str, Any]) -> None:
         if self._rejoining and msg["t"] != "heartbeat":
             if len(self._held) < _MAX_HELD_MESSAGES:
@@ -416,6 +425,7 @@ class TrackerClient:
                     self._refused = str(exc)
                     return False
                 self._reader, self._writer = await asyncio.open_connection(sock=sock)
+                self.connections += 1
                 self._writer.write(encode_frame({
                     "t": "rejoin", "task_id": config.task_id, "rank": assignment.rank,
                     "incarnation": assignment.incarnation, "port": self._listen_port}))

@@ -107,6 +107,36 @@ def test_allreduce_and_broadcast(world: int, loop_kind: str) -> None:
     finish(tracker, engines)
 
 
+@pytest.mark.parametrize(("world", "drive_ms"), [(2, "10"), (3, "10"), (2, "0")])
+def test_calls_are_driven_by_the_caller_or_handed_to_the_loop(world: int, drive_ms: str,
+                                                             loop_kind: str) -> None:
+    """Small calls are made on the caller's thread (docs/design.md, "The caller drives its
+    call"); a call whose bytes the kernel does not take at once goes on on the loop thread;
+    ``rabit2_drive_ms=0`` hands every call over.  The results are the same either way."""
+    tracker, engines = start_job(world, loop_kind, RABIT2_DRIVE_MS=drive_ms)
+    calls = 40
+
+    def work(rank: int, engine: Engine) -> tuple[bytes, int, int]:
+        for i in range(calls):
+            count = 16 << 20 if i == calls // 2 else 1024 + i
+            a = np.full(count, rank + i, dtype=np.float32)
+            engine.run_call(allreduce_call(a, engine))
+            assert (a == sum(r + i for r in range(world))).all()
+        b = np.full(5000, rank, dtype=np.uint8)
+        engine.run_call(Call(CollectiveKind.BROADCAST, memoryview(b), root=0))
+        assert (b == 0).all()
+        return a.tobytes(), engine.driver.driven, engine.driver.handed
+
+    results = on_all(engines, work)
+    assert all(r[0] == results[0][0] for r in results)
+    for _, driven, handed in results:
+        if drive_ms == "0":
+            assert driven == handed == 0
+        else:
+            assert driven + handed == calls + 1 and driven > calls // 2, results
+    finish(tracker, engines)
+
+
 def test_mismatched_sizes_raise_on_every_rank(loop_kind: str) -> None:
     tracker, engines = start_job(3, loop_kind)
 

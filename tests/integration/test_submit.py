@@ -256,6 +256,24 @@ def test_bind_cpus_for_groups_or_round_robin() -> None:
     assert "RABIT2_BIND_CPU" not in build_worker_env({}, {}, task_id=1, attempt=0)
 
 
+def test_workers_pinned_beside_another_hand_their_calls_to_the_loop_thread(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from tracker.launch import local  # noqa: PLC0415
+    from tracker.launch.options import parse_args  # noqa: PLC0415
+
+    assert local.shares_cpu(4, "auto", [2, 5]) and local.shares_cpu(3, "core", [2, 5])
+    assert not local.shares_cpu(2, "auto", [2, 5]) and not local.shares_cpu(4, "none", [2, 5])
+    monkeypatch.setattr(local, "bind_cpus_for", lambda task, n, bind: (task % 2,))
+    monkeypatch.setattr(local, "shares_cpu", lambda n, bind: n > 2)
+    monkeypatch.delenv("RABIT2_DRIVE_MS", raising=False)
+    four = parse_args(["--cluster", "local", "-n", "4", "--", "python", "w.py"])
+    assert local.local_attempt(four, {}, 0, 0).env["RABIT2_DRIVE_MS"] == "0"
+    two = parse_args(["--cluster", "local", "-n", "2", "--", "python", "w.py"])
+    assert "RABIT2_DRIVE_MS" not in local.local_attempt(two, {}, 0, 0).env
+    monkeypatch.setenv("RABIT2_DRIVE_MS", "5")  # what the user says stands
+    assert local.local_attempt(four, {}, 0, 0).env["RABIT2_DRIVE_MS"] == "5"
+
+
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux CPU affinity")
 def test_workers_start_pinned() -> None:
     """The launcher starts each worker on its CPUs (not only RABIT2_BIND_CPU), so that

@@ -18,7 +18,19 @@ def local_attempt(options: LaunchOptions, job_env: Mapping[str, str], task_id: i
     cpus = bind_cpus_for(task_id, options.num_workers, options.bind)
     env = build_worker_env(os.environ, job_env, task_id, attempt, options.env, cpus,
                            recover=options.max_attempts > 1)
+    if shares_cpu(options.num_workers, options.bind) and "RABIT2_DRIVE_MS" not in env:
+        # pinned beside another worker, a caller that drives its own call holds the CPU the
+        # other needs: calls go to the loop thread (docs/design.md, "The caller drives")
+        env["RABIT2_DRIVE_MS"] = "0"
     return Attempt(list(options.command), env, cpus=cpus)
+
+
+def shares_cpu(num_workers: int, bind: str, cpus: Sequence[int] | None = None) -> bool:
+    """Whether ``--bind`` pins some workers to a CPU another worker is pinned to (pure):
+    more workers than the launcher's CPUs."""
+    if cpus is None:
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return bind != "none" and bool(cpus) and num_workers > len(cpus)
 
 
 def bind_cpus_for(task_id: int, num_workers: int, bind: str,
