@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from rabit2 import logs
 from rabit2.config import Config, load_config
 from rabit2.core.framing import (
     BROADCAST_HEAD,
@@ -85,7 +86,7 @@ def init(args: Iterable[str | bytes] | None = None, **kwargs: Any) -> None:
             logger.warning("rabit2.init() called twice; ignoring the second call")
             return
         config = load_config(args, kwargs)
-        logging.getLogger("rabit2").setLevel(config.log_level.upper())
+        logs.configure(config.log_level)
         _comm.version = _comm.seqno = 0
         _comm.global_model = _comm.local_model = _comm.lazy_model = None
         if config.distributed:

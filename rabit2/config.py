@@ -19,6 +19,10 @@ from typing import Any
 DEFAULT_TREE_MINSIZE = 1 << 20
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+"""The levels ``rabit2_log_level`` accepts (any case)."""
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class MockSpec:
     """``mock=rank,version,seqno,trial``: kill this process at that call on that attempt.
@@ -65,7 +69,8 @@ class Config:
     # then hands it to the loop thread; 0: every call goes to the loop thread
     # (docs/design.md, "The caller drives its call")
     drive_ms: int = 10
-    log_level: str = "WARNING"
+    # None: rabit2 leaves logging as the program set it (docs/user-guide.md, "Logging")
+    log_level: str | None = None
     mock: tuple[MockSpec, ...] = ()
     # lazy recovery (docs/recovery.md); rabit2-submit turns it on when it restarts workers
     recover: bool = False
@@ -232,6 +237,12 @@ def _convert(field: str, value: Any) -> Any:  # noqa: C901, PLR0911, PLR0912
     if field == "tracker_uri":
         text = str(value)
         return None if text in ("", "NULL") else text
+    if field == "log_level":
+        text = str(value).strip().upper()
+        if text not in LOG_LEVELS:
+            raise ValueError(f"log_level: expected one of {', '.join(LOG_LEVELS)}, got "
+                             f"{value!r}")
+        return text
     return str(value)
 
 

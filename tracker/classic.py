@@ -130,7 +130,7 @@ class ClassicJob:
             raise ProtocolError(f"worker expects world size {world}, job has {self.n_workers}")
         if command == "print":
             message = await wire.read_str()
-            self.print_fn(f"[{rank if rank >= 0 else task_id}] {message.rstrip()}")
+            self.print_fn(f"[rank {rank if rank >= 0 else task_id}] {message.rstrip()}")
             return
         if command == "shutdown":
             if not 0 <= rank < self.n_workers:

@@ -28,6 +28,7 @@ from tracker.server import Tracker
 
 EXIT_OK = 0
 EXIT_ABORTED = 1
+EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 
 
@@ -48,7 +49,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--classic", choices=("loopback", "any", "none"), default="loopback",
                         help="from where workers of the classic rabit protocol (XGBoost "
                              "1.x/2.0; it carries no secret) are served")
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO", type=str.upper,
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR"))
     parser.add_argument("--query", metavar="HOST:PORT",
                         help="print a running tracker's status as JSON instead (secret: "
                              "--secret or RABIT2_SECRET)")
@@ -87,7 +89,12 @@ async def run_tracker(args: argparse.Namespace) -> int:
         heartbeat_timeout=args.heartbeat_timeout,
         classic=args.classic,
     )
-    await tracker.start()
+    try:
+        await tracker.start()
+    except OSError as exc:  # (a port taken, an address that does not resolve)
+        print(f"rabit2-tracker: error: cannot listen on {args.host}:{args.port}: "
+              f"{exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         lines = ["DMLC_TRACKER_ENV_START"]
         lines += [f"{key}={value}" for key, value in tracker.worker_env().items()]

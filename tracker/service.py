@@ -352,7 +352,7 @@ class Tracker:
         if kind == "print":
             self._prints += 1
             label = task.task_id if task.rank is None else str(task.rank)
-            self._print_fn(f"[{label}] {msg['msg']}")
+            self._print_fn(f"[rank {label}] {msg['msg']}")
             return True
         if kind == "error":
             self._apply(registry.error(conn, msg["msg"]))

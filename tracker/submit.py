@@ -19,7 +19,11 @@
   ``DMLC_NUM_WORKER``, ``DMLC_NUM_ATTEMPT``, ``DMLC_ROLE=worker`` and ``RABIT2_SECRET``, then
   every ``--env K=V`` (which wins).  The command is passed through unchanged.
 * Every output line of a worker is prefixed with ``[rank r]`` (``[rank i]`` with its task id
-  until the tracker has assigned ranks).
+  until the tracker has assigned ranks), and so are its ``tracker_print`` lines; a progress
+  update ending in ``\r`` is passed on at once.  The tracker's log lines read ``[tracker]
+  LEVEL message`` (``--log-level``, which the workers get as ``RABIT2_LOG_LEVEL`` too);
+  ``--timestamps`` starts every line with the time, and ``--log-file`` appends every line to
+  a file with the date and time.
 * A worker that exits non-zero is restarted until it has run ``--max-attempts`` times in all.
   When a task runs out of attempts (or ``--timeout`` passes, or Ctrl-C/SIGTERM), the tracker
   aborts the job and every other worker's process group gets SIGTERM, then SIGKILL after a
@@ -32,12 +36,15 @@ This module parses the command line and picks the back-end; the back-ends are in
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import secrets
 import shlex
+import shutil
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from types import FrameType
 from typing import TextIO
 
@@ -45,8 +52,11 @@ from tracker.launch.common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_USAGE,
     Interrupted,
+    LaunchError,
     LineWriter,
+    LogLines,
 )
 from tracker.launch.group import GroupLauncher, group_argv, group_forward
 from tracker.launch.local import bind_cpus_for
@@ -89,7 +99,34 @@ def run_job(options: LaunchOptions, out: TextIO | None = None, err: TextIO | Non
     if options.dry_run:
         out.write("\n".join(dry_run_lines(options)) + "\n")
         return EXIT_OK
-    writer = LineWriter()
+    if options.cluster == "local" and shutil.which(options.command[0]) is None:
+        raise LaunchError(f"{options.command[0]}: command not found (or not executable)")
+    with contextlib.ExitStack() as stack:
+        log_file = (None if options.log_file is None
+                    else stack.enter_context(open(options.log_file, "a", encoding="utf-8")))
+        writer = LineWriter(options.timestamps, log_file)
+        stack.enter_context(_tracker_log(writer, err, options.log_level or "WARNING"))
+        return _run(options, writer, out, err)
+
+
+@contextlib.contextmanager
+def _tracker_log(writer: LineWriter, err: TextIO, level: str) -> Iterator[None]:
+    """The tracker's log records as ``[tracker] LEVEL message`` lines of the launcher."""
+    logger = logging.getLogger("rabit2.tracker")
+    handler = LogLines(writer, err)
+    saved = logger.level, logger.propagate
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
+def _run(options: LaunchOptions, writer: LineWriter, out: TextIO, err: TextIO) -> int:
     tracker = TrackerThread(
         options.num_workers,
         host=options.tracker_host,
@@ -102,7 +139,11 @@ def run_job(options: LaunchOptions, out: TextIO | None = None, err: TextIO | Non
     )
     kind = GroupLauncher if options.cluster in ("slurm", "mpi") else TaskLauncher
     launcher = kind(options, tracker, out, err, writer)
-    tracker.start()
+    try:
+        tracker.start()
+    except OSError as exc:  # (a port taken, an address that does not resolve)
+        raise LaunchError(f"the tracker cannot listen on {options.tracker_host}:"
+                          f"{options.tracker_port}: {exc.strerror or exc}") from None
     try:
         return launcher.run()
     finally:
@@ -119,6 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
         return run_job(options)
+    except LaunchError as exc:
+        print(f"rabit2-submit: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     finally:
         signal.signal(signal.SIGTERM, previous)
 

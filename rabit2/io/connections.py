@@ -11,6 +11,7 @@ import socket
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from rabit2 import logs
 from rabit2.config import Config
 from rabit2.core.fsm import State
 from rabit2.core.topology import topology
@@ -77,6 +78,11 @@ class Connections:
             self.engine.tracker.on_peer_recovered = self.engine.keeper.on_peer_recovered
             assignment = await self.engine.tracker.wait_assignment(cfg.timeout_sec)
             self.engine.assignment = assignment
+            logs.set_rank(assignment.rank)
+            logger.info("joined the job at tracker %s:%d: rank %d of %d%s", cfg.tracker_uri,
+                        cfg.tracker_port, assignment.rank, assignment.world_size,
+                        f", replacing a lost worker (incarnation {assignment.incarnation})"
+                        if assignment.incarnation else "")
             for rank, address in self.engine.recovered_at.items():  # (notices that came first)
                 if rank in assignment.peers:
                     assignment.peers[rank] = address
@@ -104,6 +110,11 @@ class Connections:
             self.engine.agent.accept_peers(loop.time())
             if self.engine.agent.restarted:
                 await self.unless_aborted(self._states_known(), cfg.connect_timeout_sec)
+            logger.info("links up to ranks %s (tree parent %s, ring %d -> %d -> %d)%s",
+                        ", ".join(map(str, sorted(topo.neighbors))) or "none",
+                        topo.parent if topo.parent >= 0 else "none (the root)",
+                        topo.ring_prev, assignment.rank, topo.ring_next,
+                        "; recovery on" if cfg.recover else "")
         except TimeoutError:
             error = CollectiveTimeoutError("peers did not connect in time")
             self._bootstrap_failed(error)

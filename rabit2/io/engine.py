@@ -186,6 +186,9 @@ class Engine:
                     self._ckpt_waiter = None
                     ckpt.finish(cmd.error)
             elif isinstance(cmd, CheckpointLoaded):
+                if cmd.version:
+                    logger.info("resuming from checkpoint version %d, loaded from the "
+                                "neighbours", cmd.version)
                 self._ckpt_loaded = (cmd.version, cmd.blob, cmd.local)
                 ckpt = self._ckpt_waiter
                 if ckpt is not None:
@@ -391,6 +394,9 @@ class Engine:
                 raise
         except RabitError as exc:
             logger.warning("tracker shutdown: %s", exc)
+        stats = self.agent.statistics()
+        logger.info("left the job after %d calls (%d B sent, %d B received)",
+                    stats.calls_completed, stats.bytes_sent, stats.bytes_received)
 
     def close(self) -> None:
         """Release every resource; safe to call twice and from any state."""

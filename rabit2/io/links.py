@@ -97,7 +97,11 @@ class LinkKeeper:
         return incarnation
 
     def on_hangup(self, peer: int, reason: str) -> None:
-        if self.engine.config.recover and self.engine.agent.link_down_reason(peer) is None:
+        agent = self.engine.agent
+        if agent.ended or self.engine.closing:
+            # (every rank finished: links close as the job ends)
+            logger.debug("link to rank %d closed as the job ends: %s", peer, reason)
+        elif self.engine.config.recover and agent.link_down_reason(peer) is None:
             logger.info("link to rank %d down at %.6f: %s", peer, time.time(), reason)
         self.engine.execute(self.engine.agent.on_hangup(peer, reason, self.engine.loop.time()))
         assignment = self.engine.assignment
@@ -141,6 +145,8 @@ class LinkKeeper:
         known = self.engine.agent.link_incarnation(rank)
         if known is None or incarnation < known:
             return  # about an incarnation that was already replaced
+        logger.info("the tracker lost rank %d: %s%s", rank, reason,
+                    "; waiting for its replacement" if self.engine.config.recover else "")
         link = self.engine.links.get(rank)
         if link is not None and link.write_blocked and link.transport is not None:
             # bytes queued for a peer that will never read them: drop the link, so that a
@@ -153,6 +159,7 @@ class LinkKeeper:
         """A lost neighbour was restarted: the higher rank of a link dials, as at init."""
         if not self.engine.config.recover:
             return
+        logger.info("rank %d is back (incarnation %d, at %s:%d)", rank, incarnation, *address)
         self.engine.recovered_at[rank] = address  # (the dial at init may be trying the old one)
         self.engine.issued[rank] = max(self.engine.issued.get(rank, -1), incarnation)
         assignment = self.engine.assignment

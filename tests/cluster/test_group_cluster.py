@@ -253,7 +253,7 @@ def test_xgboost_1_7_workers_under_the_cluster_launchers(
         env=env, capture_output=True, text=True, timeout=170, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     for rank in range(4):
-        assert f"[{rank}] rank {rank} of 4 trained" in done.stdout, done.stdout
+        assert f"[rank {rank}] rank {rank} of 4 trained" in done.stdout, done.stdout
         assert re.search(rf"^{rank}\s+{rank}\s+1\s+-\s+done$", done.stderr, re.M), done.stderr
     assert "job: every rank shut down" in done.stderr
     local = subprocess.run(

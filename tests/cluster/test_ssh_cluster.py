@@ -308,7 +308,7 @@ def test_xgboost_1_7_workers_across_hosts_with_the_classic_protocol(
         check=False, capture_output=True, text=True, timeout=150, cwd=keys)
     assert done.returncode == 0, done.stdout + done.stderr
     for rank in range(4):
-        assert f"[{rank}] rank {rank} of 4 trained" in done.stdout, done.stdout
+        assert f"[rank {rank}] rank {rank} of 4 trained" in done.stdout, done.stdout
     alone = subprocess.run(
         [sys.executable, "-m", "tracker.submit", "--cluster", "local", "-n", "4", "--",
          str(python), str(worker), str(local)],

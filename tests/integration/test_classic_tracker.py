@@ -123,7 +123,7 @@ def test_xgboost_1_7_trains_under_rabit2_submit_as_under_its_own_tracker(
     assert job.returncode == 0, job.stdout + job.stderr
     assert ours.read_bytes() == theirs.read_bytes()  # the same model, byte for byte
     for rank in range(3):
-        assert f"[{rank}] rank {rank} of 3 trained" in job.stdout, job.stdout
+        assert f"[rank {rank}] rank {rank} of 3 trained" in job.stdout, job.stdout
     assert _summary(job.stderr) == {t: (str(t), 1, "ok") for t in range(3)}, job.stderr
     assert "job: every rank shut down" in job.stderr
 

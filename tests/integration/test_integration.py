@@ -222,3 +222,22 @@ def test_root_does_not_wait_forever_for_a_paused_receiver_to_drain() -> None:
     found = re.search(r"ROOT DONE 0 after ([0-9.]+)s", out)
     assert found, out[-3000:]
     assert float(found.group(1)) < 30
+
+
+@pytest.mark.integration
+def test_a_clean_job_tells_its_story_at_info_and_nothing_that_reads_like_a_failure() -> None:
+    """``RABIT2_LOG_LEVEL=INFO``: each worker says where it joined, its links and that it
+    left, with its rank and the time; at DEBUG a clean run still has no warning, error or
+    lost link in it."""
+    for level in ("INFO", "DEBUG"):
+        env_level = ("--env", f"RABIT2_LOG_LEVEL={level}")
+        proc = submit(3, sys.executable, str(WORKERS / "collectives.py"), extra=env_level,
+                      timeout=120)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-4000:]
+        for rank in range(3):
+            for said in ("joined the job at tracker", "links up to ranks", "left the job after"):
+                assert re.search(rf"rabit2\[rank {rank}\] INFO {said}", out), (said, out[-3000:])
+        records = re.findall(r"rabit2\[rank \d\] (\w+) (.*)", out)
+        assert not [r for r in records if r[0] in ("WARNING", "ERROR", "CRITICAL")], records
+        assert not [r for r in records if re.search(r"\b(down|lost|fail)", r[1])], records

@@ -790,8 +790,8 @@ def test_gbdt_example_survives_a_kill(mock: str, victim: int, loop_kind: str) ->
     assert job.returncode == 0, job.tail()
     assert job.attempts() == {r: 2 if r == victim else 1 for r in range(4)}, job.tail()
     last: dict[int, str] = {}
-    for rank, line in re.findall(r"^\[rank (\d+)\] (.*)$", job.stdout, re.M):
-        last[int(rank)] = line
+    for rank, line in re.findall(r"^\[rank (\d+)\] (gbdt rank=.*)$", job.stdout, re.M):
+        last[int(rank)] = line  # (its last model line: tracker_print lines are [rank r] too)
     assert sorted(last) == [0, 1, 2, 3], job.tail()
     for rank, line in last.items():
         assert f"digest={reference}" in line, (rank, line, reference)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import ROOT
 from tracker.launch.common import TaskRun, build_worker_env, format_summary
 from tracker.submit import (
     EXIT_FAILED,
@@ -170,7 +171,7 @@ def test_successful_job(worker: Path) -> None:
     lines = out.getvalue().splitlines()
     for rank in range(3):
         assert f"[rank {rank}] argv ['k=v'] role worker extra yes" in lines
-        assert f"[{rank}] assigned rank {rank} incarnation 0" in lines
+        assert f"[rank {rank}] assigned rank {rank} incarnation 0" in lines
     summary = err.getvalue()
     assert "task  rank  attempts  exit  status" in summary
     assert summary.count(" ok") == 3
@@ -182,7 +183,7 @@ def test_restart_then_success(worker: Path) -> None:
     code = run_job(options(worker, "fail-first", max_attempts=2, restart_delay=0.1), out, err)
     assert code == EXIT_OK, err.getvalue()
     assert "task 1 exited with 1 (attempt 1/2); restarting" in err.getvalue()
-    assert "[1] assigned rank 1 incarnation 1" in out.getvalue()
+    assert "[rank 1] assigned rank 1 incarnation 1" in out.getvalue()
     rows = [line.split() for line in err.getvalue().splitlines() if line[:1].isdigit()]
     assert ["1", "1", "2", "0", "ok"] in rows
     assert sorted(p.name for p in (worker.parent / "pids").glob("1.*")) == ["1.0.pid", "1.1.pid"]
@@ -489,3 +490,105 @@ def test_dry_run_prints_the_commands_and_starts_nothing(tmp_path: Path) -> None:
             assert body.startswith("mpirun -n 2 ") and "-x RABIT2_SECRET -x X " in body
         assert "tracker.slot" in body or extra[1] in ("local", "ssh")
     assert not marker.exists()
+
+
+# ----------------------------------------------------------------------------- log lines
+
+
+def test_output_segments_pass_progress_updates_on_at_once() -> None:
+    from tracker.launch.common import output_segments  # noqa: PLC0415
+
+    class Pipe:
+        def __init__(self, *chunks: bytes) -> None:
+            self.chunks = list(chunks)
+
+        def read1(self, size: int) -> bytes:
+            return self.chunks.pop(0) if self.chunks else b""
+
+    pipe = Pipe(b"one\nwin\r\n\r 10%", b"\r 20%\r", b"\r 30%\r\n\xff last")
+    assert list(output_segments(pipe)) == [  # type: ignore[arg-type]
+        ("one", "\n"), ("win", "\n"), (" 10%", "\r"), (" 20%", "\r"), (" 30%", "\n"),
+        ("\ufffd last", "")]
+
+
+def test_line_writer_stamps_lines_and_copies_whole_ones_to_the_log_file() -> None:
+    from tracker.launch.common import LineWriter  # noqa: PLC0415
+
+    out, log = io.StringIO(), io.StringIO()
+    writer = LineWriter(timestamps=True, log_file=log)
+    writer.write(out, "[rank 0] a\nb")
+    writer.write(out, "[rank 1] 50%", "\r")
+    lines = out.getvalue().split("\n")
+    assert [line[13:] for line in lines] == ["[rank 0] a", "b", "[rank 1] 50%\r"]
+    assert all(line[2] == ":" and line[8] == "." for line in lines)
+    logged = log.getvalue().splitlines()
+    assert [line[24:] for line in logged] == ["[rank 0] a", "b"]  # (no progress redraws)
+    assert logged[0][4] == "-" and logged[0][13] == ":"
+
+
+def test_submit_logs_the_tracker_and_the_workers_at_the_level_asked(tmp_path: Path) -> None:
+    worker = tmp_path / "w.py"
+    worker.write_text(textwrap.dedent("""
+        import sys, rabit2
+        rabit2.init()
+        sys.stdout.write("\\rstep 1"); sys.stdout.flush()
+        sys.stdout.write("\\rstep 2"); sys.stdout.flush()
+        print()
+        rabit2.tracker_print("printed")
+        rabit2.finalize()
+    """))
+    log = tmp_path / "job.log"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "--cluster", "local", "-n", "2",
+         "--log-level", "info", "--timestamps", "--log-file", str(log), "--",
+         sys.executable, str(worker)],
+        capture_output=True, timeout=120, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
+    stdout, stderr = proc.stdout.decode(), proc.stderr.decode()  # (bytes: \r kept as it is)
+    assert proc.returncode == 0, stdout + stderr
+    out = stdout + stderr
+    assert "[tracker] INFO all 2 workers registered" in out
+    for rank in (0, 1):
+        assert f"[rank {rank}] printed" in out
+        assert f"rabit2[rank {rank}] INFO joined the job" in out  # (RABIT2_LOG_LEVEL=INFO)
+        assert f"[rank {rank}] step 1\r" in stdout  # a redraw, passed on as it is
+    assert all(line[2] == ":" and line[8] == "." for line in out.split("\n") if line)
+    logged = log.read_text()
+    assert "[tracker] INFO all 2 workers registered" in logged and "job: every rank" in logged
+    assert "\r" not in logged
+
+
+def test_a_bad_log_level_is_a_usage_error() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "-n", "1", "--log-level", "loud", "--",
+         "true"], capture_output=True, text=True, timeout=60, cwd=ROOT, check=False)
+    assert proc.returncode == 2 and "--log-level" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def _run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True,
+                          timeout=60, cwd=ROOT, check=False,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def test_usage_and_environment_errors_are_one_line_with_exit_2() -> None:
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        cases = [
+            (("tracker.submit", "-n", "2", "--", "no-such-program-here"),
+             "no-such-program-here: command not found"),
+            (("tracker.submit", "-n", "1", "--tracker-port", port, "--", "true"),
+             f"the tracker cannot listen on 127.0.0.1:{port}: Address already in use"),
+            (("tracker.cli", "-n", "1", "--port", port),
+             f"cannot listen on 127.0.0.1:{port}: Address already in use"),
+            (("tracker.cli", "-n", "1", "--log-level", "LOUD"), "--log-level: invalid choice"),
+        ]
+        for argv, said in cases:
+            proc = _run_cli(*argv)
+            assert proc.returncode == 2, (argv, proc.stderr)
+            assert said in proc.stderr and "Traceback" not in proc.stderr, (argv, proc.stderr)

@@ -532,9 +532,9 @@ async def test_print_relay_keeps_order(make_tracker: Callable[..., Any]) -> None
         clients[1].print(f"line {i}")
     clients[0].print("x" * (1 << 20))  # truncated, not fatal
     await asyncio.gather(*(c.shutdown(5) for c in clients))
-    mine = [line for line in prints.lines if line.startswith("[1] ")]
-    assert mine == [f"[1] line {i}" for i in range(20)]
-    assert any(line.startswith("[0] xxx") and line.endswith("[truncated]")
+    mine = [line for line in prints.lines if line.startswith("[rank 1] ")]
+    assert mine == [f"[rank 1] line {i}" for i in range(20)]
+    assert any(line.startswith("[rank 0] xxx") and line.endswith("[truncated]")
                for line in prints.lines)
     assert tracker.status()["prints"] == 21
 
@@ -720,7 +720,7 @@ def test_tracker_thread() -> None:
         result = thread.join(5)
         assert result is not None and result.success
         assert thread.rank_of("1") == 1
-        assert prints.lines == ["[0] from the other loop"]
+        assert prints.lines == ["[rank 0] from the other loop"]
     finally:
         thread.stop()
 

@@ -61,7 +61,8 @@ def test_later_args_win() -> None:
         ("env", "RABIT2_CONNECT_TIMEOUT_SEC", "3", "connect_timeout_sec", 3.0),
         ("env", "RABIT2_HEARTBEAT_SEC", "0.25", "heartbeat_sec", 0.25),
         ("env", "RABIT2_LOOP", "asyncio", "loop", "asyncio"),
-        ("env", "RABIT2_LOG_LEVEL", "debug", "log_level", "debug"),
+        ("env", "RABIT2_LOG_LEVEL", "debug", "log_level", "DEBUG"),
+        ("arg", "rabit2_log_level", " Info ", "log_level", "INFO"),
         ("env", "RABIT2_SPIN_US", "0", "spin_us", 0),
         ("arg", "rabit2_spin_us", "50", "spin_us", 50),
         ("arg", "rabit_tracker_uri", "h", "tracker_uri", "h"),
@@ -204,6 +205,8 @@ def test_secret_bytes_kwarg_is_taken_verbatim() -> None:
         ("rabit2_loop", "trio"),
         ("rabit2_tcp_congestion", ""),
         ("rabit2_tcp_congestion", "reno; rm"),
+        ("rabit2_log_level", "LOUD"),
+        ("rabit2_log_level", ""),
     ],
 )
 def test_bad_values_raise(key: str, value: str) -> None:

@@ -4,10 +4,12 @@ the record of a task, whole output lines and the summary."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import subprocess
 import threading
-from collections.abc import Mapping, Sequence
-from typing import TextIO
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from typing import IO, TextIO
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -16,8 +18,16 @@ POLL_SEC = 0.02
 ABORT_GRACE_SEC = 10.0  # after the tracker aborted, workers get this long to exit themselves
 
 
+EXIT_USAGE = 2
+
+
 class Interrupted(Exception):
     """SIGTERM to the launcher: unwind like Ctrl-C so the workers are stopped."""
+
+
+class LaunchError(Exception):
+    """What keeps the job from starting at all (the tracker cannot listen, a worker cannot
+    be started): one line and exit status 2, no traceback."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -100,12 +110,73 @@ def format_summary(tasks: Sequence[TaskRun], job_reason: str | None = None) -> s
 
 
 class LineWriter:
-    """Writes whole lines; one lock keeps lines of different workers from mixing."""
+    """Writes whole lines; one lock keeps lines of different workers from mixing.
 
-    def __init__(self) -> None:
+    ``timestamps``: each line starts with the wall-clock time (``--timestamps``);
+    ``log_file``: every whole line also goes there, always with the date and time
+    (``--log-file``).  A line may end in ``\r`` (a progress bar redrawing itself): it is
+    passed on as it is, and not written to the log file."""
+
+    def __init__(self, timestamps: bool = False, log_file: TextIO | None = None) -> None:
         self._lock = threading.Lock()
+        self.timestamps = timestamps
+        self.log_file = log_file
 
-    def write(self, stream: TextIO, line: str) -> None:
+    def write(self, stream: TextIO, text: str, end: str = "\n") -> None:
+        """Write ``text`` (several lines if it has newlines), then ``end``."""
+        now = time.time()
+        lines = text.split("\n")
         with self._lock:
-            stream.write(line + "\n")
+            for i, line in enumerate(lines):
+                if self.timestamps:
+                    stream.write(_clock(now, "%H:%M:%S"))
+                stream.write(line + (end if i == len(lines) - 1 else "\n"))
+                if self.log_file is not None and (end == "\n" or i < len(lines) - 1):
+                    self.log_file.write(_clock(now, "%Y-%m-%d %H:%M:%S") + line + "\n")
             stream.flush()
+            if self.log_file is not None:
+                self.log_file.flush()
+
+
+def _clock(now: float, fmt: str) -> str:
+    return f"{time.strftime(fmt, time.localtime(now))}.{int(now * 1000) % 1000:03d} "
+
+
+def output_segments(pipe: IO[bytes]) -> Iterator[tuple[str, str]]:
+    """A worker's output as ``(text, end)``: lines ending in ``\n``, and progress updates
+    ending in ``\r`` passed on at once rather than held until the next newline; a last
+    unterminated piece ends in ``""``."""
+    pending = b""
+    read = pipe.read1 if hasattr(pipe, "read1") else pipe.read
+    while chunk := read(65536):
+        pending += chunk
+        start = 0
+        for at, byte in enumerate(pending):
+            if byte in (10, 13):  # \n, \r
+                end = "\n" if byte == 10 else "\r"
+                if byte == 13 and at + 1 == len(pending):
+                    break  # (a \r\n line split between two reads: wait for the next)
+                if byte == 13 and pending[at + 1] == 10:
+                    continue  # (a \r\n line: its \n ends it)
+                text = pending[start:at].rstrip(b"\r")
+                if text or end == "\n":  # (a redraw starts with \r: nothing before it)
+                    yield text.decode("utf-8", errors="replace"), end
+                start = at + 1
+        pending = pending[start:]
+    if pending:
+        yield pending.decode("utf-8", errors="replace"), ""
+
+
+class LogLines(logging.Handler):
+    """The tracker's log records as the launcher's lines: ``[tracker] LEVEL message``."""
+
+    def __init__(self, writer: LineWriter, stream: TextIO) -> None:
+        super().__init__()
+        self.writer = writer
+        self.stream = stream
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.writer.write(self.stream, f"[tracker] {record.levelname} {record.getMessage()}")
+        except Exception:
+            self.handleError(record)

@@ -25,6 +25,7 @@ from tracker.launch.common import (
     TaskRun,
     build_worker_env,
     format_summary,
+    output_segments,
 )
 from tracker.launch.options import LaunchOptions
 from tracker.server import JobResult, TrackerThread
@@ -180,10 +181,10 @@ class GroupLauncher:
         if pipe is None:
             return
         with pipe:
-            for raw in iter(pipe.readline, b""):
-                line = raw.decode("utf-8", errors="replace").rstrip("\n")
-                label = _SRUN_LABEL.match(line) if self.options.cluster == "slurm" else None
+            for text, end in output_segments(pipe):
+                label = _SRUN_LABEL.match(text) if self.options.cluster == "slurm" else None
+                line = text
                 if label is not None:
                     rank = self.tracker.rank_of(label.group(1))
-                    line = f"[rank {label.group(1) if rank is None else rank}] {line[label.end():]}"
-                self._writer.write(stream, line)
+                    line = f"[rank {label.group(1) if rank is None else rank}] {text[label.end():]}"
+                self._writer.write(stream, line, end or "\n")

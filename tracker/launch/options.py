@@ -49,6 +49,9 @@ class LaunchOptions:
     remote_python: str = "python3"  # --cluster ssh/slurm/mpi: runs tracker.remote/.slot
     group: tuple[str, ...] = ()  # --cluster slurm/mpi: the srun/mpirun command and options
     dry_run: bool = False
+    log_level: str | None = None  # the tracker's log, and RABIT2_LOG_LEVEL for the workers
+    log_file: str | None = None  # every line of the launcher's output also goes there
+    timestamps: bool = False  # every line of the launcher's output starts with the time
 
 
 def parse_host_file(text: str) -> tuple[Host, ...]:
@@ -161,6 +164,15 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
                         help="auto (default): start each worker on an equal group of the "
                              "CPUs (one CPU each, round-robin, when there are more workers "
                              "than CPUs); core: worker i on CPU i mod ncpu; none: no pinning")
+    parser.add_argument("--log-level", type=str.upper, default=None,
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+                        help="the tracker's log level (its lines read [tracker] LEVEL ...); "
+                             "also RABIT2_LOG_LEVEL for the workers, unless set")
+    parser.add_argument("--log-file", default=None, metavar="F",
+                        help="append every line of the launcher's output (workers, tracker, "
+                             "summary) to F, each with its date and time")
+    parser.add_argument("--timestamps", action="store_true",
+                        help="start every line of the launcher's output with the time")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the commands that would start the workers, and exit")
     parser.add_argument("--heartbeat-timeout", type=float, default=30.0, metavar="S",
@@ -236,6 +248,9 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
         if not sep or not key:
             parser.error(f"--env expects K=V, got {item!r}")
         env.append((key, value))
+    if args.log_level is not None and "RABIT2_LOG_LEVEL" not in os.environ and not any(
+            key == "RABIT2_LOG_LEVEL" for key, _ in env):
+        env.append(("RABIT2_LOG_LEVEL", args.log_level))  # the workers log at it too
     return LaunchOptions(
         num_workers=args.num_workers,
         command=tuple(command),
@@ -250,6 +265,9 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
         heartbeat_timeout=args.heartbeat_timeout,
         classic=args.classic,
         dry_run=args.dry_run,
+        log_level=args.log_level,
+        log_file=args.log_file,
+        timestamps=args.timestamps,
         cluster=args.cluster,
         hosts=hosts,
         ssh=ssh_command,

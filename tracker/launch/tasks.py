@@ -27,6 +27,7 @@ from tracker.launch.common import (
     LineWriter,
     TaskRun,
     format_summary,
+    output_segments,
 )
 from tracker.launch.local import local_attempt, pinned
 from tracker.launch.options import LaunchOptions
@@ -193,11 +194,10 @@ class TaskLauncher:
 
     def _relay(self, task_id: int, pipe: IO[bytes], stream: TextIO) -> None:
         with pipe:
-            for raw in iter(pipe.readline, b""):
+            for text, end in output_segments(pipe):
                 rank = self.tracker.rank_of(str(task_id))
                 label = task_id if rank is None else rank
-                text = raw.decode("utf-8", errors="replace").rstrip("\n")
-                self._writer.write(stream, f"[rank {label}] {text}")
+                self._writer.write(stream, f"[rank {label}] {text}", end or "\n")
 
     def _terminate_all(self) -> None:
         running = [task for task in self.tasks if task.proc is not None]
