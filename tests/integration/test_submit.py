@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -161,6 +162,18 @@ def test_format_summary() -> None:
     assert lines[3] == "job: rank 1 failed"
 
 
+def test_the_root_cause_names_the_worker_its_end_and_its_last_words() -> None:
+    from tracker.launch.common import describe_failure  # noqa: PLC0415
+
+    task = TaskRun(task_id=2, attempts=1, rank=1, last_error="ValueError: bad input")
+    said = describe_failure(task, -9, 3, time.time())
+    assert re.fullmatch(r"rank 1 \(task 2\) was killed by SIGKILL at \d\d:\d\d:\d\d "
+                        r"\(attempt 1/3\): ValueError: bad input", said), said
+    assert "exited with 4" in describe_failure(TaskRun(task_id=0), 4, 1, 0.0)
+    assert format_summary([task], "rank 1 failed", said).splitlines()[-2:] == [
+        f"root cause: {said}", "job: rank 1 failed"]
+
+
 # -- real workers -----------------------------------------------------------------------------
 
 
@@ -186,6 +199,7 @@ def test_restart_then_success(worker: Path) -> None:
     assert "[rank 1] assigned rank 1 incarnation 1" in out.getvalue()
     rows = [line.split() for line in err.getvalue().splitlines() if line[:1].isdigit()]
     assert ["1", "1", "2", "0", "ok"] in rows
+    assert "root cause" not in err.getvalue()  # (the job succeeded)
     assert sorted(p.name for p in (worker.parent / "pids").glob("1.*")) == ["1.0.pid", "1.1.pid"]
 
 
@@ -201,6 +215,9 @@ def test_permanent_failure_stops_everyone(worker: Path) -> None:
     rows = [line.split() for line in text.splitlines() if line[:1].isdigit()]
     assert rows == [["0", "-", "1", "-9", "killed"], ["1", "-", "2", "3", "failed"]]
     assert "job: task 1 failed for good" in text
+    # the first failure, with what the worker said last on stderr
+    assert re.search(r"^root cause: task 1 exited with 3 at \d\d:\d\d:\d\d \(attempt 1/2\): "
+                     r"giving up$", text, re.M), text
     assert_all_dead(worker.parent / "pids")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import signal
 import subprocess
 import threading
 import time
@@ -42,6 +43,7 @@ class TaskRun:
     proc: subprocess.Popen[bytes] | None = None
     restart_at: float = 0.0
     readers: list[threading.Thread] = dataclasses.field(default_factory=list)
+    last_error: str = ""  # the last non-empty line its attempt wrote on stderr
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -90,8 +92,10 @@ def build_worker_env(
     return env
 
 
-def format_summary(tasks: Sequence[TaskRun], job_reason: str | None = None) -> str:
-    """A fixed-width table: task, rank, attempts, exit code, status (pure)."""
+def format_summary(tasks: Sequence[TaskRun], job_reason: str | None = None,
+                   root_cause: str | None = None) -> str:
+    """A fixed-width table: task, rank, attempts, exit code, status; then the first failure
+    (``root cause:``) and the job's outcome (``job:``) (pure)."""
     rows = [("task", "rank", "attempts", "exit", "status")]
     for task in tasks:
         rows.append((
@@ -104,9 +108,28 @@ def format_summary(tasks: Sequence[TaskRun], job_reason: str | None = None) -> s
     widths = [max(len(row[col]) for row in rows) for col in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip()
              for row in rows]
+    if root_cause:
+        lines.append(f"root cause: {root_cause}")
     if job_reason:
         lines.append(f"job: {job_reason}")
     return "\n".join(lines)
+
+
+def describe_failure(task: TaskRun, code: int, attempts: int, when: float) -> str:
+    """The first failure of a job, as the summary's ``root cause:`` row says it (pure):
+    who, how it ended (an exit status, or the signal that killed it), which attempt, when,
+    and the last line it wrote on stderr."""
+    who = f"task {task.task_id}" if task.rank is None else f"rank {task.rank} (task {task.task_id})"
+    if code < 0:
+        try:
+            how = f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            how = f"was killed by signal {-code}"
+    else:
+        how = f"exited with {code}"
+    said = f": {task.last_error}" if task.last_error else ""
+    clock = time.strftime("%H:%M:%S", time.localtime(when))
+    return f"{who} {how} at {clock} (attempt {task.attempts}/{attempts}){said}"
 
 
 class LineWriter:

@@ -26,6 +26,7 @@ from tracker.launch.common import (
     Interrupted,
     LineWriter,
     TaskRun,
+    describe_failure,
     format_summary,
     output_segments,
 )
@@ -54,6 +55,7 @@ class TaskLauncher:
         self._writer = writer or LineWriter()
         self._abort_seen_at: float | None = None
         self._done_seen_at: float | None = None
+        self._root_cause: str | None = None  # the job's first failure, as the summary says
 
     def _note(self, message: str) -> None:
         self._writer.write(self._err, f"[rabit2-submit] {message}")
@@ -87,11 +89,13 @@ class TaskLauncher:
         for task in self.tasks:
             task.rank = self.tracker.rank_of(str(task.task_id))
         self._note("summary:")
-        self._writer.write(self._err, format_summary(self.tasks, None if result is None
-                                                  else result.reason))
+        ok = all(task.exit_code == 0 for task in self.tasks)
+        self._writer.write(self._err, format_summary(
+            self.tasks, None if result is None else result.reason,
+            None if ok else self._root_cause))
         if interrupted:
             return EXIT_INTERRUPTED
-        return EXIT_OK if all(task.exit_code == 0 for task in self.tasks) else EXIT_FAILED
+        return EXIT_OK if ok else EXIT_FAILED
 
     def _step(self, now: float) -> bool:
         """Reap, restart or give up; False when the job is over for good."""
@@ -125,33 +129,44 @@ class TaskLauncher:
             code = task.proc.poll()
             if code is None:
                 continue
-            self.tracker.worker_exited(str(task.task_id))  # (no rejoin will come)
-            _close_stdin(task.proc)
-            task.proc = None
-            task.exit_code = code
-            if code == 0:
-                task.status = "ok"
-            elif self._abort_seen_at is not None:
-                task.status = "failed"  # the job is over: a restart could only hang
-            elif self.tracker.has_finished(str(task.task_id)):
-                # it shut down with the tracker before exiting (e.g. after a typed error it
-                # reported): the tracker refuses a replacement, so do not start one
-                task.status = "failed"
-                self._note(f"task {task.task_id} exited with {code} after shutting down; "
-                           "not restarting it")
-            elif task.attempts < self.options.max_attempts:
-                task.status = "restarting"
-                task.restart_at = now + self.options.restart_delay
-                self._note(f"task {task.task_id} exited with {code} (attempt {task.attempts}/"
-                           f"{self.options.max_attempts}); restarting")
-            else:
-                task.status = "failed"
-                self._give_up(f"task {task.task_id} exited with {code} after "
-                              f"{task.attempts} attempts", task_id=task.task_id)
-                # the tracker aborts the job: the others raise JobAbortedError and exit on
-                # their own; whoever is still running after the grace period is stopped
-                self._abort_seen_at = now
+            self._exited(task, code, now)
         return True
+
+    def _exited(self, task: TaskRun, code: int, now: float) -> None:
+        """Task ``task``'s attempt exited with ``code``: done, restart it, or give up."""
+        assert task.proc is not None
+        self.tracker.worker_exited(str(task.task_id))  # (no rejoin will come)
+        _close_stdin(task.proc)
+        task.proc = None
+        task.exit_code = code
+        if code != 0 and self._root_cause is None and self._abort_seen_at is None:
+            for reader in task.readers:
+                reader.join(0.5)  # (its last lines, to name what it said last)
+            task.rank = self.tracker.rank_of(str(task.task_id))
+            self._root_cause = describe_failure(task, code, self.options.max_attempts,
+                                                time.time())
+        if code == 0:
+            task.status = "ok"
+        elif self._abort_seen_at is not None:
+            task.status = "failed"  # the job is over: a restart could only hang
+        elif self.tracker.has_finished(str(task.task_id)):
+            # it shut down with the tracker before exiting (e.g. after a typed error it
+            # reported): the tracker refuses a replacement, so do not start one
+            task.status = "failed"
+            self._note(f"task {task.task_id} exited with {code} after shutting down; "
+                       "not restarting it")
+        elif task.attempts < self.options.max_attempts:
+            task.status = "restarting"
+            task.restart_at = now + self.options.restart_delay
+            self._note(f"task {task.task_id} exited with {code} (attempt {task.attempts}/"
+                       f"{self.options.max_attempts}); restarting")
+        else:
+            task.status = "failed"
+            self._give_up(f"task {task.task_id} exited with {code} after "
+                          f"{task.attempts} attempts", task_id=task.task_id)
+            # the tracker aborts the job: the others raise JobAbortedError and exit on
+            # their own; whoever is still running after the grace period is stopped
+            self._abort_seen_at = now
 
     def _give_up(self, reason: str, task_id: int | None = None) -> None:
         self._note(reason)
@@ -182,22 +197,25 @@ class TaskLauncher:
                 proc.stdin.flush()
         task.proc = proc
         task.attempts += 1
+        task.last_error = ""
         task.status = "running"
         task.exit_code = None
         for pipe, stream in ((proc.stdout, self._out), (proc.stderr, self._err)):
             if pipe is None:
                 continue
-            reader = threading.Thread(target=self._relay, args=(task.task_id, pipe, stream),
+            reader = threading.Thread(target=self._relay, args=(task, pipe, stream),
                                       daemon=True, name=f"rabit2-submit-relay-{task.task_id}")
             reader.start()
             task.readers.append(reader)
 
-    def _relay(self, task_id: int, pipe: IO[bytes], stream: TextIO) -> None:
+    def _relay(self, task: TaskRun, pipe: IO[bytes], stream: TextIO) -> None:
         with pipe:
             for text, end in output_segments(pipe):
-                rank = self.tracker.rank_of(str(task_id))
-                label = task_id if rank is None else rank
+                rank = self.tracker.rank_of(str(task.task_id))
+                label = task.task_id if rank is None else rank
                 self._writer.write(stream, f"[rank {label}] {text}", end or "\n")
+                if stream is self._err and end == "\n" and text.strip():
+                    task.last_error = text.strip()[:300]
 
     def _terminate_all(self) -> None:
         running = [task for task in self.tasks if task.proc is not None]
