@@ -51,7 +51,7 @@ from rabit2.io.driving import Driver
 from rabit2.io.faults import FaultInjector
 from rabit2.io.handshake import resolve_congestion
 from rabit2.io.links import LinkKeeper, PeerLink
-from rabit2.io.loop_thread import LoopThread, bind_to_cpu
+from rabit2.io.loop_thread import LoopThread, bind_to_cpu, die_with_launcher
 from rabit2.io.tracker_client import Assignment, TrackerClient
 from rabit2.io.waiting import Poller, Waiter
 
@@ -66,6 +66,7 @@ class Engine:
         # the peer links' congestion control (a bad explicit setting fails here, at init)
         self.congestion = resolve_congestion(config.tcp_congestion)
         bind_to_cpu(os.environ.get("RABIT2_BIND_CPU"))
+        die_with_launcher(os.environ.get("RABIT2_LAUNCHER_PID"))
         self.agent = Agent(
             ring_mincount=config.reduce_ring_mincount,
             tree_chunk=config.tree_reduce_minsize,

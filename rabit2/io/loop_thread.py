@@ -19,8 +19,11 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
 import logging
 import os
+import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
@@ -215,3 +218,31 @@ def bind_to_cpu(cpus: str | None) -> None:
         os.sched_setaffinity(0, {int(cpu) for cpu in cpus.split(",")})
     except (ValueError, OSError) as exc:
         logger.warning("cannot bind to CPUs %s: %s", cpus, exc)
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def die_with_launcher(launcher_pid: str | None) -> None:
+    """Die with the launcher (``RABIT2_LAUNCHER_PID``, set by ``rabit2-submit --cluster
+    local``): where this process is its child, Linux sends it SIGKILL when the launcher
+    dies, even one SIGKILLed itself, so that no worker computes on for a job that is gone.
+    A launcher that is already gone: this process goes too."""
+    if not launcher_pid or not sys.platform.startswith("linux"):
+        return
+    try:
+        parent = int(launcher_pid)
+    except ValueError:
+        logger.warning("RABIT2_LAUNCHER_PID=%r is not a process id", launcher_pid)
+        return
+    if os.getppid() != parent:
+        return  # (started through another process, e.g. a shell: not the launcher's child)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    except (OSError, AttributeError) as exc:
+        logger.warning("cannot tie this worker's life to its launcher's: %s", exc)
+        return
+    if os.getppid() != parent:  # (it died before the request took effect)
+        os.kill(os.getpid(), signal.SIGKILL)

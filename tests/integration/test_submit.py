@@ -5,6 +5,7 @@ The workers are tiny Python scripts that talk to the tracker through ``TrackerCl
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import os
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import ROOT
+from tests.support.jobs import assert_gone, wait_until
 from tracker.launch.common import TaskRun, build_worker_env, format_summary
 from tracker.submit import (
     EXIT_FAILED,
@@ -609,3 +611,34 @@ def test_usage_and_environment_errors_are_one_line_with_exit_2() -> None:
             proc = _run_cli(*argv)
             assert proc.returncode == 2, (argv, proc.stderr)
             assert said in proc.stderr and "Traceback" not in proc.stderr, (argv, proc.stderr)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_worker_busy_computing_dies_with_a_killed_launcher(tmp_path: Path) -> None:
+    """SIGKILL leaves the launcher no chance to stop its workers: each one that is its child
+    asked the kernel to kill it when the launcher dies, and does not compute on."""
+    pid_file = tmp_path / "worker.pid"
+    worker = tmp_path / "w.py"
+    worker.write_text(textwrap.dedent(f"""
+        import os, time, rabit2
+        rabit2.init()
+        open({str(pid_file)!r}, "w").write(str(os.getpid()))
+        end = time.monotonic() + 60
+        while time.monotonic() < end:  # computing, no rabit2 call
+            sum(range(10000))
+    """))
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "tracker.submit", "--cluster", "local", "-n", "1", "--",
+         sys.executable, str(worker)], cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_until(lambda: pid_file.exists() and pid_file.read_text().strip() != "", 60,
+                   launcher, "the worker's pid")
+        worker_pid = int(pid_file.read_text())
+        launcher.kill()
+        launcher.wait(10)
+        assert_gone([worker_pid], 10, "worker")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)
+        launcher.wait(10)

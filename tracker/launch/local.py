@@ -18,6 +18,7 @@ def local_attempt(options: LaunchOptions, job_env: Mapping[str, str], task_id: i
     cpus = bind_cpus_for(task_id, options.num_workers, options.bind)
     env = build_worker_env(os.environ, job_env, task_id, attempt, options.env, cpus,
                            recover=options.max_attempts > 1)
+    env["RABIT2_LAUNCHER_PID"] = str(os.getpid())  # (the worker dies with this process)
     if shares_cpu(options.num_workers, options.bind) and "RABIT2_DRIVE_MS" not in env:
         # pinned beside another worker, a caller that drives its own call holds the CPU the
         # other needs: calls go to the loop thread (docs/design.md, "The caller drives")
