@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from rabit2 import logs
-from rabit2.config import Config, load_config
+from rabit2.config import Config, launcher_world, load_config
 from rabit2.core.framing import (
     BROADCAST_HEAD,
     GATHER_INFO,
@@ -102,6 +102,13 @@ def init(args: Iterable[str | bytes] | None = None, **kwargs: Any) -> None:
         else:
             _comm.engine = None
             _comm.rank, _comm.world = 0, 1
+            world = launcher_world(os.environ)
+            if world is not None and world[1] > 1:
+                logger.warning(
+                    "no tracker is configured, so this process runs alone (rank 0 of 1), but "
+                    "%s=%d says its launcher started %d: start the job with rabit2-submit "
+                    "(--cluster slurm or mpi) or give the workers a tracker's variables "
+                    "(docs/user-guide.md, \"Other launchers\")", *world, world[1])
         _comm.config = config
         if config.distributed:
             _install_excepthook()

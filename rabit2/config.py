@@ -169,6 +169,9 @@ _PREFIXES = ("rabit_", "dmlc_", "rabit2_")
 _TASK_ID_FALLBACKS = ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK",
                       "JOB_COMPLETION_INDEX")
 _ATTEMPT_FALLBACKS = ("SLURM_RESTART_COUNT",)
+# Where they put the number of processes they started (the same launchers).
+_WORLD_FALLBACKS = ("SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "PMI_SIZE",
+                    "WORLD_SIZE")
 
 
 def _parse_mock(value: str) -> MockSpec:
@@ -255,6 +258,16 @@ def launcher_task(env: Mapping[str, str]) -> tuple[str | None, str | None]:
 
     return (first(("DMLC_TASK_ID", *_TASK_ID_FALLBACKS)),
             first(("DMLC_NUM_ATTEMPT", *_ATTEMPT_FALLBACKS)))
+
+
+def launcher_world(env: Mapping[str, str]) -> tuple[str, int] | None:
+    """(variable, value) of the first launcher variable that says how many processes the
+    launcher started (``SLURM_NTASKS``, ``OMPI_COMM_WORLD_SIZE``, ...); None if none does."""
+    for name in _WORLD_FALLBACKS:
+        value = env.get(name, "")
+        if value.isdigit():
+            return name, int(value)
+    return None
 
 
 def load_config(  # noqa: C901

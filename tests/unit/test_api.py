@@ -328,3 +328,26 @@ def test_recovery_statistics_in_single_process_mode() -> None:
         rabit2.finalize()
     with pytest.raises(rabit2.errors.NotInitializedError):
         rabit2.recovery_statistics()
+
+
+def test_a_launcher_world_without_a_tracker_is_warned_about(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # `mpirun -n 2 python w.py` with no tracker: two independent jobs of one process each
+    for name in ("DMLC_TRACKER_URI", "RABIT_TRACKER_URI", "SLURM_NTASKS", "PMIX_SIZE",
+                 "PMI_SIZE", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    with caplog.at_level(logging.WARNING, logger="rabit2"):
+        rabit2.init()
+    try:
+        assert rabit2.get_world_size() == 1
+        assert any("OMPI_COMM_WORLD_SIZE=2" in r.getMessage() and "runs alone" in r.getMessage()
+                   for r in caplog.records), caplog.records
+    finally:
+        rabit2.finalize()
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "1")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rabit2"):
+        rabit2.init()
+    rabit2.finalize()
+    assert not caplog.records
