@@ -642,3 +642,9 @@ def test_a_worker_busy_computing_dies_with_a_killed_launcher(tmp_path: Path) -> 
         with contextlib.suppress(ProcessLookupError):
             os.killpg(launcher.pid, signal.SIGKILL)
         launcher.wait(10)
+
+
+def test_dmlc_submit_and_xgboost_spellings_are_accepted() -> None:
+    opts = parse_args(["--num-workers", "2", "--local-num-attempt", "5", "--host-ip",
+                       "127.0.0.2", "--", sys.executable, "w.py"])
+    assert (opts.num_workers, opts.max_attempts, opts.tracker_host) == (2, 5, "127.0.0.2")

@@ -146,10 +146,12 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
     )
     parser.add_argument("--cluster", default="local", help=f"one of: {', '.join(CLUSTERS)}")
     parser.add_argument("-n", "--num-workers", type=int, required=True)
-    parser.add_argument("--max-attempts", type=int, default=3,
+    # (the second spellings are dmlc-submit's and XGBoost's tracker's)
+    parser.add_argument("--max-attempts", "--local-num-attempt", type=int, default=3,
+                        dest="max_attempts",
                         help="runs per task in all, the first included (default 3)")
     parser.add_argument("--restart-delay", type=float, default=0.0, metavar="S")
-    parser.add_argument("--tracker-host", default=None,
+    parser.add_argument("--tracker-host", "--host-ip", default=None, dest="tracker_host",
                         help="tracker listen address (default: 127.0.0.1; with ssh, the "
                              "local address that routes to the first host; with slurm and "
                              "mpi, every interface, advertised by this host's name)")
