@@ -142,7 +142,9 @@ class Engine:
             raise waiter.error
 
     def begin_call(self, call: Call, waiter: Waiter, kill_after_bytes: int = -1,
-               reset_peer: int = -1, damage: bool = False) -> None:
+                   reset_peer: int = -1, damage: bool = False) -> None:
+        """Begin ``call`` on the agent; ``waiter`` hears how it ends.  On the loop thread, or
+        on a caller's thread that holds the parked loop (:mod:`rabit2.io.driving`)."""
         self.faults.arm(kill_after_bytes, reset_peer, damage)
         try:
             cmds = self.agent.begin(call, self.loop.time())
