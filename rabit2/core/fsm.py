@@ -22,8 +22,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import TypeVar
 
 from rabit2.errors import RabitError
+
+_S = TypeVar("_S", bound=enum.Enum)
+_E = TypeVar("_E", bound=enum.Enum)
 
 
 class State(enum.Enum):
@@ -211,12 +215,7 @@ LINK_MODES: Mapping[tuple[Mode, LinkEvent], Mode] = MappingProxyType({
 
 def link_transition(mode: Mode, event: LinkEvent) -> Mode:
     """The next receive mode, or :class:`InvalidTransition` for a pair not listed."""
-    try:
-        return LINK_MODES[(mode, event)]
-    except KeyError:
-        raise InvalidTransition(
-            f"link event {event.value!r} is not valid in receive mode {mode.value!r}"
-        ) from None
+    return _next(LINK_MODES, mode, event, "link event", "receive mode")
 
 
 class Phase(enum.Enum):
@@ -274,22 +273,22 @@ del _held
 
 def phase_transition(phase: Phase, event: PhaseEvent) -> Phase:
     """The next recovery phase, or :class:`InvalidTransition` for a pair not listed."""
-    try:
-        return LINK_PHASES[(phase, event)]
-    except KeyError:
-        raise InvalidTransition(
-            f"link event {event.value!r} is not valid in phase {phase.value!r}"
-        ) from None
+    return _next(LINK_PHASES, phase, event, "link event", "phase")
 
 
 def transition(state: State, event: Event) -> State:
     """The next state, or :class:`InvalidTransition` for a pair the table does not list."""
+    return _next(TRANSITIONS, state, event, "event", "state")
+
+
+def _next(table: Mapping[tuple[_S, _E], _S], state: _S, event: _E, event_kind: str,
+          state_kind: str) -> _S:
+    """``table[(state, event)]``, or :class:`InvalidTransition` naming the pair."""
     try:
-        return TRANSITIONS[(state, event)]
+        return table[(state, event)]
     except KeyError:
-        raise InvalidTransition(
-            f"event {event.value!r} is not valid in state {state.value!r}"
-        ) from None
+        raise InvalidTransition(f"{event_kind} {event.value!r} is not valid in {state_kind} "
+                                f"{state.value!r}") from None
 
 
 def render_markdown() -> str:

@@ -22,7 +22,15 @@ from rabit2.core.framing import (
     FrameKind,
     data_prefix,
 )
-from rabit2.core.fsm import LinkEvent, Mode, Phase, PhaseEvent, link_transition, phase_transition
+from rabit2.core.fsm import (
+    LINK_MODES,
+    LinkEvent,
+    Mode,
+    Phase,
+    PhaseEvent,
+    link_transition,
+    phase_transition,
+)
 from rabit2.core.ops import Op
 from rabit2.core.recovery.peer_state import PeerState
 from rabit2.core.recovery.store import CallId
@@ -206,7 +214,10 @@ class Link:
 
     def go(self, event: LinkEvent) -> None:
         """Move the receive mode through :data:`rabit2.core.fsm.LINK_MODES`."""
-        self.mode = link_transition(self.mode, event)
+        try:
+            self.mode = LINK_MODES[(self.mode, event)]
+        except KeyError:
+            link_transition(self.mode, event)  # raises InvalidTransition, with the pair
 
     def phase_go(self, event: PhaseEvent) -> None:
         """Move the recovery phase through :data:`rabit2.core.fsm.LINK_PHASES`."""

@@ -21,10 +21,10 @@ import logging
 import os
 import select
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from rabit2.core.agent import Call
+from rabit2.io.waiting import SLICE, yield_cpu
 
 if TYPE_CHECKING:
     from rabit2.io.engine import Engine
@@ -32,10 +32,6 @@ if TYPE_CHECKING:
     from rabit2.io.waiting import Waiter
 
 logger = logging.getLogger("rabit2.engine")
-_yield_cpu: Callable[[], Any] = getattr(os, "sched_yield", lambda: time.sleep(0))
-_SLICE = 1e-3
-"""A yield this long: other threads held the CPU for a time slice."""
-
 LINGER = 0.02
 """How long the loop stays parked after a driven call, waiting for the next one (then it
 runs its timers and I/O until a caller parks it again)."""
@@ -120,8 +116,8 @@ class Driver:
             return epoll.poll(end - now)
         events = epoll.poll(0)
         if not events:
-            _yield_cpu()
-            if time.monotonic() - now > _SLICE:
+            yield_cpu()
+            if time.monotonic() - now > SLICE:
                 # other threads held this CPU for a time slice (the rank we wait for may
                 # be one of them): sleep instead, for this call and a few more
                 self.skip = self.backoff

@@ -15,8 +15,8 @@ from rabit2.io.loop_thread import LoopThread
 
 logger = logging.getLogger("rabit2.engine")
 
-_yield_cpu: Callable[[], Any] = getattr(os, "sched_yield", lambda: time.sleep(0))
-_SLICE = 1e-3
+yield_cpu: Callable[[], Any] = getattr(os, "sched_yield", lambda: time.sleep(0))
+SLICE = 1e-3
 """While a caller polls: other threads of its CPU ran this long between two of its turns
 (not the loop thread, which is doing the call's work) = the CPU is contended."""
 
@@ -54,7 +54,7 @@ class Poller:
 
     def _poll(self, waiter: Waiter) -> bool:
         """Poll until the call finishes or ``spin`` passes; True if the CPU was contended."""
-        _yield_cpu()  # (first: the loop thread takes the call at once)
+        yield_cpu()  # (first: the loop thread takes the call at once)
         clock = time.perf_counter
         start = now = clock()
         end = start + self.spin
@@ -62,12 +62,12 @@ class Poller:
         loop_cpu = _cpu_time(loop_clock)
         mine = time.thread_time()
         while not waiter.finished and now < end:
-            _yield_cpu()
+            yield_cpu()
             last, now = now, clock()
-            if now - last > _SLICE:
+            if now - last > SLICE:
                 # a long turn: the loop thread doing the call's work, or someone else?
                 used = time.thread_time() - mine + _cpu_time(loop_clock) - loop_cpu
-                if (now - start) - used > _SLICE:
+                if (now - start) - used > SLICE:
                     return True
         return False
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import signal
 import subprocess
 import threading
@@ -174,20 +175,19 @@ def output_segments(pipe: IO[bytes]) -> Iterator[tuple[str, str]]:
     while chunk := read(65536):
         pending += chunk
         start = 0
-        for at, byte in enumerate(pending):
-            if byte in (10, 13):  # \n, \r
-                end = "\n" if byte == 10 else "\r"
-                if byte == 13 and at + 1 == len(pending):
-                    break  # (a \r\n line split between two reads: wait for the next)
-                if byte == 13 and pending[at + 1] == 10:
-                    continue  # (a \r\n line: its \n ends it)
-                text = pending[start:at].rstrip(b"\r")
-                if text or end == "\n":  # (a redraw starts with \r: nothing before it)
-                    yield text.decode("utf-8", errors="replace"), end
-                start = at + 1
+        for brk in _BREAKS.finditer(pending):
+            text, end = pending[start : brk.start()], "\r" if brk.group() == b"\r" else "\n"
+            if text or end == "\n":  # (a redraw starts with \r: nothing before it)
+                yield text.decode("utf-8", errors="replace"), end
+            start = brk.end()
         pending = pending[start:]
     if pending:
         yield pending.decode("utf-8", errors="replace"), ""
+
+
+_BREAKS = re.compile(rb"\r\n|\n|\r(?=[\s\S])")
+"""Where a line or a redraw ends; a \r last in what was read waits for the next read (it may
+be the first half of a \r\n)."""
 
 
 class LogLines(logging.Handler):
