@@ -4,11 +4,16 @@ Prints the environment the workers need between ``DMLC_TRACKER_ENV_START`` and
 ``DMLC_TRACKER_ENV_END`` (as dmlc-core's standalone tracker does), then waits for the job.
 Exit status: 0 when every rank shut down, 1 when the job was aborted, 130 on Ctrl-C.
 
-``rabit2-tracker --query HOST:PORT`` asks a running tracker for its status instead: ranks,
-hosts, losses, restarts, as JSON.  The job secret comes from ``--secret`` or
+``rabit2-tracker --query [TARGET]`` asks a running tracker for its status instead: ranks,
+hosts, losses, restarts and each worker's progress, as JSON.  TARGET is the job file a
+``rabit2-submit`` job wrote (:mod:`tracker.jobfile`; without TARGET, the one such job of this
+user running on this machine) or ``HOST:PORT``, whose secret comes from ``--secret`` or
 ``RABIT2_SECRET`` (what a tracker started this way printed; inside a worker, its own
-environment names its job's tracker and secret).  Exit status 1 if the tracker
-cannot be reached or refuses the secret.
+environment names its job's tracker and secret).  Exit status 1 if no job is found, the
+tracker cannot be reached or it refuses the secret.
+
+``--metrics-port P`` serves the job's metrics in the Prometheus text format
+(:mod:`tracker.metrics`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ from collections.abc import Sequence
 
 from rabit2.errors import TrackerError
 from rabit2.io.tracker_client import query_tracker_status
-from tracker.server import Tracker
+from tracker import jobfile
+from tracker.metrics import MetricsServer
+from tracker.server import Tracker, status_on_loop
 
 EXIT_OK = 0
 EXIT_ABORTED = 1
@@ -51,20 +58,30 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "1.x/2.0; it carries no secret) are served")
     parser.add_argument("--log-level", default="INFO", type=str.upper,
                         choices=("DEBUG", "INFO", "WARNING", "ERROR"))
-    parser.add_argument("--query", metavar="HOST:PORT",
-                        help="print a running tracker's status as JSON instead (secret: "
-                             "--secret or RABIT2_SECRET)")
+    parser.add_argument("--query", metavar="JOBFILE|HOST:PORT", nargs="?", const="",
+                        help="print a running tracker's status as JSON instead: of the job "
+                             "whose job file rabit2-submit wrote (default: this user's one "
+                             "running job), or at HOST:PORT (secret: --secret or "
+                             "RABIT2_SECRET)")
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="P",
+                        help="serve the job's metrics in the Prometheus text format at "
+                             "http://HOST:P/metrics (0: any free port)")
+    parser.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST")
     parser.add_argument("--query-timeout", type=float, default=10.0, metavar="S")
     args = parser.parse_args(argv)
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        parser.error("--metrics-port must be a TCP port (0: any free one)")
     if args.query is not None:
+        if not args.query_timeout > 0:
+            parser.error("--query-timeout must be > 0")
+        if args.query == "" or os.path.isfile(args.query):
+            return args  # a job file: read when the query runs
         host, sep, port = args.query.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            parser.error("--query expects HOST:PORT")
+            parser.error("--query expects a job file or HOST:PORT")
         args.query = (host, int(port))
         if args.secret is None:
             args.secret = os.environ.get("RABIT2_SECRET", "")
-        if not args.query_timeout > 0:
-            parser.error("--query-timeout must be > 0")
     elif args.n is None:
         parser.error("--n is required (or --query HOST:PORT)")
     elif args.n < 1:
@@ -95,13 +112,25 @@ async def run_tracker(args: argparse.Namespace) -> int:
         print(f"rabit2-tracker: error: cannot listen on {args.host}:{args.port}: "
               f"{exc.strerror or exc}", file=sys.stderr)
         return EXIT_USAGE
+    metrics: MetricsServer | None = None
     try:
+        if args.metrics_port is not None:
+            loop = asyncio.get_running_loop()
+            metrics = MetricsServer(lambda: status_on_loop(tracker, loop), args.metrics_host,
+                                    args.metrics_port)
+            metrics.start()
+            logging.getLogger("rabit2.tracker").info("metrics at %s", metrics.url)
         lines = ["DMLC_TRACKER_ENV_START"]
         lines += [f"{key}={value}" for key, value in tracker.worker_env().items()]
         lines.append("DMLC_TRACKER_ENV_END")
         print("\n".join(lines), flush=True)
         result = await tracker.wait_done(None)
+    except (ImportError, OSError) as exc:  # (the metrics endpoint)
+        print(f"rabit2-tracker: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     finally:
+        if metrics is not None:
+            await asyncio.to_thread(metrics.close)
         await tracker.close()
     if result.success:
         logging.getLogger("rabit2.tracker").info("job finished: %s", result.reason)
@@ -110,9 +139,32 @@ async def run_tracker(args: argparse.Namespace) -> int:
     return EXIT_ABORTED
 
 
+def _query_target(target: str) -> tuple[str, int, str]:
+    """Host, port and secret of a job file, or of this user's one running job (``""``).
+    Raises ``ValueError`` saying why none can be had."""
+    if target:
+        return jobfile.read(target)
+    found = jobfile.running()
+    if not found:
+        raise ValueError(f"no running rabit2-submit job found in {jobfile.run_dir()}; "
+                         "pass its job file or HOST:PORT")
+    if len(found) > 1:
+        raise ValueError("several rabit2-submit jobs run; pass one of their job files: "
+                         + " ".join(str(path) for path in found))
+    return jobfile.read(found[0])
+
+
 def query(args: argparse.Namespace) -> int:
-    """Print the status of the tracker at ``args.query``; the exit status."""
-    host, port = args.query
+    """Print the status of the tracker that ``args.query`` names; the exit status."""
+    if isinstance(args.query, tuple):
+        host, port = args.query
+    else:
+        try:
+            host, port, args.secret = _query_target(args.query)
+            bytes.fromhex(args.secret)
+        except ValueError as exc:
+            print(f"rabit2-tracker: {exc}", file=sys.stderr)
+            return EXIT_ABORTED
     try:
         status = asyncio.run(query_tracker_status(host, port, bytes.fromhex(args.secret),
                                                   args.query_timeout))

@@ -67,6 +67,9 @@ class Task(Generic[C]):
     held: bool = False  # finished, and still serving until every rank has (shutdown hold)
     losses: int = 0  # times this task's worker was lost (connection or heartbeats)
     heard: float = 0.0  # when its connection last delivered a message (the caller's clock)
+    # what its latest heartbeat reported (rabit2.core.control.PROGRESS_FIELDS); None until
+    # the current incarnation reports
+    progress: dict[str, int | bool] | None = None
     # its connection ended, not in silence: the same process may rejoin within the grace
     # (REJOIN_GRACE_SEC) before it counts as lost; the grace's token and the reason
     pending_loss: int | None = None
@@ -102,6 +105,12 @@ class Registry(Generic[C]):
         task = self._by_conn.get(conn)
         if task is not None:
             task.heard = now
+
+    def heartbeat(self, conn: C, progress: dict[str, int | bool]) -> None:
+        """A heartbeat on ``conn`` reported ``progress`` (already checked)."""
+        task = self._by_conn.get(conn)
+        if task is not None:
+            task.progress = progress
 
     def register(self, conn: C, msg: dict[str, Any], *, host: str, peer: str,
                  now: float) -> list[Decision[C]]:
@@ -143,6 +152,7 @@ class Registry(Generic[C]):
                 # neighbours hear of that incarnation before they hear of the new one)
                 out += self._declare_lost(task, task.loss_reason)
             task.incarnation += 1
+            task.progress = None  # a new process counts afresh
             if task.conn is not None:
                 # The newer process wins (incarnation fencing): the old one is a zombie.
                 out.append(self._fence(task, f"{describe(task)} registered again"))
@@ -328,11 +338,12 @@ class Registry(Generic[C]):
 
     # -- reports ----------------------------------------------------------------------------
 
-    def status(self, only: str | None = None, *, port: int = 0,
-               prints: int = 0) -> dict[str, Any]:
+    def status(self, only: str | None = None, *, port: int = 0, prints: int = 0,
+               now: float | None = None) -> dict[str, Any]:
         """A msgpack-able snapshot for humans and monitoring; ``only``: list that task alone
         in ``tasks`` (the totals still count every task).  ``port`` and ``prints`` (lines
-        relayed) are the tracker's own."""
+        relayed) are the tracker's own; with ``now`` (the caller's clock) each connected
+        task says how long ago it was last heard from (``heartbeat_age``, seconds)."""
         tasks = sorted(self.tasks.values(), key=lambda t: (t.rank is None, t.rank, t.arrival))
         rows = [
             {
@@ -345,6 +356,9 @@ class Registry(Generic[C]):
                 "connected": task.conn is not None,
                 "finished": task.finished,
                 "losses": task.losses,
+                "progress": task.progress,
+                "heartbeat_age": (None if now is None or task.conn is None
+                                  else round(max(0.0, now - task.heard), 3)),
             }
             for task in tasks
         ]
@@ -488,8 +502,20 @@ def job_status(world_size: int, port: int, prints: int, outcome: Finish | None,
         "prints": prints,
         "failures": sum(task["losses"] for task in tasks),
         "restarts": sum(task["incarnation"] for task in tasks),
+        "connected": sum(task["connected"] for task in tasks),
+        # ranks lost and not back yet, or back and still replaying what they missed
+        "recovering": sorted(task["rank"] for task in tasks if _recovering(task)),
         "tasks": listed,
     }
+
+
+def _recovering(task: dict[str, Any]) -> bool:
+    # (a classic worker's row has no progress: it holds no connection between its commands,
+    # so being unconnected says nothing about it)
+    if task["rank"] is None or task["finished"] or "progress" not in task:
+        return False
+    progress = task.get("progress")
+    return not task["connected"] or bool(progress and progress.get("replaying"))
 
 
 def describe(task: Task[Any]) -> str:

@@ -125,21 +125,7 @@ class TrackerThread:
     def status(self, timeout: float = 5.0) -> dict[str, Any] | None:
         """:meth:`Tracker.status`, taken on the tracker's thread; None if it does not answer
         within ``timeout`` seconds or was stopped."""
-
-        async def take() -> dict[str, Any]:
-            return self.tracker.status()
-
-        coro = take()
-        try:
-            future = asyncio.run_coroutine_threadsafe(coro, self._loop)
-        except RuntimeError:  # the loop is closed
-            coro.close()
-            return None
-        try:
-            return future.result(timeout)
-        except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
-            future.cancel()
-            return None
+        return status_on_loop(self.tracker, self._loop, timeout)
 
     def abort(self, reason: str) -> None:
         """See :meth:`Tracker.abort`."""
@@ -164,4 +150,26 @@ class TrackerThread:
             self._thread.join(timeout)
 
 
-__all__ = ["REJOIN_GRACE_SEC", "JobResult", "Tracker", "TrackerThread", "natural_key"]
+def status_on_loop(tracker: Tracker, loop: asyncio.AbstractEventLoop,
+                   timeout: float = 5.0) -> dict[str, Any] | None:
+    """:meth:`Tracker.status`, from any thread but ``loop``'s: taken on ``loop`` (the
+    tracker's); None if it does not answer within ``timeout`` seconds or was stopped."""
+
+    async def take() -> dict[str, Any]:
+        return tracker.status()
+
+    coro = take()
+    try:
+        future = asyncio.run_coroutine_threadsafe(coro, loop)
+    except RuntimeError:  # the loop is closed
+        coro.close()
+        return None
+    try:
+        return future.result(timeout)
+    except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError):
+        future.cancel()
+        return None
+
+
+__all__ = ["REJOIN_GRACE_SEC", "JobResult", "Tracker", "TrackerThread", "natural_key",
+           "status_on_loop"]

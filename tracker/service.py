@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rabit2.core.control import REFUSE_HELLO, FrameDecoder, encode_frame
+from rabit2.core.control import REFUSE_HELLO, FrameDecoder, check_progress, encode_frame
 from rabit2.errors import CollectiveTimeoutError, ProtocolError
 from rabit2.io.handshake import RateLimitedLog, is_loopback
 from tracker.classic import ClassicJob
@@ -203,7 +203,11 @@ class Tracker:
         in ``tasks`` (the totals still count every task)."""
         if self._classic is not None and self._classic.started:
             return self._classic_status(only)
-        return self._registry.status(only, port=self.port, prints=self._prints)
+        try:
+            now: float | None = asyncio.get_running_loop().time()
+        except RuntimeError:  # (a caller outside the tracker's loop, after the job)
+            now = None
+        return self._registry.status(only, port=self.port, prints=self._prints, now=now)
 
     def _relay_classic_print(self, line: str) -> None:
         self._prints += 1
@@ -347,8 +351,10 @@ class Tracker:
                                     "(XGBoost 1.x/2.0); a rabit2 worker cannot join it")
             self._apply(registry.register(conn, msg, host=conn.host, peer=conn.peer, now=now))
             return True
-        if kind == "heartbeat":
-            return True  # reading it already reset the liveness deadline
+        if kind == "heartbeat":  # reading it already reset the liveness deadline
+            if "progress" in msg:
+                self._registry.heartbeat(conn, check_progress(msg["progress"]))
+            return True
         if kind == "print":
             self._prints += 1
             label = task.task_id if task.rank is None else str(task.rank)

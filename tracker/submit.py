@@ -37,6 +37,7 @@ This module parses the command line and picks the back-end; the back-ends are in
 from __future__ import annotations
 
 import contextlib
+import datetime
 import logging
 import os
 import secrets
@@ -45,9 +46,11 @@ import shutil
 import signal
 import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
+from tracker import jobfile
 from tracker.launch.common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -63,6 +66,7 @@ from tracker.launch.local import bind_cpus_for
 from tracker.launch.options import LaunchOptions, parse_args
 from tracker.launch.ssh import ssh_argv
 from tracker.launch.tasks import TaskLauncher
+from tracker.metrics import MetricsServer
 from tracker.server import TrackerThread
 
 __all__ = ["EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "LaunchOptions", "main", "parse_args",
@@ -144,10 +148,63 @@ def _run(options: LaunchOptions, writer: LineWriter, out: TextIO, err: TextIO) -
     except OSError as exc:  # (a port taken, an address that does not resolve)
         raise LaunchError(f"the tracker cannot listen on {options.tracker_host}:"
                           f"{options.tracker_port}: {exc.strerror or exc}") from None
+    stack = contextlib.ExitStack()  # closed last to first: job file, metrics, tracker
+    stack.callback(tracker.stop)
     try:
+        metrics = _serve_metrics(options, tracker, stack)
+        env = tracker.worker_env()
+        note = f"[rabit2-submit] tracker at {env['DMLC_TRACKER_URI']}:{env['DMLC_TRACKER_PORT']}"
+        job_file = _write_job_file(options, env, metrics, stack, writer, err)
+        if job_file is not None:
+            note += f"; status: rabit2-tracker --query {shlex.quote(str(job_file))}"
+        if metrics is not None:
+            note += f"; metrics: {metrics}"
+        writer.write(err, note)
         return launcher.run()
     finally:
-        tracker.stop()
+        stack.close()
+
+
+def _serve_metrics(options: LaunchOptions, tracker: TrackerThread,
+                   stack: contextlib.ExitStack) -> str | None:
+    """Start the metrics endpoint if asked; its URL.  Raises :class:`LaunchError`."""
+    if options.metrics_port is None:
+        return None
+    try:
+        server = MetricsServer(tracker.status, options.metrics_host, options.metrics_port)
+        server.start()
+    except ImportError as exc:
+        raise LaunchError(str(exc)) from None
+    except OSError as exc:
+        raise LaunchError(f"the metrics endpoint cannot listen on {options.metrics_host}:"
+                          f"{options.metrics_port}: {exc.strerror or exc}") from None
+    stack.callback(server.close)
+    return server.url
+
+
+def _write_job_file(options: LaunchOptions, env: dict[str, str], metrics: str | None,
+                    stack: contextlib.ExitStack, writer: LineWriter,
+                    err: TextIO) -> Path | None:
+    """The job file for ``rabit2-tracker --query`` (:mod:`tracker.jobfile`), removed when
+    the job ends; None when turned off or when it cannot be written (a warning says why:
+    the job runs without it)."""
+    if options.status_file == "":
+        return None
+    info = {"host": env["DMLC_TRACKER_URI"], "port": int(env["DMLC_TRACKER_PORT"]),
+            "secret": env["RABIT2_SECRET"], "pid": os.getpid(),
+            "world_size": options.num_workers, "cluster": options.cluster,
+            "command": list(options.command),
+            "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "metrics": metrics}
+    try:
+        path = jobfile.write(info, None if options.status_file is None
+                             else Path(options.status_file))
+    except OSError as exc:
+        writer.write(err, f"[rabit2-submit] warning: no job file, so rabit2-tracker --query "
+                          f"cannot find this job: {exc}")
+        return None
+    stack.callback(jobfile.remove, path)
+    return path
 
 
 def _raise_interrupted(signum: int, frame: FrameType | None) -> None:

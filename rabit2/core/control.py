@@ -85,6 +85,45 @@ MESSAGE_FIELDS: Final[Mapping[str, Mapping[str, type]]] = {
     "local": {"owner": int, "version": int, "hops": int, "size": int},
 }
 
+# What a worker's ``heartbeat`` may report of its progress (an optional ``progress`` map):
+# field -> type.  Counters start at 0 in every process (a restarted worker counts afresh).
+PROGRESS_FIELDS: Final[Mapping[str, type]] = {
+    "version": int,  # checkpoint version
+    "seqno": int,  # calls made in this version
+    "calls": int,  # collectives completed
+    "sent": int,  # payload bytes sent to peers
+    "received": int,  # payload bytes received from peers
+    "links_reset": int,  # peer links re-established (recovery)
+    "replayed": int,  # calls whose result came from a neighbour (a restarted worker)
+    "resumed": int,  # calls resumed at a byte offset after a link broke
+    "replaying": bool,  # a restarted worker that has not caught up with its neighbours
+}
+_COUNTER_MAX: Final[int] = (1 << 63) - 1
+
+
+def check_progress(value: object) -> dict[str, int | bool]:
+    """The known fields of a heartbeat's ``progress`` map, checked against
+    :data:`PROGRESS_FIELDS` (unknown fields are dropped: a newer worker may report more).
+    Raises :class:`ProtocolError` on a wrong type or a counter outside ``[0, 2**63)``."""
+    if not isinstance(value, dict):
+        raise ProtocolError(f"heartbeat.progress: expected dict, got {type(value).__name__}")
+    out: dict[str, int | bool] = {}
+    for name, expected in PROGRESS_FIELDS.items():
+        if name not in value:
+            continue
+        field = value[name]
+        if expected is bool:
+            ok = isinstance(field, bool)
+        else:
+            ok = type(field) is int and 0 <= field <= _COUNTER_MAX
+        if not ok:
+            raise ProtocolError(f"heartbeat.progress.{name}: expected a "
+                                f"{'bool' if expected is bool else 'counter'}, got "
+                                f"{_short(field)}")
+        out[name] = field
+    return out
+
+
 REFUSE_AUTH: Final[str] = "auth"
 """``refuse.code`` when the peer failed to prove it knows the secret."""
 REFUSE_HELLO: Final[str] = "hello"
@@ -255,12 +294,14 @@ __all__ = [
     "MAX_FRAME",
     "MESSAGE_FIELDS",
     "NONCE_SIZE",
+    "PROGRESS_FIELDS",
     "PROTOCOL_VERSION",
     "REFUSE_AUTH",
     "REFUSE_HELLO",
     "FrameDecoder",
     "auth_mac",
     "check_mac",
+    "check_progress",
     "decode_body",
     "decode_length",
     "encode_frame",

@@ -76,6 +76,7 @@ class Connections:
             self.engine.tracker.on_abort = self.engine.on_abort
             self.engine.tracker.on_peer_lost = self.engine.keeper.on_peer_lost
             self.engine.tracker.on_peer_recovered = self.engine.keeper.on_peer_recovered
+            self.engine.tracker.progress = self.engine.progress
             assignment = await self.engine.tracker.wait_assignment(cfg.timeout_sec)
             self.engine.assignment = assignment
             logs.set_rank(assignment.rank)

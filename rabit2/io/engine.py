@@ -358,6 +358,18 @@ class Engine:
     async def _recovery_statistics(self) -> dict[str, int]:
         return self.agent.recovery_statistics()
 
+    def progress(self) -> dict[str, int | bool]:
+        """What the heartbeats report (``rabit2.core.control.PROGRESS_FIELDS``); on the
+        loop thread, which owns the agent."""
+        agent = self.agent
+        stats = agent.statistics()
+        recovery = agent.recovery_statistics()
+        return {"version": agent.version, "seqno": agent.seqno,
+                "calls": stats.calls_completed, "sent": stats.bytes_sent,
+                "received": stats.bytes_received, "links_reset": recovery["links_up"],
+                "replayed": recovery["replayed_calls"], "resumed": recovery["resumed_calls"],
+                "replaying": agent.restarted}
+
     # ------------------------------------------------------------------ shutdown
 
     def finalize(self) -> None:

@@ -173,6 +173,8 @@ class TrackerClient:
         self.on_abort: Callable[[str], None] | None = None
         self.on_peer_lost: Callable[[int, int, str], None] | None = None
         self.on_peer_recovered: Callable[[int, int, tuple[str, int]], None] | None = None
+        # what each heartbeat reports of this worker's progress (called on the loop thread)
+        self.progress: Callable[[], dict[str, int | bool]] | None = None
         # to dial again after the connection ended (set by connect)
         self._config: Config | None = None
         self._listen_port = 0
@@ -362,7 +364,10 @@ class TrackerClient:
     async def _heartbeat_loop(self, interval: float) -> None:
         while not self._writer.is_closing():
             await asyncio.sleep(interval)
-            self._send({"t": "heartbeat"})
+            if self.progress is None:
+                self._send({"t": "heartbeat"})
+            else:
+                self._send({"t": "heartbeat", "progress": self.progress()})
 
     async def _read_loop(self) -> None:
         while True:

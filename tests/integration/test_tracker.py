@@ -902,3 +902,25 @@ async def test_a_bad_status_filter_closes_that_connection_only(
     assert (await client.wait_assignment(5)).world_size == 1
     await client.shutdown(5)
     assert (await tracker.wait_done(5)).success
+
+
+@pytest.mark.asyncio
+async def test_heartbeats_report_progress_and_a_bad_report_is_refused(
+    make_tracker: Callable[..., Any], caplog: pytest.LogCaptureFixture,
+) -> None:
+    """What a worker's heartbeats report shows in the status; a report of the wrong shape
+    closes that worker's connection, naming the field, and nothing of it is kept."""
+    tracker = await make_tracker(2)
+    good, bad = await join_job(tracker, ["0", "1"])
+    await asyncio.gather(good.wait_assignment(5), bad.wait_assignment(5))
+    good.progress = lambda: {"version": 2, "calls": 7, "replaying": False}
+    with caplog.at_level(logging.WARNING, logger="rabit2.tracker"):
+        bad.progress = lambda: {"calls": -5}
+        await wait_until(lambda: "heartbeat.progress.calls" in caplog.text)
+    rows = {task["task_id"]: task for task in tracker.status()["tasks"]}
+    assert rows["0"]["progress"] == {"version": 2, "calls": 7, "replaying": False}
+    assert rows["0"]["heartbeat_age"] < 5
+    assert rows["1"]["progress"] is None
+    bad.progress = None
+    for client in (good, bad):
+        await client.close()

@@ -15,10 +15,12 @@ from rabit2.core.control import (
     MAX_FRAME,
     MESSAGE_FIELDS,
     NONCE_SIZE,
+    PROGRESS_FIELDS,
     PROTOCOL_VERSION,
     FrameDecoder,
     auth_mac,
     check_mac,
+    check_progress,
     decode_body,
     encode_frame,
     new_nonce,
@@ -198,3 +200,20 @@ def test_fuzz_structured_maps(kind: str, fields: dict[str, Any]) -> None:
         return
     for name, typ in MESSAGE_FIELDS[kind].items():
         assert isinstance(msg[name], typ)
+
+
+def test_progress_keeps_known_fields_and_drops_unknown_ones() -> None:
+    report = {"version": 3, "seqno": 1, "calls": 40, "sent": 1 << 40, "received": 0,
+              "links_reset": 1, "replayed": 2, "resumed": 0, "replaying": True,
+              "newer_field": "ignored"}
+    assert check_progress(report) == {k: v for k, v in report.items() if k in PROGRESS_FIELDS}
+    assert check_progress({}) == {}
+
+
+@pytest.mark.parametrize("bad", [
+    [], "x", {"calls": -1}, {"calls": True}, {"calls": 1.5}, {"calls": 1 << 63},
+    {"replaying": 1}, {"version": "3"},
+])
+def test_bad_progress_is_a_protocol_error(bad: object) -> None:
+    with pytest.raises(ProtocolError, match=r"heartbeat\.progress"):
+        check_progress(bad)

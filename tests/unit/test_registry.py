@@ -319,4 +319,27 @@ def test_status_lists_one_task_and_counts_all() -> None:
     assert [task["task_id"] for task in status["tasks"]] == ["1"]
     assert status["tasks"][0] == {"task_id": "1", "rank": 1, "incarnation": 0, "attempt": 0,
                                   "host": "10.0.0.1", "port": 9001, "connected": True,
-                                  "finished": False, "losses": 0}
+                                  "finished": False, "losses": 0, "progress": None,
+                                  "heartbeat_age": None}
+
+
+def test_status_shows_progress_heartbeat_age_and_who_is_recovering() -> None:
+    registry, _ = job(3)
+    registry.heard("c1", 4.0)
+    registry.heartbeat("c1", {"version": 3, "calls": 12, "replaying": False})
+    registry.heartbeat("c2", {"version": 2, "calls": 5, "replaying": True})
+    status = registry.status(now=5.5)
+    rows = {task["task_id"]: task for task in status["tasks"]}
+    assert rows["1"]["progress"] == {"version": 3, "calls": 12, "replaying": False}
+    assert rows["1"]["heartbeat_age"] == 1.5
+    assert rows["0"]["progress"] is None
+    # rank 2 replays; rank 0's worker is gone and not back
+    registry.connection_ended("c0", f"{SILENCE_REASON} 30s")
+    status = registry.status(now=6.0)
+    assert status["recovering"] == [0, 2]
+    assert status["connected"] == 2
+    assert {t["task_id"]: t["heartbeat_age"] for t in status["tasks"]}["0"] is None
+    # a restarted process reports afresh: what the lost one said is gone
+    register(registry, "c3", "0", now=7.0, attempt=1)
+    restarted = registry.status("0", now=7.0)["tasks"][0]
+    assert restarted["progress"] is None and restarted["incarnation"] == 1

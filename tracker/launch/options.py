@@ -52,6 +52,9 @@ class LaunchOptions:
     log_level: str | None = None  # the tracker's log, and RABIT2_LOG_LEVEL for the workers
     log_file: str | None = None  # every line of the launcher's output also goes there
     timestamps: bool = False  # every line of the launcher's output starts with the time
+    metrics_port: int | None = None  # serve the job's metrics there (None: no endpoint)
+    metrics_host: str = "127.0.0.1"
+    status_file: str | None = None  # the job file's path (None: the default; "": none)
 
 
 def parse_host_file(text: str) -> tuple[Host, ...]:
@@ -175,6 +178,16 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
                              "summary) to F, each with its date and time")
     parser.add_argument("--timestamps", action="store_true",
                         help="start every line of the launcher's output with the time")
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="P",
+                        help="serve the job's metrics in the Prometheus text format at "
+                             "http://HOST:P/metrics while it runs (0: any free port; "
+                             "needs the metrics extra)")
+    parser.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
+                        help="address of the metrics endpoint (default 127.0.0.1)")
+    parser.add_argument("--status-file", default=None, metavar="F",
+                        help="where to write the job file that rabit2-tracker --query reads "
+                             "(default: job-PID.json in $RABIT2_RUN_DIR, $XDG_RUNTIME_DIR/"
+                             "rabit2 or /tmp/rabit2-UID; '' for none)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the commands that would start the workers, and exit")
     parser.add_argument("--heartbeat-timeout", type=float, default=30.0, metavar="S",
@@ -219,6 +232,8 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
         parser.error("--heartbeat-timeout must be > 0")
     if args.timeout is not None and args.timeout <= 0:
         parser.error("--timeout must be > 0")
+    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
+        parser.error("--metrics-port must be a TCP port (0: any free one)")
     if not command:
         parser.error("no command given (put it after --)")
     hosts: tuple[Host, ...] = ()
@@ -270,6 +285,9 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
         log_level=args.log_level,
         log_file=args.log_file,
         timestamps=args.timestamps,
+        metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        status_file=args.status_file,
         cluster=args.cluster,
         hosts=hosts,
         ssh=ssh_command,

@@ -1,0 +1,130 @@
+"""What a job shows of itself: job files (``tracker.jobfile``) and the Prometheus series of a
+status snapshot (``tracker.metrics``); no sockets, no job."""
+
+from __future__ import annotations
+
+import json
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tracker import jobfile
+from tracker.registry import Registry
+
+prometheus_parser = pytest.importorskip("prometheus_client.parser")
+
+
+def _a_dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_a_job_file_is_private_and_names_the_tracker(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RABIT2_RUN_DIR", str(tmp_path / "run"))
+    path = jobfile.write({"host": "127.0.0.1", "port": 4242, "secret": "ab" * 32, "pid": 1})
+    assert path.parent == tmp_path / "run"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert jobfile.read(path) == ("127.0.0.1", 4242, "ab" * 32)
+    assert jobfile.running() == [path]  # this process wrote it and runs
+    jobfile.remove(path)
+    jobfile.remove(path)  # twice is fine
+    assert jobfile.running() == []
+
+
+def test_job_files_of_dead_launchers_are_skipped_and_pruned(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RABIT2_RUN_DIR", str(tmp_path))
+    stale = tmp_path / f"job-{_a_dead_pid()}.json"
+    stale.write_text(json.dumps({"host": "h", "port": 1, "secret": "00"}))
+    (tmp_path / "job-notapid.json").write_text("{}")
+    assert jobfile.running() == []
+    jobfile.write({"host": "h", "port": 1, "secret": "00"})
+    assert not stale.exists()
+
+
+def test_a_run_dir_others_can_write_is_refused(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    monkeypatch.setenv("RABIT2_RUN_DIR", str(shared))
+    with pytest.raises(OSError, match="not private"):
+        jobfile.write({"host": "h", "port": 1, "secret": "00"})
+    assert list(shared.iterdir()) == []
+
+
+@pytest.mark.parametrize("content", ["not json", "[]", '{"host": "h", "port": 0, "secret": ""}',
+                                     '{"host": "h", "port": "1", "secret": ""}'])
+def test_a_bad_job_file_is_a_clear_error(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "job.json"
+    path.write_text(content)
+    with pytest.raises(ValueError, match=str(path)):
+        jobfile.read(path)
+    with pytest.raises(ValueError, match="cannot read"):
+        jobfile.read(tmp_path / "missing.json")
+
+
+def _scrape(status: dict[str, Any]) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """Render a status as the endpoint does, parse it back with prometheus_client's parser."""
+    from prometheus_client import generate_latest  # noqa: PLC0415
+
+    from tracker.metrics import MetricsServer  # noqa: PLC0415
+
+    server = MetricsServer(lambda: status)
+    text = generate_latest(server.registry).decode()
+    return {(sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in prometheus_parser.text_string_to_metric_families(text)
+            for sample in family.samples}
+
+
+def test_metrics_of_a_status_snapshot() -> None:
+    registry: Registry[str] = Registry(2)
+    for i in range(2):
+        registry.register(f"c{i}", {"task_id": str(i), "attempt": 0, "port": 9000 + i,
+                                    "world_size": -1}, host="h", peer="p", now=0.0)
+    registry.heartbeat("c0", {"version": 4, "seqno": 1, "calls": 9, "sent": 800,
+                              "received": 900, "links_reset": 1, "replayed": 0,
+                              "resumed": 2, "replaying": False})
+    registry.connection_ended("c1", "connection closed by the worker")
+    samples = _scrape(registry.status(now=0.5, prints=3))
+    rank0 = (("rank", "0"), ("task", "0"))
+    rank1 = (("rank", "1"), ("task", "1"))
+    assert samples[("rabit2_job_world_size", ())] == 2
+    assert samples[("rabit2_job_printed_lines_total", ())] == 3
+    assert samples[("rabit2_job_state", (("state", "running"),))] == 1
+    assert samples[("rabit2_job_state", (("state", "aborted"),))] == 0
+    assert samples[("rabit2_worker_calls_total", rank0)] == 9
+    assert samples[("rabit2_worker_sent_bytes_total", rank0)] == 800
+    assert samples[("rabit2_worker_resumed_calls_total", rank0)] == 2
+    assert samples[("rabit2_worker_version", rank0)] == 4
+    assert samples[("rabit2_worker_replaying", rank0)] == 0
+    assert samples[("rabit2_worker_heartbeat_age_seconds", rank0)] == 0.5
+    assert samples[("rabit2_worker_connected", rank1)] == 0
+    assert ("rabit2_worker_calls_total", rank1) not in samples  # it never reported
+    assert ("rabit2_worker_heartbeat_age_seconds", rank1) not in samples
+    # the rejoin grace has not passed: not lost yet, but not connected: recovering
+    assert samples[("rabit2_job_workers_recovering", ())] == 1
+
+
+def test_the_endpoint_answers_over_http_and_closes() -> None:
+    import urllib.request  # noqa: PLC0415
+
+    from tracker.metrics import MetricsServer  # noqa: PLC0415
+
+    registry: Registry[str] = Registry(1)
+    server = MetricsServer(registry.status, "127.0.0.1", 0)
+    server.start()
+    try:
+        with urllib.request.urlopen(server.url, timeout=10) as reply:
+            text = reply.read().decode()
+    finally:
+        server.close()
+    server.close()  # idempotent
+    assert "rabit2_job_world_size 1.0" in text
