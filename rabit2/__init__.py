@@ -29,9 +29,14 @@ from rabit2.api import (
 from rabit2.core.ops import Op
 from rabit2.errors import RabitError
 
+#: rabit's spelling of :attr:`Op.MAX <rabit2.Op.MAX>`: the element-wise maximum.
 MAX = Op.MAX
+#: rabit's spelling of :attr:`Op.MIN <rabit2.Op.MIN>`: the element-wise minimum.
 MIN = Op.MIN
+#: rabit's spelling of :attr:`Op.SUM <rabit2.Op.SUM>`: the element-wise sum.
 SUM = Op.SUM
+#: rabit's spelling of :attr:`Op.BITOR <rabit2.Op.BITOR>`: the element-wise bitwise OR
+#: (integer dtypes only).
 BITOR = Op.BITOR
 
 __version__ = "0.1.0"

@@ -3,7 +3,7 @@
 ``await comm.allreduce(arr, op)`` runs the collective without blocking the caller's loop:
 the blocking call runs in a worker thread and the loop stays free for other tasks.
 Collectives are ordered: concurrent awaits on one communicator run one after another, in
-the order they were awaited, because every rank must issue the same sequence of calls.
+the order they were awaited, because every rank must issue the same sequence of calls. ::
 
     async with rabit2.aio.Communicator() as comm:      # init() ... finalize()
         await comm.allreduce(hist, rabit2.Op.SUM)
@@ -23,8 +23,11 @@ T = TypeVar("T")
 class Communicator:
     """Async wrapper of the process-wide communicator (there is one per process, as in rabit).
 
-    Constructing it does not join the job: ``async with`` (or :meth:`init`) does.  Errors are
-    those of the blocking API, raised from the ``await``.
+    ``args`` and ``kwargs`` are those of :func:`rabit2.init`.  Constructing it does not join
+    the job and never raises: ``async with`` (or :meth:`init`) does.  Each method runs its
+    blocking :mod:`rabit2` function in a worker thread, one at a time in the order awaited,
+    and raises that function's errors from the ``await``.  Cancelling an ``await`` does not
+    cancel the collective: it runs to its end in its thread.
     """
 
     def __init__(self, args: Iterable[str | bytes] | None = None, **kwargs: Any) -> None:
@@ -37,44 +40,86 @@ class Communicator:
             return await asyncio.to_thread(fn, *args)
 
     async def init(self) -> None:
+        """Join the job: :func:`rabit2.init` with the constructor's arguments, and its
+        errors (``ValueError`` for bad parameters, a :class:`~rabit2.errors.RabitError` when
+        the job cannot be joined)."""
         await self._run(lambda: api.init(self._args, **self._kwargs))
 
     async def finalize(self) -> None:
+        """Leave the job: :func:`rabit2.finalize`, and its errors
+        (:class:`~rabit2.errors.JobAbortedError` if the job is aborted while this worker
+        waits for the others with recovery on)."""
         await self._run(api.finalize)
 
     async def __aenter__(self) -> Communicator:
+        """:meth:`init`, with its errors; returns this communicator."""
         await self.init()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        """:meth:`finalize`, with its errors, whether or not the block raised (unlike
+        :class:`rabit2.CommunicatorContext`, an exception does not abort the job)."""
         await self.finalize()
 
     @property
     def rank(self) -> int:
+        """This process's rank (:func:`rabit2.get_rank`: 0 when not initialised).  Never
+        raises."""
         return api.get_rank()
 
     @property
     def world_size(self) -> int:
+        """The number of workers (:func:`rabit2.get_world_size`: 1 when not initialised).
+        Never raises."""
         return api.get_world_size()
 
     async def allreduce(self, data: Any, op: Any,
                         prepare_fun: Callable[[Any], None] | None = None) -> Any:
+        """:func:`rabit2.allreduce` (in place when possible; the result is returned), with
+        its errors: ``TypeError``/``ValueError`` for bad arguments before anything is sent,
+        :class:`~rabit2.errors.NotInitializedError` before :meth:`init`,
+        :class:`~rabit2.errors.MismatchError` when ranks disagree, other
+        :class:`~rabit2.errors.RabitError` subclasses when the job fails.  The caller must
+        not touch ``data`` until the ``await`` returns."""
         return await self._run(api.allreduce, data, op, prepare_fun)
 
     async def broadcast(self, obj: Any, root: int) -> Any:
+        """:func:`rabit2.broadcast`: ``obj`` from ``root`` to every rank, returned.  Raises
+        ``ValueError`` for a bad root, ``TypeError`` for an object the root cannot pickle,
+        :class:`~rabit2.errors.NotInitializedError` before :meth:`init`, and
+        :class:`~rabit2.errors.RabitError` subclasses when ranks disagree or the job fails."""
         return await self._run(api.broadcast, obj, root)
 
     async def allgather(self, data: Any) -> Any:
+        """:func:`rabit2.allgather`: every rank's array concatenated along axis 0.  Raises
+        ``TypeError`` for a non-array or an unsupported dtype,
+        :class:`~rabit2.errors.NotInitializedError` before :meth:`init`,
+        :class:`~rabit2.errors.MismatchError` for different dtypes or trailing shapes, other
+        :class:`~rabit2.errors.RabitError` subclasses when the job fails."""
         return await self._run(api.allgather, data)
 
     async def agree(self, flag: bool) -> bool:
+        """:func:`rabit2.agree`: True on every rank iff every rank passed a true ``flag``.
+        Raises :class:`~rabit2.errors.NotInitializedError` before :meth:`init` and
+        :class:`~rabit2.errors.RabitError` subclasses when the job fails."""
         return await self._run(api.agree, flag)
 
     async def checkpoint(self, global_model: Any, local_model: Any = None) -> None:
+        """:func:`rabit2.checkpoint`: pickle and keep the models; the version goes up by
+        one.  Raises :class:`~rabit2.errors.NotInitializedError` before :meth:`init` and what
+        ``pickle`` raises for a model that cannot be pickled."""
         await self._run(api.checkpoint, global_model, local_model)
 
     async def load_checkpoint(self, with_local: bool = False) -> tuple[Any, ...]:
+        """:func:`rabit2.load_checkpoint`: ``(version, global_model)`` (with
+        ``local_model`` too when ``with_local``).  Raises
+        :class:`~rabit2.errors.NotInitializedError` before :meth:`init`; in a restarted
+        worker, :class:`~rabit2.errors.UnrecoverableError`,
+        :class:`~rabit2.errors.CollectiveTimeoutError` or
+        :class:`~rabit2.errors.JobAbortedError` when the checkpoint cannot be fetched."""
         return await self._run(api.load_checkpoint, with_local)
 
     def tracker_print(self, msg: Any) -> None:
+        """:func:`rabit2.tracker_print`, at once (not awaited: it never blocks).  Needs no
+        :meth:`init` and raises no :class:`~rabit2.errors.RabitError`."""
         api.tracker_print(msg)

@@ -76,10 +76,17 @@ def init(args: Iterable[str | bytes] | None = None, **kwargs: Any) -> None:
 
     ``args`` are rabit-style ``"k=v"`` strings (e.g. ``sys.argv``; other strings are
     ignored); ``kwargs`` are xgboost.collective-style keyword parameters.  Environment
-    variables set by ``rabit2-submit`` are read first.  Raises ``ValueError`` for unknown or
-    malformed parameters and :class:`~rabit2.errors.RabitError` if the job cannot be joined
-    within the connect deadline.  A second call while initialised is ignored with a warning,
-    as in rabit.
+    variables set by ``rabit2-submit`` are read first.  A second call while initialised is
+    ignored with a warning, as in rabit.
+
+    Raises ``ValueError`` for unknown or malformed parameters, before anything is
+    contacted, and a :class:`~rabit2.errors.RabitError` if the job cannot be joined:
+    :class:`~rabit2.errors.TrackerError` when the tracker cannot be reached after every
+    attempt or refuses this worker, :class:`~rabit2.errors.CollectiveTimeoutError` when no
+    rank is assigned or the neighbours do not connect in time,
+    :class:`~rabit2.errors.JobAbortedError` when the job is aborted meanwhile, and
+    :class:`~rabit2.errors.PeerLostError` or :class:`~rabit2.errors.ProtocolError` when a
+    link to a neighbour cannot be set up.  After an error the process is not initialised.
     """
     with _comm.lock:
         if _comm.config is not None:
@@ -164,7 +171,9 @@ def finalize() -> None:
 
     With recovery on this first waits (up to ``timeout_sec``), still serving the neighbours,
     until every rank has finalized, so that a worker restarted after its last collective
-    can replay; raises :class:`~rabit2.errors.JobAbortedError` if the job is aborted then."""
+    can replay; raises :class:`~rabit2.errors.JobAbortedError` if the job is aborted then.
+    Other failures while leaving (the tracker gone, no answer in time) are logged, not
+    raised.  The process is not initialised afterwards, whether this returned or raised."""
     with _comm.lock:
         engine, _comm.engine, _comm.config = _comm.engine, None, None
         if engine is not None:
@@ -177,25 +186,34 @@ def current_config() -> Config | None:
 
 
 def get_rank() -> int:
-    """This process's rank (0 when not initialised, as in rabit)."""
+    """This process's rank (0 when not initialised, as in rabit).  Never raises."""
     return _comm.rank if _comm.config is not None else 0
 
 
 def get_world_size() -> int:
-    """The number of workers (1 when not initialised, as in rabit)."""
+    """The number of workers (1 when not initialised, as in rabit).  Never raises."""
     return _comm.world if _comm.config is not None else 1
 
 
 def is_distributed() -> bool:
+    """Whether this process is a worker of a job: True from an :func:`init` that joined a
+    tracker until :func:`finalize`; False when not initialised and in single-process mode
+    (no tracker configured), where every collective is a local no-op.  Never raises."""
     return _comm.engine is not None
 
 
 def get_processor_name() -> str:
+    """This host's name (``socket.gethostname()``), as rabit's ``GetProcessorName``.  Needs
+    no :func:`init` and raises no :class:`~rabit2.errors.RabitError`."""
     return socket.gethostname()
 
 
 def tracker_print(msg: Any) -> None:
-    """Print ``msg`` on the tracker's console (locally when not distributed)."""
+    """Print ``str(msg)`` on the tracker's console (locally when not distributed).
+
+    Needs no :func:`init`.  In a job it never blocks: the line is queued for the tracker,
+    which prints one worker's lines in the order they were sent; once the tracker connection
+    is gone lines are dropped rather than raised."""
     text = str(msg)
     engine = _comm.engine
     if engine is None:
@@ -205,7 +223,11 @@ def tracker_print(msg: Any) -> None:
 
 
 def signal_error(msg: str = "signal_error() called") -> None:
-    """Ask the tracker to abort the job: every other worker raises ``JobAbortedError``."""
+    """Ask the tracker to abort the job, with ``msg`` as the reason: every other worker's
+    current or next collective raises :class:`~rabit2.errors.JobAbortedError`.
+
+    This worker is not told (it should leave: :func:`finalize`, or exit).  Never blocks and
+    never raises; a no-op when not distributed."""
     engine = _comm.engine
     if engine is not None:
         engine.signal_error(msg)
@@ -273,8 +295,13 @@ def allreduce(data: Any, op: Any, prepare_fun: Callable[[Any], None] | None = No
     ``prepare_fun(data)``, if given, is called right before the data is needed, as in rabit.
 
     Raises ``TypeError`` (not an array, unsupported dtype, bitwise op on floats) or
-    ``ValueError`` (unknown op) before anything is sent; ``MismatchError`` on every rank
-    when ranks disagree on size, dtype or op; other ``RabitError`` s when the job fails.
+    ``ValueError`` (unknown op) before anything is sent, then
+    :class:`~rabit2.errors.NotInitializedError` before :func:`init` or after
+    :func:`finalize`; :class:`~rabit2.errors.MismatchError` on every rank when ranks disagree
+    on size, dtype or op; other :class:`~rabit2.errors.RabitError` subclasses when the job
+    fails (:class:`~rabit2.errors.PeerLostError`, :class:`~rabit2.errors.UnrecoverableError`,
+    :class:`~rabit2.errors.CollectiveTimeoutError`, :class:`~rabit2.errors.JobAbortedError`).
+    After a :class:`~rabit2.errors.RabitError` every later collective raises the same error.
     """
     # (every call right after a training round's compute runs with cold caches, where each
     # Python call on this path costs microseconds: docs/performance.md, "Per-call cost after
@@ -332,9 +359,14 @@ def broadcast(data: Any, root: int) -> Any:
 
     A numpy array (C-contiguous after conversion, ndim <= 8) travels as raw bytes; anything
     else is pickled.  Non-root ranks may pass ``None``; a non-root that passes a writable
-    C-contiguous array of the root's dtype and shape receives straight into it.  Raises
-    ``ValueError`` for a root outside ``[0, world)`` and ``TypeError`` if the root's object
-    cannot be pickled, before anything is sent.
+    C-contiguous array of the root's dtype and shape receives straight into it.
+
+    Raises :class:`~rabit2.errors.NotInitializedError` before :func:`init` or after
+    :func:`finalize`, ``ValueError`` for a root outside ``[0, world)`` and (on the root)
+    ``TypeError`` if the object cannot be pickled, before anything is sent;
+    :class:`~rabit2.errors.MismatchError` on every rank when ranks disagree on the root;
+    other :class:`~rabit2.errors.RabitError` subclasses when the job fails, as
+    :func:`allreduce`.
     """
     comm = _require()
     if not isinstance(root, (int, np.integer)) or not 0 <= int(root) < comm.world:
@@ -407,8 +439,11 @@ def allgather(data: Any) -> np.ndarray:
     """Concatenate every rank's array along axis 0, in rank order, on every rank.
 
     Ranks may contribute different numbers of rows; dtype and trailing shape must agree
-    (``MismatchError`` on every rank otherwise).  Raises ``TypeError`` for a non-array or an
-    unsupported dtype before anything is sent.
+    (:class:`~rabit2.errors.MismatchError` on every rank otherwise).  A 0-d array counts as
+    one row.  Raises ``TypeError`` for a non-array or an unsupported dtype before anything is
+    sent, then :class:`~rabit2.errors.NotInitializedError` before :func:`init` or after
+    :func:`finalize`; other :class:`~rabit2.errors.RabitError` subclasses when the job fails,
+    as :func:`allreduce`.
     """
     if not isinstance(data, np.ndarray):
         raise TypeError(f"allgather takes a numpy array, got {type(data).__name__}")
@@ -440,7 +475,12 @@ def allgather(data: Any) -> np.ndarray:
 
 
 def agree(flag: bool) -> bool:
-    """True on every rank iff every rank passed a true ``flag`` (a logical AND)."""
+    """True on every rank iff every rank passed a true ``flag`` (a logical AND).
+
+    One MIN :func:`allreduce` of a byte, with its errors:
+    :class:`~rabit2.errors.NotInitializedError` before :func:`init`, other
+    :class:`~rabit2.errors.RabitError` subclasses when the job fails.  It is not ULFM's
+    agreement: a rank lost for good fails it as it fails any collective."""
     value = np.array([1 if flag else 0], dtype=np.uint8)
     allreduce(value, Op.MIN)
     return bool(value[0])
@@ -453,7 +493,13 @@ def checkpoint(global_model: Any, local_model: Any = None) -> None:
     """Record the model state after an iteration; the version number goes up by one.
 
     Models are pickled and kept in memory (nothing touches disk).  Collective calls after
-    this point are numbered from zero again (their identity is (version, seqno)).
+    this point are numbered from zero again (their identity is (version, seqno)).  With
+    recovery on, ``local_model`` is handed to the next ranks of the ring (not waited for).
+    Nothing is exchanged with the other ranks, so no peer's failure is raised here.
+
+    Raises :class:`~rabit2.errors.NotInitializedError` before :func:`init` or after
+    :func:`finalize`, and what ``pickle`` raises (``TypeError``, ``pickle.PicklingError``,
+    ...) for a model that cannot be pickled, before the version goes up.
     """
     comm = _require()
     comm.global_model = pickle.dumps(global_model, protocol=pickle.HIGHEST_PROTOCOL)
@@ -468,7 +514,11 @@ def lazy_checkpoint(global_model: Any, local_model: Any = None) -> None:
     """Like :func:`checkpoint` without pickling the global model now: it must not change
     until the next checkpoint (it is serialised only if a restarted peer needs it).  A
     ``local_model`` (beyond rabit, whose lazy checkpoint has none) is pickled now and
-    replicated as with :func:`checkpoint`."""
+    replicated as with :func:`checkpoint`.
+
+    Raises :class:`~rabit2.errors.NotInitializedError` before :func:`init` or after
+    :func:`finalize`, and what ``pickle`` raises for a ``local_model`` that cannot be
+    pickled, before the version goes up."""
     comm = _require()
     comm.lazy_model = global_model
     comm.global_model = None
@@ -499,8 +549,13 @@ def load_checkpoint(with_local: bool = False) -> tuple[Any, ...]:
     call fetches the checkpoint from a live neighbour (and, with ``with_local``, its local
     model from the next rank of the ring, which holds a replica): the program then replays
     from that version, and the results of calls the others already finished come from
-    them.  Raises :class:`~rabit2.errors.UnrecoverableError` if no live neighbour holds what
-    is needed.
+    them.  Elsewhere it communicates nothing.
+
+    Raises :class:`~rabit2.errors.NotInitializedError` before :func:`init` or after
+    :func:`finalize`.  The fetch of a restarted worker raises
+    :class:`~rabit2.errors.UnrecoverableError` if no live neighbour holds what is needed,
+    :class:`~rabit2.errors.CollectiveTimeoutError` if nothing arrives within
+    ``timeout_sec``, and :class:`~rabit2.errors.JobAbortedError` if the job was aborted.
     """
     comm = _require()
     if comm.must_load:
@@ -521,7 +576,8 @@ def load_checkpoint(with_local: bool = False) -> tuple[Any, ...]:
 
 
 def version_number() -> int:
-    """How many checkpoints this job has taken."""
+    """How many checkpoints this job has taken (the version :func:`load_checkpoint`
+    returns; 0 when not initialised).  Never raises."""
     return _comm.version if _comm.config is not None else 0
 
 
@@ -533,7 +589,10 @@ def recovery_statistics() -> dict[str, int]:
     restarted worker fetched, or resumed at byte offsets), ``corrupt_frames`` (frames from a
     neighbour that failed their checksum, each followed by a reset of that link: see
     ``docs/protocol.md``, "Checksums").  All 0 in single-process mode; with recovery off only
-    ``corrupt_frames`` can count."""
+    ``corrupt_frames`` can count.
+
+    Raises :class:`~rabit2.errors.NotInitializedError` before :func:`init` or after
+    :func:`finalize`."""
     comm = _require()
     if comm.engine is None:
         return dict.fromkeys(("links_up", "fetched_bytes", "resent_bytes", "replayed_calls",
@@ -546,13 +605,17 @@ def recovery_statistics() -> dict[str, int]:
 
 
 def communicator_print(msg: Any) -> None:
-    """xgboost.collective spelling of :func:`tracker_print`."""
+    """xgboost.collective spelling of :func:`tracker_print` (its behaviour and errors)."""
     tracker_print(msg)
 
 
 class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext"]):
     """``with CommunicatorContext(**args):`` = ``init(**args)`` ... ``finalize()``; an
-    exception inside the block aborts the job (:func:`abort_for`) and propagates."""
+    exception inside the block aborts the job (:func:`abort_for`) and propagates.
+
+    Entering raises what :func:`init` raises.  Leaving normally raises what :func:`finalize`
+    raises; leaving by an exception raises no error of its own (the job is aborted, naming
+    the exception, and the exception propagates)."""
 
     def __init__(self, **args: Any) -> None:
         self.args = args

@@ -51,37 +51,44 @@ _TO_RABIT = {
 
 
 def init(**args: Any) -> None:
-    """Join the job (``rabit2.init(**args)``; ``dmlc_*`` keys as in XGBoost)."""
+    """Join the job (``rabit2.init(**args)``; ``dmlc_*`` keys as in XGBoost), with
+    :func:`rabit2.init`'s errors: ``ValueError`` for bad parameters, a
+    :class:`~rabit2.errors.RabitError` when the job cannot be joined."""
     api.init(**args)
 
 
 def finalize() -> None:
-    """Leave the job (``rabit2.finalize()``)."""
+    """Leave the job (``rabit2.finalize()``), with its errors:
+    :class:`~rabit2.errors.JobAbortedError` if the job is aborted while this worker waits
+    for the others (recovery on).  Safe to call when not initialised."""
     api.finalize()
 
 
 def get_rank() -> int:
-    """This worker's rank (0 when not initialised)."""
+    """This worker's rank (0 when not initialised).  Never raises."""
     return api.get_rank()
 
 
 def get_world_size() -> int:
-    """The number of workers (1 when not initialised)."""
+    """The number of workers (1 when not initialised).  Never raises."""
     return api.get_world_size()
 
 
 def is_distributed() -> bool:
-    """Whether this worker is part of a job (a ``bool``, as in XGBoost)."""
+    """Whether this worker is part of a job (a ``bool``, as in XGBoost).  Never raises."""
     return bool(api.is_distributed())
 
 
 def get_processor_name() -> str:
-    """This host's name (a ``str``)."""
+    """This host's name (a ``str``).  Needs no :func:`init`; raises no
+    :class:`~rabit2.errors.RabitError`."""
     return str(api.get_processor_name())
 
 
 def communicator_print(msg: Any) -> None:
-    """Print ``str(msg)``, stripped, on the tracker's console (locally when alone)."""
+    """Print ``str(msg)``, stripped, on the tracker's console (locally when alone).  Needs
+    no :func:`init`; never blocks, and raises no :class:`~rabit2.errors.RabitError` (as
+    :func:`rabit2.tracker_print`)."""
     api.tracker_print(str(msg).strip())
 
 
@@ -90,7 +97,10 @@ def broadcast(data: _T, root: int) -> _T:
 
     XGBoost pickles every object; rabit2 sends numpy arrays as raw bytes and pickles the rest:
     the result is equal either way.  Raises ``ValueError`` if the root passes None (XGBoost
-    asserts) or ``root`` is not a rank."""
+    asserts) or ``root`` is not a rank, and otherwise what :func:`rabit2.broadcast` raises
+    (:class:`~rabit2.errors.NotInitializedError` before :func:`init`, ``TypeError`` for an
+    object the root cannot pickle, :class:`~rabit2.errors.RabitError` subclasses when ranks
+    disagree or the job fails)."""
     if api.get_rank() == root and data is None:
         raise ValueError("broadcast: the root must pass the data")
     result: _T = api.broadcast(data, root)
@@ -103,7 +113,10 @@ def allreduce(data: np.ndarray, op: Op) -> np.ndarray:
 
     Raises ``TypeError`` for anything but a numpy array, a dtype XGBoost does not reduce, or
     a ``rabit2.Op`` (whose integers differ); ``ValueError`` for an integer that is not an
-    :class:`Op` value."""
+    :class:`Op` value; then what :func:`rabit2.allreduce` raises
+    (:class:`~rabit2.errors.NotInitializedError` before :func:`init`,
+    :class:`~rabit2.errors.MismatchError` when ranks disagree, other
+    :class:`~rabit2.errors.RabitError` subclasses when the job fails)."""
     if not isinstance(data, np.ndarray):
         raise TypeError("allreduce only takes in numpy.ndarray")
     if isinstance(op, (_RabitOp, bool)):
@@ -120,14 +133,17 @@ def allreduce(data: np.ndarray, op: Op) -> np.ndarray:
 
 
 def signal_error(msg: str = "signal_error() called") -> None:
-    """Abort the job: every other rank raises ``JobAbortedError`` (XGBoost kills the
-    process instead)."""
+    """Abort the job: every other rank raises :class:`~rabit2.errors.JobAbortedError`
+    (XGBoost kills the process instead).  Never raises; a no-op when not distributed."""
     api.signal_error(msg)
 
 
 class CommunicatorContext(contextlib.AbstractContextManager[dict[str, Any]]):
     """``with CommunicatorContext(**args) as args:`` = ``init(**args)`` ... ``finalize()``;
-    an exception inside the block aborts the job, naming it (``rabit2.api.abort_for``)."""
+    an exception inside the block aborts the job, naming it (``rabit2.api.abort_for``).
+
+    Entering raises what :func:`init` raises, leaving normally what :func:`finalize`
+    raises; leaving by an exception raises nothing of its own (the exception propagates)."""
 
     def __init__(self, **args: Any) -> None:
         self.args = args
@@ -142,7 +158,11 @@ class CommunicatorContext(contextlib.AbstractContextManager[dict[str, Any]]):
 
 class RabitContext(contextlib.AbstractContextManager["RabitContext"]):
     """rabit 1.x's context (XGBoost 1.x ``xgboost.rabit.RabitContext``): ``rabit_args`` are
-    ``k=v`` strings or bytes."""
+    ``k=v`` strings or bytes.
+
+    Entering raises what :func:`rabit2.init` raises, leaving normally what
+    :func:`rabit2.finalize` raises; an exception inside the block aborts the job and
+    propagates."""
 
     def __init__(self, rabit_args: Iterable[str | bytes] | None = None) -> None:
         self.args = list(rabit_args or [])

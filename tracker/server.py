@@ -19,11 +19,12 @@ from tracker.service import JobResult, Tracker
 class TrackerThread:
     """A :class:`Tracker` on its own event loop in a daemon thread, for synchronous callers.
 
-    Every method is safe to call from any thread.
+    Every method is safe to call from any thread.  Apart from the constructor (which
+    raises ``ValueError`` as :class:`Tracker`'s does) only :meth:`start` raises.
     """
 
     def __init__(self, n_workers: int, **kwargs: Any) -> None:
-        """Same arguments as :class:`Tracker`."""
+        """Same arguments as :class:`Tracker`, and the same ``ValueError`` for bad ones."""
         self.tracker = Tracker(n_workers, **kwargs)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="rabit2-tracker", daemon=True)
@@ -61,7 +62,9 @@ class TrackerThread:
         return silent
 
     def start(self, timeout: float = 10.0) -> None:
-        """Start the thread and bind.  Raises what :meth:`Tracker.start` raised."""
+        """Start the thread and bind.  Raises what :meth:`Tracker.start` raised (``OSError``
+        if the address cannot be bound), ``TimeoutError`` if it has not bound within
+        ``timeout`` seconds, and ``RuntimeError`` if called twice."""
         self._thread.start()
         self._started.result(timeout)
 
@@ -90,17 +93,17 @@ class TrackerThread:
             self._ranks[task_id] = rank
 
     def rank_of(self, task_id: str) -> int | None:
-        """The rank assigned to ``task_id``, or None before assignment."""
+        """The rank assigned to ``task_id``, or None before assignment.  Never raises."""
         with self._ranks_lock:
             return self._ranks.get(task_id)
 
     def worker_env(self) -> dict[str, str]:
-        """See :meth:`Tracker.worker_env` (valid after :meth:`start`)."""
+        """See :meth:`Tracker.worker_env` (valid after :meth:`start`).  Never raises."""
         return self.tracker.worker_env()
 
     def join(self, timeout: float | None = None) -> JobResult | None:
         """Wait for the job's result; None if it is not done within ``timeout`` seconds or
-        the tracker was stopped first."""
+        the tracker was stopped first.  Never raises."""
         waiter = self.tracker.wait_done(None)
         try:
             future = asyncio.run_coroutine_threadsafe(waiter, self._loop)
@@ -128,15 +131,16 @@ class TrackerThread:
         return status_on_loop(self.tracker, self._loop, timeout)
 
     def abort(self, reason: str) -> None:
-        """See :meth:`Tracker.abort`."""
+        """See :meth:`Tracker.abort`; queued for the tracker's thread, never raises."""
         self._call_soon(self.tracker.abort, reason)
 
     def mark_failed(self, task_id: str, reason: str) -> None:
-        """See :meth:`Tracker.mark_failed`."""
+        """See :meth:`Tracker.mark_failed`; queued for the tracker's thread, never raises."""
         self._call_soon(self.tracker.mark_failed, task_id, reason)
 
     def worker_exited(self, task_id: str) -> None:
-        """See :meth:`Tracker.worker_exited`."""
+        """See :meth:`Tracker.worker_exited`; queued for the tracker's thread, never
+        raises."""
         self._call_soon(self.tracker.worker_exited, task_id)
 
     def _call_soon(self, fn: Callable[..., None], *args: Any) -> None:
@@ -144,7 +148,8 @@ class TrackerThread:
             self._loop.call_soon_threadsafe(fn, *args)
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Close the tracker and end the thread.  Idempotent."""
+        """Close the tracker and end the thread (waiting up to ``timeout`` seconds).
+        Idempotent; never raises."""
         if self._thread.is_alive():
             self._call_soon(self._loop.stop)
             self._thread.join(timeout)

@@ -45,7 +45,9 @@ _MAX_WRITE_BUFFER = 8 * 1024 * 1024  # per connection: ~8 status replies or 100k
 
 @dataclass(frozen=True, slots=True)
 class JobResult:
-    """How the job ended: ``success`` iff every rank shut down and nobody aborted it."""
+    """How the job ended: ``success`` iff every rank shut down and nobody aborted it;
+    ``reason`` says why it ended (the abort's reason when aborted); ``status`` is
+    :meth:`Tracker.status` at the end."""
 
     success: bool
     reason: str
@@ -74,6 +76,10 @@ class _Conn:
 
 class Tracker:
     """The asyncio tracker.  All methods run on the tracker's event loop.
+
+    ``n_workers`` workers join it at ``host:port`` (port 0: any free port) with the job
+    ``secret``; :meth:`worker_env` is what they need to find it.  :class:`TrackerThread`
+    runs one for synchronous code.
 
     Hooks (called on the loop; exceptions are logged and ignored):
     ``on_worker_lost(task_id, rank_or_None, reason)``, ``on_rank_assigned(task_id, rank)`` and
@@ -146,7 +152,8 @@ class Tracker:
                     self.n_workers)
 
     async def close(self) -> None:
-        """Stop accepting, close every connection and wait for the handlers.  Idempotent."""
+        """Stop accepting, close every connection and wait for the handlers.  Idempotent;
+        raises nothing of its own."""
         self._closing = True
         await self._door.stop_accepting()
         for conn in list(self._conns):
@@ -157,7 +164,8 @@ class Tracker:
         await self._door.cancel_handlers()
 
     def worker_env(self) -> dict[str, str]:
-        """The environment a worker needs to join this job."""
+        """The environment a worker needs to join this job (its port is the bound one after
+        :meth:`start`).  Never raises."""
         host = socket.getfqdn() if self.host in _WILDCARD_HOSTS else self.host
         return {
             "DMLC_TRACKER_URI": host,
@@ -182,25 +190,29 @@ class Tracker:
 
     @property
     def result(self) -> JobResult | None:
-        """The job's result once it is done (every rank shut down, or aborted), else None."""
+        """The job's result once it is done (every rank shut down, or aborted), else None.
+        Never raises."""
         return self._result
 
     def abort(self, reason: str) -> None:
-        """Abort the job: push ``abort{reason}`` to every connected worker.  Idempotent."""
+        """Abort the job: push ``abort{reason}`` to every connected worker.  Idempotent (the
+        first reason stays; nothing happens once the job has ended); never raises."""
         self._apply(self._registry.abort(reason))
 
     def worker_exited(self, task_id: str) -> None:
         """The launcher saw ``task_id``'s process end: if its connection ended too, it will
-        not rejoin, so it is lost now rather than at the end of the rejoin grace."""
+        not rejoin, so it is lost now rather than at the end of the rejoin grace.  Never
+        raises; an unknown task is ignored."""
         self._apply(self._registry.worker_exited(task_id))
 
     def mark_failed(self, task_id: str, reason: str) -> None:
-        """The launcher gave up on ``task_id``: abort the job, naming the task and reason."""
+        """The launcher gave up on ``task_id``: abort the job, naming the task and reason.
+        Never raises; nothing happens once the job has ended."""
         self._apply(self._registry.mark_failed(task_id, reason))
 
     def status(self, only: str | None = None) -> dict[str, Any]:
         """A msgpack-able snapshot for humans and monitoring; ``only``: list that task alone
-        in ``tasks`` (the totals still count every task)."""
+        in ``tasks`` (the totals still count every task).  Never raises."""
         if self._classic is not None and self._classic.started:
             return self._classic_status(only)
         try:

@@ -57,7 +57,14 @@ __all__ = [
 
 
 class Op(enum.IntEnum):
-    """Element-wise reduction operators. Codes 0..3 are classic rabit's ``OpType``."""
+    """Element-wise reduction operators. Codes 0..3 are classic rabit's ``OpType``.
+
+    :func:`rabit2.allreduce` takes a member, its integer code (not a ``bool``), its name in any case
+    (``"sum"``) or a member of another enum such as XGBoost's ``collective.Op``, matched by
+    name (``BITWISE_OR`` is ``BITOR``); anything else raises ``ValueError``.  The bitwise
+    operators (``BITOR``, ``BITAND``, ``BITXOR``) take integer dtypes only: on a floating
+    point array they raise ``TypeError``.  Both before anything is sent.
+    """
 
     MAX = 0
     MIN = 1

@@ -52,6 +52,16 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
     without it.  On the way out XGBoost's communicator, the endpoint and rabit2 are shut
     down; an exception inside the block first aborts the job, so that every other rank
     fails at once instead of waiting for this one.
+
+    Entering raises ``RuntimeError`` if a context is already open in this process (before
+    the job is touched); what :func:`rabit2.init` raises (``ValueError``, a
+    :class:`~rabit2.errors.RabitError`); in a job, ``RuntimeError`` for an XGBoost older
+    than 3.0 or built without the federated communicator, and, in a restarted worker, what
+    :func:`rabit2.load_checkpoint` raises
+    (:class:`~rabit2.errors.UnrecoverableError` also when the checkpoint is not one
+    :func:`rabit2.xgboost.train` wrote).  A failure after :func:`rabit2.init` aborts the job,
+    naming it, before it is raised.  Leaving normally raises what :func:`rabit2.finalize`
+    raises; leaving by an exception raises nothing of its own (the exception propagates).
     """
 
     def __init__(self, args: Iterable[str | bytes] | None = None, **kwargs: Any) -> None:

@@ -46,7 +46,13 @@ _SAMPLING = ("subsample", "colsample_bytree", "colsample_bylevel", "colsample_by
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class TrainingState:
-    """What ``train`` checkpoints: everything a restarted worker needs to go on."""
+    """What ``train`` checkpoints: everything a restarted worker needs to go on.
+
+    :func:`train` writes and reads it; a program does not build one.  A restarted worker
+    whose checkpoint holds anything else (or one of another format) fails to enter
+    :class:`~rabit2.xgboost.CommunicatorContext` with
+    :class:`~rabit2.errors.UnrecoverableError`.
+    """
 
     format: int
     prelude: tuple[Record, ...]
