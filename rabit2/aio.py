@@ -56,10 +56,12 @@ class Communicator:
         await self.init()
         return self
 
-    async def __aexit__(self, *exc: object) -> None:
-        """:meth:`finalize`, with its errors, whether or not the block raised (unlike
-        :class:`rabit2.CommunicatorContext`, an exception does not abort the job)."""
-        await self.finalize()
+    async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                        tb: object) -> None:
+        """:meth:`finalize`, with its errors, when the block ended normally; when it raised,
+        the exception ends the job as in :class:`rabit2.CommunicatorContext` (every other
+        rank raises :class:`~rabit2.errors.JobAbortedError` naming it) and propagates."""
+        await self._run(api.leave, error)
 
     @property
     def rank(self) -> int:

@@ -100,6 +100,19 @@ def test_asyncio_api() -> None:
 
 
 @pytest.mark.integration
+def test_an_exception_in_an_asyncio_block_ends_the_job_for_every_rank() -> None:
+    # (with restarts, so recovery is on, as in tests/integration/test_program_errors.py)
+    proc = submit(3, sys.executable, str(WORKERS / "async_worker.py"), "raise", timeout=120,
+                  extra=("--max-attempts", "3"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    for rank in (0, 2):
+        assert re.search(rf"ASYNC ABORTED rank={rank} JobAbortedError: .*rank 1 raised "
+                         r"ValueError: bad input on rank 1", out), out[-4000:]
+    assert "restarting" not in out
+
+
+@pytest.mark.integration
 def test_paused_worker_fails_its_neighbours_within_the_heartbeat_deadline() -> None:
     """SIGSTOP keeps a process's sockets open: only the tracker's heartbeat deadline sees it.
     Its neighbours must fail with PeerLostError soon after, not at the 30-minute progress

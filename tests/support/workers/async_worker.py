@@ -1,4 +1,7 @@
-"""Integration worker for the asyncio API: collectives awaited from a running loop."""
+"""Integration worker for the asyncio API: collectives awaited from a running loop.
+
+With ``raise`` as its first argument, rank 1 raises ``ValueError`` inside the ``async with``
+block instead, and every other rank reports the error its next collective raises."""
 
 from __future__ import annotations
 
@@ -10,7 +13,22 @@ import numpy as np
 import rabit2
 
 
+async def fail_in_block() -> None:
+    rank = -1
+    try:
+        async with rabit2.aio.Communicator() as comm:
+            rank = comm.rank
+            if rank == 1:
+                raise ValueError("bad input on rank 1")
+            await comm.allreduce(np.ones(4), rabit2.Op.SUM)
+    except rabit2.RabitError as exc:
+        print(f"ASYNC ABORTED rank={rank} {type(exc).__name__}: {exc}", flush=True)
+
+
 async def main() -> None:
+    if sys.argv[1:] == ["raise"]:
+        await fail_in_block()
+        return
     async with rabit2.aio.Communicator(sys.argv[1:]) as comm:
         rank, world = comm.rank, comm.world_size
         ticks = 0
