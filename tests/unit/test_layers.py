@@ -60,10 +60,24 @@ def test_io_does_not_import_the_api(path: Path) -> None:
     assert not above, f"{path.relative_to(ROOT)} imports {sorted(above)}"
 
 
-@pytest.mark.parametrize("path", _modules(PACKAGE), ids=lambda p: str(p.relative_to(PACKAGE)))
+# launchers that live in the library's namespace: they start a tracker beside the caller
+LAUNCHERS = {PACKAGE / "dask.py"}
+
+
+@pytest.mark.parametrize("path", [path for path in _modules(PACKAGE) if path not in LAUNCHERS],
+                         ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_library_does_not_import_the_tracker(path: Path) -> None:
     bad = {name for name in _imports(path) if name.split(".")[0] == "tracker"}
     assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}: the tracker is apart"
+
+
+def test_a_launcher_is_imported_by_nothing_else_in_the_library() -> None:
+    """(So the worker side never pulls in the tracker through one.)"""
+    for path in _modules(PACKAGE):
+        names = _imports(path)
+        for launcher in LAUNCHERS:
+            module = "rabit2." + launcher.stem
+            assert path == launcher or module not in names, f"{path} imports {module}"
 
 
 def test_api_does_not_touch_the_agent() -> None:

@@ -1,0 +1,154 @@
+"""rabit2.dask.run on a real ``distributed.LocalCluster`` (one process per Dask worker, with
+nannies): results in rank order, a Dask worker killed mid-job and its rank placed again and
+recovered (plain rabit2 and XGBoost through rabit2), errors that end the job, bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import rabit2
+import rabit2.dask
+from rabit2.errors import JobAbortedError
+from tests.support.jobs import need_federated_xgboost
+
+distributed = pytest.importorskip("distributed")
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+N_WORKERS = 3
+ITERATIONS = 12
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[Any]:
+    cluster = distributed.LocalCluster(n_workers=N_WORKERS, threads_per_worker=1,
+                                       processes=True, dashboard_address=":0")
+    with cluster, distributed.Client(cluster) as dask_client:
+        yield dask_client
+
+
+@pytest.fixture
+def full(client: Any) -> Any:
+    """The cluster with every worker back (a nanny restarts a killed one)."""
+    client.wait_for_workers(N_WORKERS, timeout=60)
+    return client
+
+
+def chained_sums(iterations: int) -> tuple[int, str, str]:
+    """A rabit2 program: SUM allreduces whose results are chained into a digest kept in the
+    checkpoint, so a rank placed again resumes where its checkpoint stood."""
+    rank, world = rabit2.get_rank(), rabit2.get_world_size()
+    version, digest = rabit2.load_checkpoint()
+    digest = digest or ""
+    for it in range(version, iterations):
+        data = np.arange(1000, dtype=np.float64) * (rank + 1) + it
+        rabit2.allreduce(data, rabit2.Op.SUM)
+        digest = hashlib.sha256(digest.encode() + data.tobytes()).hexdigest()
+        rabit2.checkpoint(digest)
+    return rank, digest, distributed.get_worker().address
+
+
+def expected_digest(world: int, iterations: int) -> str:
+    digest = ""
+    for it in range(iterations):
+        data = sum(np.arange(1000, dtype=np.float64) * (r + 1) + it for r in range(world))
+        digest = hashlib.sha256(digest.encode() + data.tobytes()).hexdigest()
+    return digest
+
+
+def test_one_rank_per_worker_results_in_rank_order(full: Any) -> None:
+    results = rabit2.dask.run(full, chained_sums, ITERATIONS)
+    assert [rank for rank, _, _ in results] == list(range(N_WORKERS))
+    assert {digest for _, digest, _ in results} == {expected_digest(N_WORKERS, ITERATIONS)}
+    assert len({address for _, _, address in results}) == N_WORKERS
+    # as asked: two ranks on the first two workers
+    two = rabit2.dask.run(full, chained_sums, ITERATIONS, workers=2)
+    assert [rank for rank, _, _ in two] == [0, 1]
+    assert {digest for _, digest, _ in two} == {expected_digest(2, ITERATIONS)}
+
+
+def test_a_killed_dask_worker_s_rank_is_placed_again_and_recovers(full: Any) -> None:
+    before = set(full.scheduler_info()["workers"])
+    started = time.monotonic()
+    # mock= SIGKILLs rank 1's process (its Dask worker) in its 6th iteration, first attempt
+    results = rabit2.dask.run(full, chained_sums, ITERATIONS, config={"mock": "1,5,0,0"})
+    assert time.monotonic() - started < 90
+    assert [rank for rank, _, _ in results] == list(range(N_WORKERS))
+    assert {digest for _, digest, _ in results} == {expected_digest(N_WORKERS, ITERATIONS)}
+    assert results[1][2] not in before  # it ran again on the worker its nanny started
+    assert results[0][2] in before and results[2][2] in before
+
+
+def train_xgboost(rounds: int) -> str:
+    import xgboost  # noqa: PLC0415
+
+    import rabit2.xgboost as rx  # noqa: PLC0415
+    from rabit2.examples.xgboost_train import shard  # noqa: PLC0415
+
+    x, y = shard(rabit2.get_rank(), rabit2.get_world_size(), 3000, 8)
+    booster = rx.train({"tree_method": "hist", "max_depth": 4, "objective": "binary:logistic",
+                        "nthread": 1}, xgboost.DMatrix(x, y), rounds)
+    return hashlib.sha256(bytes(booster.save_raw("json"))).hexdigest()
+
+
+def test_xgboost_training_survives_a_killed_dask_worker_with_the_same_model(
+        full: Any) -> None:
+    need_federated_xgboost()
+    import rabit2.xgboost as rx  # noqa: PLC0415
+
+    clean = rabit2.dask.run(full, train_xgboost, 6, context=rx.CommunicatorContext)
+    assert len(set(clean)) == 1
+    full.wait_for_workers(N_WORKERS, timeout=60)
+    killed = rabit2.dask.run(full, train_xgboost, 6, context=rx.CommunicatorContext,
+                             config={"mock": "2,3,1,0"})
+    assert killed == clean
+
+
+def raises_on_rank_1() -> None:
+    data = np.ones(4)
+    rabit2.allreduce(data, rabit2.Op.SUM)
+    if rabit2.get_rank() == 1:
+        raise ValueError("bad input on rank 1")
+    rabit2.allreduce(data, rabit2.Op.SUM)  # the others wait here for rank 1
+
+
+def test_an_exception_in_func_ends_the_job_and_is_raised(full: Any) -> None:
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="bad input on rank 1"):
+        rabit2.dask.run(full, raises_on_rank_1)
+    assert time.monotonic() - started < 30  # at once, not at a deadline, and not retried
+    # the workers are free for the next job
+    assert rabit2.dask.run(full, rabit2.get_rank) == list(range(N_WORKERS))
+
+
+def test_a_rank_lost_once_too_often_ends_the_job(full: Any) -> None:
+    # (recovery is off with one attempt: the survivors may fail on the lost link first)
+    with pytest.raises(JobAbortedError, match="task 1 failed for good|link to rank 1 lost"):
+        rabit2.dask.run(full, chained_sums, ITERATIONS, max_attempts=1,
+                        config={"mock": "1,2,0,0"})
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"workers": N_WORKERS + 1}, "the cluster has 3 workers"),
+    ({"workers": ["tcp://10.255.255.1:1"]}, "unknown"),
+    ({"max_attempts": 0}, "max_attempts"),
+    ({"config": {"rabit_timout_sec": 5}}, "rabit_timout_sec"),
+    ({"config": {"dmlc_task_id": "7"}}, "may not set dmlc_task_id"),
+])
+def test_bad_arguments_are_refused_before_anything_runs(full: Any, kwargs: dict[str, Any],
+                                                        message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        rabit2.dask.run(full, rabit2.get_rank, **kwargs)
+
+
+def test_workers_that_share_a_process_are_refused() -> None:
+    with distributed.LocalCluster(n_workers=2, processes=False, dashboard_address=":0") as cluster, \
+            distributed.Client(cluster) as threads, \
+            pytest.raises(ValueError, match="share one process"):
+        rabit2.dask.run(threads, rabit2.get_rank)
