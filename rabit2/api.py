@@ -92,7 +92,11 @@ def init(args: Iterable[str | bytes] | None = None, **kwargs: Any) -> None:
         if _comm.config is not None:
             logger.warning("rabit2.init() called twice; ignoring the second call")
             return
-        config = load_config(args, kwargs)
+        try:
+            config = load_config(args, kwargs)
+        except ValueError as exc:
+            _give_up_on_bad_parameters(exc)
+            raise
         logs.configure(config.log_level)
         _comm.version = _comm.seqno = 0
         _comm.global_model = _comm.local_model = _comm.lazy_model = None
@@ -119,6 +123,27 @@ def init(args: Iterable[str | bytes] | None = None, **kwargs: Any) -> None:
         _comm.config = config
         if config.distributed:
             _install_excepthook()
+
+
+def _give_up_on_bad_parameters(error: ValueError) -> None:
+    """A worker of a job whose parameters ``init`` refuses: a restart would be refused the
+    same way, so tell the tracker (named by the launcher's variables) to give this task up
+    and end the job, instead of each attempt failing in turn.  Best effort, bounded (5 s);
+    nothing when no tracker is configured."""
+    try:
+        job = load_config(environ=os.environ)  # the launcher's variables alone
+    except ValueError:
+        return  # (the bad value is the launcher's own: nothing to reach)
+    if not job.distributed or job.tracker_uri is None or job.task_id == "NULL":
+        return
+    import asyncio  # noqa: PLC0415 (only on this path)
+
+    from rabit2.io.tracker_client import query_tracker_status  # noqa: PLC0415
+
+    reason = f"rabit2.init refused its parameters, which no restart can fix: {error}"
+    with contextlib.suppress(RabitError, RuntimeError, OSError):
+        asyncio.run(query_tracker_status(job.tracker_uri, job.tracker_port, job.secret, 5.0,
+                                         give_up=(job.task_id, reason), task_id=job.task_id))
 
 
 def abort_for(error: BaseException) -> None:

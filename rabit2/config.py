@@ -295,7 +295,13 @@ def load_config(  # noqa: C901
         if field == "mock":
             mocks.append(_parse_mock(str(value)))
             return
-        values[field] = _convert(field, value)
+        try:
+            values[field] = _convert(field, value)
+        except ValueError as exc:  # named as the caller spelled it (the message names field)
+            text = str(exc)
+            if key.lower() != field and text.startswith(f"{field}:"):
+                text = key + text[len(field):]
+            raise ValueError(text) from None
 
     for key in _ENV_KEYS:
         if key in env:

@@ -9,6 +9,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,14 +34,19 @@ class TrackerThread:
         self._ranks_lock = threading.Lock()
         self._silent: list[str] = []
         self._finished: set[str] = set()
+        # the job's first lost worker, as a summary's root cause row says it (None: none)
+        self.first_loss: str | None = None
         self.tracker.on_rank_assigned = self._remember_rank
         self.tracker.on_worker_lost = self._worker_lost
         self.tracker.on_task_finished = self._task_finished
 
     def _worker_lost(self, task_id: str, rank: int | None, reason: str) -> None:
-        del rank
-        if reason.startswith(SILENCE_REASON):
-            with self._ranks_lock:
+        with self._ranks_lock:
+            if self.first_loss is None:
+                who = f"task {task_id}" if rank is None else f"rank {rank} (task {task_id})"
+                clock = time.strftime("%H:%M:%S")
+                self.first_loss = f"{who} was lost at {clock}: {reason}"
+            if reason.startswith(SILENCE_REASON):
                 self._silent.append(task_id)
 
     def _task_finished(self, task_id: str) -> None:

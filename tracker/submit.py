@@ -96,6 +96,18 @@ def dry_run_lines(options: LaunchOptions) -> list[str]:
     return lines
 
 
+def check_local_command(command: Sequence[str]) -> None:
+    """A command that cannot run on this machine, whatever the attempt: a missing
+    executable, or a Python given a script that does not exist.  Raises
+    :class:`LaunchError` (exit status 2) before anything starts; restarts cannot fix it."""
+    if shutil.which(command[0]) is None:
+        raise LaunchError(f"{command[0]}: command not found (or not executable)")
+    if (os.path.basename(command[0]).startswith("python") and len(command) > 1
+            and command[1].endswith(".py") and not command[1].startswith("-")
+            and not os.path.isfile(command[1])):
+        raise LaunchError(f"{command[1]}: no such file (the script {command[0]} would run)")
+
+
 def run_job(options: LaunchOptions, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """Start a tracker and the workers, run the job, stop everything; return the exit status."""
     out = out or sys.stdout
@@ -103,8 +115,8 @@ def run_job(options: LaunchOptions, out: TextIO | None = None, err: TextIO | Non
     if options.dry_run:
         out.write("\n".join(dry_run_lines(options)) + "\n")
         return EXIT_OK
-    if options.cluster == "local" and shutil.which(options.command[0]) is None:
-        raise LaunchError(f"{options.command[0]}: command not found (or not executable)")
+    if options.cluster == "local":
+        check_local_command(options.command)
     with contextlib.ExitStack() as stack:
         log_file = (None if options.log_file is None
                     else stack.enter_context(open(options.log_file, "a", encoding="utf-8")))

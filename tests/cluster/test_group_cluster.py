@@ -179,6 +179,8 @@ def test_a_worker_that_keeps_failing_ends_the_job_at_once(
     assert done.returncode == 1, done.stdout + done.stderr
     assert "[rabit2 slot 1] exited with 5 after 2 attempts; giving up" in done.stderr
     assert "JobAbortedError" in done.stderr and "failed for good" in done.stderr
+    assert re.search(r"^root cause: rank 1 \(task 1\) was lost at \d\d:\d\d:\d\d: ",
+                     done.stderr, re.M), done.stderr
     assert time.monotonic() - start < 90
 
 

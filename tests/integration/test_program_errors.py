@@ -58,3 +58,5 @@ def test_an_exception_on_one_rank_ends_the_job_at_once_without_a_restart(
     assert re.search(r"^1\s+1\s+1\s+1\s+failed$", out, re.M), out  # one attempt: no restart
     assert "restarting" not in out
     assert "job: rank 1 (task 1) signalled an error: rank 1 raised ValueError" in out
+    assert re.search(r"^root cause: rank 1 \(task 1\) exited with 1 at [\d:]+ \(attempt 1/3\): "
+                     r"ValueError: bad input on rank 1$", out, re.M), out

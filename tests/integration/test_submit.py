@@ -483,6 +483,35 @@ def test_a_missing_srun_or_mpirun_fails_the_job_clearly() -> None:
     assert "cannot start '/nonexistent/mpirun'" in err.getvalue()
 
 
+def test_a_group_launcher_that_refuses_to_start_says_so_in_the_summary() -> None:
+    """mpirun (here: false) exits at once, starting no worker: the job line says so."""
+    opts = LaunchOptions(num_workers=2, command=("python", "-c", "pass"), cluster="mpi",
+                         group=("false",), remote_python="python")
+    out, err = io.StringIO(), io.StringIO()
+    assert run_job(opts, out, err) == EXIT_FAILED
+    summary = err.getvalue()
+    assert ("job: false exited with 1 before the job ended; 2 task(s) never reached the "
+            "tracker") in summary, summary
+    assert "None" not in summary
+
+
+@pytest.mark.parametrize("success, ok, interrupted, expected", [
+    (None, False, True, "the launcher was interrupted before the job ended"),
+    (None, False, False, "the workers exited before the job ended"),
+    (True, True, False, "every rank shut down"),
+    (True, False, False, "every rank shut down, but a worker exited non-zero afterwards"),
+    (False, False, False, "task 1 failed for good"),
+])
+def test_the_job_line_names_every_ending(success: bool | None, ok: bool, interrupted: bool,
+                                         expected: str) -> None:
+    from tracker.launch.tasks import job_line  # noqa: PLC0415
+    from tracker.service import JobResult  # noqa: PLC0415
+
+    reason = "every rank shut down" if success else "task 1 failed for good"
+    result = None if success is None else JobResult(success, reason, {})
+    assert job_line(result, ok, interrupted) == expected
+
+
 def test_dry_run_prints_the_commands_and_starts_nothing(tmp_path: Path) -> None:
     """--dry-run: the worker command lines (the secret is named, never shown), no tracker,
     no process; exit 0."""
@@ -606,11 +635,29 @@ def test_usage_and_environment_errors_are_one_line_with_exit_2() -> None:
             (("tracker.cli", "-n", "1", "--port", port),
              f"cannot listen on 127.0.0.1:{port}: Address already in use"),
             (("tracker.cli", "-n", "1", "--log-level", "LOUD"), "--log-level: invalid choice"),
+            (("tracker.submit", "-n", "2", "--", sys.executable, "no/such/train.py"),
+             "no/such/train.py: no such file"),
         ]
         for argv, said in cases:
             proc = _run_cli(*argv)
             assert proc.returncode == 2, (argv, proc.stderr)
             assert said in proc.stderr and "Traceback" not in proc.stderr, (argv, proc.stderr)
+
+
+@pytest.mark.parametrize("bad", ["rabit_timout_sec=60", "rabit2_recover=maybe"])
+def test_parameters_init_refuses_end_the_job_without_a_restart(bad: str) -> None:
+    """A typo in a rabit2 parameter fails every attempt the same way: the first attempt
+    tells the tracker to give its task up, and the job ends at once, naming the key."""
+    code = "import sys, rabit2\nrabit2.init(sys.argv[1:])\nrabit2.finalize()\n"
+    started = time.monotonic()
+    proc = _run_cli("tracker.submit", "-n", "2", "--max-attempts", "3", "--",
+                    sys.executable, "-c", code, bad)
+    assert proc.returncode == 1, proc.stderr
+    assert "restarting" not in proc.stderr, proc.stderr
+    key = bad.partition("=")[0]
+    assert re.search(rf"job: task \d failed for good: rabit2.init refused its parameters, "
+                     rf"which no restart can fix: .*{key}", proc.stderr), proc.stderr
+    assert time.monotonic() - started < 30
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")

@@ -139,7 +139,7 @@ class GroupLauncher:
                 reader.join(options.kill_grace + 1.0)
         result = self.tracker.result()
         self._note("summary:")
-        self._writer.write(self._err, self._summary(result))
+        self._writer.write(self._err, self._summary(result, argv[0], code))
         if interrupted:
             return EXIT_INTERRUPTED
         return EXIT_OK if code == 0 and result is not None and result.success else EXIT_FAILED
@@ -158,7 +158,7 @@ class GroupLauncher:
                 proc.wait()
         return proc.returncode
 
-    def _summary(self, result: JobResult | None) -> str:
+    def _summary(self, result: JobResult | None, group: str, code: int) -> str:
         status = self.tracker.status() or {"tasks": []}
         tasks = []
         for entry in status["tasks"]:
@@ -170,10 +170,13 @@ class GroupLauncher:
                 status="done" if entry["finished"] else "lost",
             ))
         missing = self.options.num_workers - len(tasks)
-        reason = None if result is None else result.reason
+        reasons = [f"{group} exited with {code} before the job ended" if result is None
+                   else result.reason]
         if missing > 0:
-            reason = f"{reason}; {missing} task(s) never reached the tracker"
-        return format_summary(tasks, reason)
+            reasons.append(f"{missing} task(s) never reached the tracker")
+        failed = result is None or not result.success or code != 0
+        return format_summary(tasks, "; ".join(reasons),
+                              self.tracker.first_loss if failed else None)
 
     def _relay(self, pipe: IO[bytes] | None, stream: TextIO) -> None:
         """Pass the group's lines on; srun's ``--label`` ("3: ...", the task index, which is

@@ -33,7 +33,18 @@ from tracker.launch.common import (
 from tracker.launch.local import local_attempt, pinned
 from tracker.launch.options import LaunchOptions
 from tracker.launch.ssh import ssh_attempt
-from tracker.server import TrackerThread
+from tracker.server import JobResult, TrackerThread
+
+
+def job_line(result: JobResult | None, ok: bool, interrupted: bool) -> str:
+    """The summary's ``job:`` row: how the job ended, in every case (pure)."""
+    if result is None:
+        return ("the launcher was interrupted before the job ended" if interrupted
+                else "the workers exited before the job ended")
+    if result.success and not ok:
+        # every rank told the tracker it was done, and then a worker failed all the same
+        return f"{result.reason}, but a worker exited non-zero afterwards"
+    return result.reason
 
 
 class TaskLauncher:
@@ -91,8 +102,7 @@ class TaskLauncher:
         self._note("summary:")
         ok = all(task.exit_code == 0 for task in self.tasks)
         self._writer.write(self._err, format_summary(
-            self.tasks, None if result is None else result.reason,
-            None if ok else self._root_cause))
+            self.tasks, job_line(result, ok, interrupted), None if ok else self._root_cause))
         if interrupted:
             return EXIT_INTERRUPTED
         return EXIT_OK if ok else EXIT_FAILED
@@ -132,6 +142,13 @@ class TaskLauncher:
             self._exited(task, code, now)
         return True
 
+    def _aborted_by(self, task: TaskRun) -> bool:
+        """The job was aborted because of ``task`` (its program raised on it)."""
+        result = self.tracker.result()
+        who = (f"task {task.task_id} " if task.rank is None
+               else f"rank {task.rank} (task {task.task_id}) ")
+        return result is not None and not result.success and result.reason.startswith(who)
+
     def _exited(self, task: TaskRun, code: int, now: float) -> None:
         """Task ``task``'s attempt exited with ``code``: done, restart it, or give up."""
         assert task.proc is not None
@@ -139,10 +156,11 @@ class TaskLauncher:
         _close_stdin(task.proc)
         task.proc = None
         task.exit_code = code
-        if code != 0 and self._root_cause is None and self._abort_seen_at is None:
+        task.rank = self.tracker.rank_of(str(task.task_id))
+        if code != 0 and self._root_cause is None and (self._abort_seen_at is None
+                                                       or self._aborted_by(task)):
             for reader in task.readers:
                 reader.join(0.5)  # (its last lines, to name what it said last)
-            task.rank = self.tracker.rank_of(str(task.task_id))
             self._root_cause = describe_failure(task, code, self.options.max_attempts,
                                                 time.time())
         if code == 0:
