@@ -27,7 +27,8 @@ from rabit2.api import (
     version_number,
 )
 from rabit2.core.ops import Op
-from rabit2.errors import RabitError
+from rabit2.errors import LiveSetError, RabitError
+from rabit2.live import LiveSet, live_set
 
 #: rabit's spelling of :attr:`Op.MAX <rabit2.Op.MAX>`: the element-wise maximum.
 MAX = Op.MAX
@@ -47,6 +48,8 @@ __all__ = [
     "MIN",
     "SUM",
     "CommunicatorContext",
+    "LiveSet",
+    "LiveSetError",
     "Op",
     "RabitError",
     "agree",
@@ -64,6 +67,7 @@ __all__ = [
     "init",
     "is_distributed",
     "lazy_checkpoint",
+    "live_set",
     "load_checkpoint",
     "recovery_statistics",
     "signal_error",

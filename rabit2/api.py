@@ -57,6 +57,12 @@ class _Communicator:
         self.lazy_model: Any = None
         self.local_model: bytes | None = None
         self.must_load = False  # a restarted worker whose checkpoint is with its neighbours
+        # elastic mode (docs/elastic.md): the worker's place in the job, its rank and size
+        # there, and the live set whose block it is in (rank and world are then the set's)
+        self.membership: Any = None  # rabit2.io.membership.Membership
+        self.job_rank = 0
+        self.job_world = 1
+        self.live: Any = None  # rabit2.live.LiveSet
 
 
 _comm = _Communicator()
@@ -66,6 +72,15 @@ def _require() -> _Communicator:
     if _comm.config is None:
         raise NotInitializedError("call rabit2.init() first")
     return _comm
+
+
+def _collective() -> _Communicator:
+    """:func:`_require`, for a collective: in elastic mode only inside a live set."""
+    comm = _require()
+    if comm.membership is not None and comm.live is None:
+        raise RuntimeError("in elastic mode collectives run inside `with rabit2.live_set():` "
+                           "(docs/elastic.md)")
+    return comm
 
 
 # ----------------------------------------------------------------------------- lifecycle
@@ -100,7 +115,16 @@ def init(args: Iterable[str | bytes] | None = None, **kwargs: Any) -> None:
         logs.configure(config.log_level)
         _comm.version = _comm.seqno = 0
         _comm.global_model = _comm.local_model = _comm.lazy_model = None
-        if config.distributed:
+        if config.distributed and config.elastic:
+            from rabit2.io.membership import Membership  # noqa: PLC0415
+
+            member = Membership(config)
+            member.start()
+            assert member.assignment is not None
+            _comm.engine, _comm.membership, _comm.live = None, member, None
+            _comm.rank = _comm.job_rank = member.assignment.rank
+            _comm.world = _comm.job_world = member.assignment.world_size
+        elif config.distributed:
             from rabit2.io.engine import Engine  # noqa: PLC0415 - keeps single mode light
 
             engine = Engine(config)
@@ -154,10 +178,11 @@ def abort_for(error: BaseException) -> None:
     RabitError that every rank saw is said again, which the tracker ignores after the first).
     Safe to call when not initialised; never raises a RabitError."""
     with _comm.lock:
-        if _comm.engine is not None and not isinstance(error, JobAbortedError):
+        job = _job()
+        if job is not None and not isinstance(error, JobAbortedError):
             text = " ".join(str(error).split())
-            _comm.engine.signal_error(
-                f"rank {_comm.rank} raised {type(error).__name__}"
+            job.signal_error(
+                f"rank {get_rank()} raised {type(error).__name__}"
                 + (f": {text}" if text else ""))
         with contextlib.suppress(RabitError):
             finalize()
@@ -201,7 +226,10 @@ def finalize() -> None:
     raised.  The process is not initialised afterwards, whether this returned or raised."""
     with _comm.lock:
         engine, _comm.engine, _comm.config = _comm.engine, None, None
-        if engine is not None:
+        member, _comm.membership, _comm.live = _comm.membership, None, None
+        if member is not None:
+            member.finalize()  # (the live set's engine included)
+        elif engine is not None:
             engine.finalize()
 
 
@@ -211,20 +239,32 @@ def current_config() -> Config | None:
 
 
 def get_rank() -> int:
-    """This process's rank (0 when not initialised, as in rabit).  Never raises."""
-    return _comm.rank if _comm.config is not None else 0
+    """This process's rank (0 when not initialised, as in rabit; in elastic mode its rank
+    in the job, inside a live set too).  Never raises."""
+    if _comm.config is None:
+        return 0
+    return _comm.job_rank if _comm.membership is not None else _comm.rank
 
 
 def get_world_size() -> int:
-    """The number of workers (1 when not initialised, as in rabit).  Never raises."""
-    return _comm.world if _comm.config is not None else 1
+    """The number of workers (1 when not initialised, as in rabit; in elastic mode the
+    job's size: ``len(live)`` is a live set's).  Never raises."""
+    if _comm.config is None:
+        return 1
+    return _comm.job_world if _comm.membership is not None else _comm.world
 
 
 def is_distributed() -> bool:
     """Whether this process is a worker of a job: True from an :func:`init` that joined a
     tracker until :func:`finalize`; False when not initialised and in single-process mode
     (no tracker configured), where every collective is a local no-op.  Never raises."""
-    return _comm.engine is not None
+    return _comm.engine is not None or _comm.membership is not None
+
+
+def _job() -> Any:
+    """What talks to the tracker for this process: the elastic membership, the engine, or
+    None when not distributed."""
+    return _comm.membership if _comm.membership is not None else _comm.engine
 
 
 def get_processor_name() -> str:
@@ -240,11 +280,11 @@ def tracker_print(msg: Any) -> None:
     which prints one worker's lines in the order they were sent; once the tracker connection
     is gone lines are dropped rather than raised."""
     text = str(msg)
-    engine = _comm.engine
-    if engine is None:
+    job = _job()
+    if job is None:
         print(text, flush=True)
     else:
-        engine.tracker_print(text)
+        job.tracker_print(text)
 
 
 def signal_error(msg: str = "signal_error() called") -> None:
@@ -253,9 +293,9 @@ def signal_error(msg: str = "signal_error() called") -> None:
 
     This worker is not told (it should leave: :func:`finalize`, or exit).  Never blocks and
     never raises; a no-op when not distributed."""
-    engine = _comm.engine
-    if engine is not None:
-        engine.signal_error(msg)
+    job = _job()
+    if job is not None:
+        job.signal_error(msg)
 
 
 # ----------------------------------------------------------------------------- fault hooks
@@ -344,7 +384,7 @@ def allreduce(data: Any, op: Any, prepare_fun: Callable[[Any], None] | None = No
             _VALID[key] = opv, dtype
     except TypeError:  # an unhashable op: check_op_dtype says what is wrong with it
         opv, dtype = check_op_dtype(op, data.dtype)
-    comm = _require()
+    comm = _collective()
     engine = comm.engine
     if prepare_fun is not None and not (engine is not None and engine.replays_next()):
         prepare_fun(data)  # (a restarted worker replaying a finished call gets its result)
@@ -393,7 +433,12 @@ def broadcast(data: Any, root: int) -> Any:
     other :class:`~rabit2.errors.RabitError` subclasses when the job fails, as
     :func:`allreduce`.
     """
-    comm = _require()
+    comm = _collective()
+    if comm.live is not None:  # (elastic mode: a rank of the live set, at its place there)
+        if not isinstance(root, (int, np.integer)) or int(root) not in comm.live:
+            raise ValueError(f"root must be a rank of the live set {tuple(comm.live)}, "
+                             f"got {root!r}")
+        root = comm.live.index(int(root))
     if not isinstance(root, (int, np.integer)) or not 0 <= int(root) < comm.world:
         raise ValueError(f"root must be a rank in [0, {comm.world}), got {root!r}")
     root = int(root)
@@ -473,7 +518,7 @@ def allgather(data: Any) -> np.ndarray:
     if not isinstance(data, np.ndarray):
         raise TypeError(f"allgather takes a numpy array, got {type(data).__name__}")
     code = dtype_code(data.dtype)
-    comm = _require()
+    comm = _collective()
     arr = np.ascontiguousarray(data).reshape(data.shape if data.ndim else (1,))
     if comm.engine is None:
         return arr.copy()

@@ -83,6 +83,8 @@ class Config:
     # which peer links carry a CRC32C of every payload: "auto" (links between two hosts),
     # "on" or "off"; headers are always checked (docs/protocol.md, "Checksums")
     checksum: str = "auto"
+    # elastic mode (docs/elastic.md): steps run in live sets; no recovery
+    elastic: bool = False
 
     @property
     def distributed(self) -> bool:
@@ -122,6 +124,7 @@ _ALIASES: dict[str, str] = {
     "rabit_local_replica": "local_replica",
     "rabit2_tcp_congestion": "tcp_congestion",
     "rabit2_checksum": "checksum",
+    "rabit2_elastic": "elastic",
 }
 # accepted for compatibility, no effect in rabit2 (documented in docs/user-guide.md)
 _IGNORED = {
@@ -161,6 +164,7 @@ _ENV_KEYS = (
     "RABIT2_REPLAY_MB",
     "RABIT2_TCP_CONGESTION",
     "RABIT2_CHECKSUM",
+    "RABIT2_ELASTIC",
 )
 _PREFIXES = ("rabit_", "dmlc_", "rabit2_")
 # Where other launchers put a worker's index (and restart count) when DMLC_TASK_ID (and
@@ -195,13 +199,13 @@ def _convert(field: str, value: Any) -> Any:  # noqa: C901, PLR0911, PLR0912
             return bytes.fromhex(text)
         except ValueError:
             return text.encode()
-    if field == "recover":
+    if field in ("recover", "elastic"):
         text = str(value).strip().lower()
         if text in ("1", "true", "yes", "on"):
             return True
         if text in ("0", "false", "no", "off"):
             return False
-        raise ValueError(f"recover: expected a boolean (1/0, true/false), got {value!r}")
+        raise ValueError(f"{field}: expected a boolean (1/0, true/false), got {value!r}")
     if field == "checksum":
         text = str(value).strip().lower()
         if text in ("1", "true", "yes", "on"):

@@ -52,6 +52,11 @@ class JobAbortedError(RabitError):
     """The tracker aborted the job (a worker failed for good, or ``signal_error`` was called)."""
 
 
+class LiveSetError(RabitError):
+    """Elastic mode: a live set's block failed (a member was lost in it, or raised), so it
+    failed on every member, with the same message; retry the step with the next set."""
+
+
 class NotInitializedError(RabitError):
     """A collective was called before :func:`rabit2.init` or after :func:`rabit2.finalize`."""
 
@@ -60,6 +65,7 @@ __all__ = [
     "AuthenticationError",
     "CollectiveTimeoutError",
     "JobAbortedError",
+    "LiveSetError",
     "MismatchError",
     "NotInitializedError",
     "PeerLostError",

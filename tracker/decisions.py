@@ -66,7 +66,32 @@ class Finish:
     reason: str
 
 
-Decision: TypeAlias = Send[C] | Fence[C] | Release[C] | Hook | Grace | Finish
+@dataclass(frozen=True, slots=True)
+class FormSet(Generic[C]):
+    """Elastic mode: live set ``epoch`` formed.  Start its collectives' tracker (or keep
+    the previous set's when ``reuse``), then send ``live_set`` to each member, given as
+    (task id, connection) in rank order."""
+
+    epoch: int
+    ranks: tuple[int, ...]
+    new: tuple[int, ...]
+    members: tuple[tuple[str, C], ...]
+    reuse: bool
+    reason: str
 
 
-__all__ = ["Decision", "Fence", "Finish", "Grace", "Hook", "Release", "Send"]
+@dataclass(frozen=True, slots=True)
+class EndSet:
+    """Elastic mode: live set ``epoch`` failed; abort its collectives' job and close its
+    tracker, so that a member blocked in one of its collectives is released."""
+
+    epoch: int
+    reason: str
+
+
+Decision: TypeAlias = (Send[C] | Fence[C] | Release[C] | Hook | Grace | Finish | FormSet[C]
+                       | EndSet)
+
+
+__all__ = ["Decision", "EndSet", "Fence", "Finish", "FormSet", "Grace", "Hook", "Release",
+           "Send"]

@@ -26,6 +26,7 @@ from typing import Any, Generic
 from rabit2.core.topology import topology
 from rabit2.errors import ProtocolError
 from tracker.decisions import C, Decision, Fence, Finish, Grace, Hook, Release, Send
+from tracker.elastic import LiveSets
 
 logger = logging.getLogger("rabit2.tracker")
 SILENCE_REASON = "no message for"  # how a heartbeat timeout is reported
@@ -70,6 +71,7 @@ class Task(Generic[C]):
     # what its latest heartbeat reported (rabit2.core.control.PROGRESS_FIELDS); None until
     # the current incarnation reports
     progress: dict[str, int | bool] | None = None
+    left: bool = False  # elastic mode: given up, and the job goes on without it
     # its connection ended, not in silence: the same process may rejoin within the grace
     # (REJOIN_GRACE_SEC) before it counts as lost; the grace's token and the reason
     pending_loss: int | None = None
@@ -80,10 +82,17 @@ class Registry(Generic[C]):
     """The tasks of one job of ``n_workers`` and every decision about them."""
 
     def __init__(self, n_workers: int, *, sortby: str = "task",
-                 rejoin_grace: float = REJOIN_GRACE_SEC) -> None:
+                 rejoin_grace: float = REJOIN_GRACE_SEC, elastic: bool = False,
+                 min_workers: int = 1, log: logging.Logger | logging.LoggerAdapter[Any] = logger
+                 ) -> None:
         """``sortby``: ranks by task id ("task", in natural order) or by arrival.
-        ``rejoin_grace``: how long a worker whose connection ended keeps its place."""
+        ``rejoin_grace``: how long a worker whose connection ended keeps its place.
+        ``elastic``: live sets (docs/elastic.md); a task given up then leaves the job
+        while at least ``min_workers`` remain."""
         self.n_workers = n_workers
+        self._log = log  # (a live set's tracker logs at DEBUG: tracker/service.py)
+        self.live: LiveSets[C] | None = LiveSets() if elastic else None
+        self.min_workers = min_workers
         self._sortby = sortby
         self._rejoin_grace = rejoin_grace
         self.tasks: dict[str, Task[C]] = {}
@@ -112,6 +121,29 @@ class Registry(Generic[C]):
         if task is not None:
             task.progress = progress
 
+    def live_ask(self, conn: C, msg: dict[str, Any]) -> list[Decision[C]]:
+        """``live{epoch}``: the worker on ``conn`` called ``live_set()``."""
+        task = self._by_conn[conn]
+        if self.live is None:
+            raise ProtocolError("live_set() needs an elastic job (rabit2-submit --elastic)")
+        if task.rank is None:
+            raise ProtocolError("live before the ranks were assigned")
+        return self.live.ask(task, conn, self.tasks.values())
+
+    def live_done(self, conn: C, msg: dict[str, Any]) -> list[Decision[C]]:
+        """``live_done{epoch, ok, reason}``: the worker on ``conn`` left a live set's
+        block."""
+        task = self._by_conn[conn]
+        if self.live is None:
+            raise ProtocolError("live_done needs an elastic job")
+        return self.live.done(task, conn, msg["epoch"], msg["ok"], msg["reason"][:_MAX_REASON])
+
+    def _gone(self, task: Task[C], why: str) -> list[Decision[C]]:
+        """Elastic mode: ``task`` takes part in no live set any more (for now)."""
+        if self.live is None or self.outcome is not None:
+            return []
+        return self.live.gone(task, why, self.tasks.values())
+
     def register(self, conn: C, msg: dict[str, Any], *, host: str, peer: str,
                  now: float) -> list[Decision[C]]:
         """A ``register`` on ``conn`` from ``host`` (``peer``: host:port, for logs).  Raises
@@ -129,7 +161,7 @@ class Registry(Generic[C]):
             # Without a task id a restart cannot be recognised; give it a fresh identity.
             task_id = f"{_NULL_TASK}#{self._anonymous}"
             self._anonymous += 1
-            logger.warning("worker at %s has no DMLC_TASK_ID; restarts will not keep its rank",
+            self._log.warning("worker at %s has no DMLC_TASK_ID; restarts will not keep its rank",
                            peer)
         out: list[Decision[C]] = []
         task = self.tasks.get(task_id)
@@ -156,13 +188,13 @@ class Registry(Generic[C]):
             if task.conn is not None:
                 # The newer process wins (incarnation fencing): the old one is a zombie.
                 out.append(self._fence(task, f"{describe(task)} registered again"))
-                logger.warning("%s registered again; closed its previous connection",
+                self._log.warning("%s registered again; closed its previous connection",
                                describe(task))
         task.attempt = msg["attempt"]
         task.host = host
         task.port = msg["port"]
         self._attach(task, conn, now)
-        logger.info("task %s registered from %s:%d (attempt %d, incarnation %d)",
+        self._log.info("task %s registered from %s:%d (attempt %d, incarnation %d)",
                     task_id, host, task.port, task.attempt, task.incarnation)
         if task.rank is not None:
             why = f"{describe(task)} registered again as incarnation {task.incarnation}"
@@ -196,7 +228,7 @@ class Registry(Generic[C]):
         if task.conn is not None:  # (the old connection still looked open from here)
             out.append(self._fence(task, f"{describe(task)} rejoined on a new connection"))
         self._attach(task, conn, now)
-        logger.warning("%s rejoined from %s after its connection ended", describe(task), peer)
+        self._log.warning("%s rejoined from %s after its connection ended", describe(task), peer)
         why = ("rejoined from a previous tracker" if adopted
                else "rejoined within the grace")
         out.append(Send(task.task_id, conn, {"t": "rejoined"}, f"{describe(task)} {why}"))
@@ -221,7 +253,7 @@ class Registry(Generic[C]):
             return []
         quiet = now - other.heard
         if quiet > _ALIVE_WITHIN_SEC:
-            logger.info("%s cannot reach rank %d, which has been quiet for %.1f s: left to "
+            self._log.info("%s cannot reach rank %d, which has been quiet for %.1f s: left to "
                         "recovery", describe(task), rank, quiet)
             return []
         return self.abort(f"ranks {task.rank} and {rank} cannot reach each other while both "
@@ -238,8 +270,10 @@ class Registry(Generic[C]):
             # (after an abort nothing is held: the task is done for good either way)
             out.append(Hook("on_task_finished", (task.task_id,),
                             f"{describe(task)} shut down for good"))
-        logger.info("%s shut down", describe(task))
-        everyone = bool(self.by_rank) and all(t.finished for t in self.by_rank.values())
+        self._log.info("%s shut down", describe(task))
+        out += self._gone(task, "shut down")
+        everyone = bool(self.by_rank) and all(t.finished or t.left
+                                              for t in self.by_rank.values())
         if hold and not everyone and self.outcome is None:
             # recovery on: it keeps serving a restarted neighbour until every rank has
             # finished (then bye), and is treated as lost if it dies meanwhile
@@ -267,16 +301,17 @@ class Registry(Generic[C]):
         task.conn = None
         if task.finished and not task.held:
             return []
+        gone = self._gone(task, f"lost its tracker connection ({reason})")
         if reason.startswith(SILENCE_REASON) or task.rank is None:
-            return self._declare_lost(task, reason)
+            return gone + self._declare_lost(task, reason)
         # the process may live (a blip on the path to it): it may rejoin within the grace
-        logger.info("%s: connection ended (%s); it may rejoin within %g s", describe(task),
+        self._log.info("%s: connection ended (%s); it may rejoin within %g s", describe(task),
                     reason, self._rejoin_grace)
         self._grace_tokens += 1
         task.pending_loss = self._grace_tokens
         task.loss_reason = reason
-        return [Grace(task.task_id, self._rejoin_grace, self._grace_tokens,
-                      f"{describe(task)}: connection ended ({reason}); it may rejoin")]
+        why = f"{describe(task)}: connection ended ({reason}); it may rejoin"
+        return [*gone, Grace(task.task_id, self._rejoin_grace, self._grace_tokens, why)]
 
     def grace_over(self, task_id: str, token: int) -> list[Decision[C]]:
         """The grace given with ``token`` ended: the task is lost unless it came back."""
@@ -299,7 +334,21 @@ class Registry(Generic[C]):
         """The launcher gave up on ``task_id``: abort the job, naming the task and reason."""
         task = self.tasks.get(task_id)
         who = f"task {task_id}" if task is None else describe(task)
+        if self.live is not None and task is not None and not task.left:
+            remaining = sum(not t.left for t in self.tasks.values()) - 1
+            if remaining >= self.min_workers:
+                return self._leave(task, reason, remaining)
         return self.abort(f"{who} failed for good: {reason}")
+
+    def _leave(self, task: Task[C], reason: str, remaining: int) -> list[Decision[C]]:
+        """Elastic mode: the job goes on without ``task``."""
+        task.left = True
+        self._log.warning("%s left the job (%s); %d worker(s) go on", describe(task), reason,
+                       remaining)
+        out = self._gone(task, "left the job")
+        if self.by_rank and all(t.finished or t.left for t in self.by_rank.values()):
+            out += self.finish(True, "every remaining rank shut down")
+        return out
 
     def give_up(self, task_id: str, reason: str) -> list[Decision[C]]:
         """A supervisor (tracker.slot) ran out of attempts for one task: like the
@@ -307,7 +356,7 @@ class Registry(Generic[C]):
         if not 0 < len(task_id) <= _MAX_TASK_ID:
             raise ProtocolError(f"task_id must have 1..{_MAX_TASK_ID} characters")
         reason = reason[:_MAX_REASON]
-        logger.error("task %s given up by its supervisor: %s", task_id, reason)
+        self._log.error("task %s given up by its supervisor: %s", task_id, reason)
         return self.mark_failed(task_id, reason)
 
     def abort(self, reason: str, exclude: C | None = None) -> list[Decision[C]]:
@@ -317,9 +366,9 @@ class Registry(Generic[C]):
             # a worker's error text is part of the reason; it must fit in one abort frame
             reason = reason[:_MAX_REASON] + " ...[truncated]"
         if self.outcome is not None:
-            logger.info("abort after the job ended ignored: %s", reason)
+            self._log.info("abort after the job ended ignored: %s", reason)
             return []
-        logger.error("job aborted: %s", reason)
+        self._log.error("job aborted: %s", reason)
         out: list[Decision[C]] = [
             Send(task.task_id, task.conn, {"t": "abort", "reason": reason}, "job aborted")
             for task in self.tasks.values()
@@ -404,7 +453,7 @@ class Registry(Generic[C]):
         self.tasks[task.task_id] = task
         self.by_rank[msg["rank"]] = task
         self._adopted = True
-        logger.warning("%s joined this tracker from a previous one (%d of %d)",
+        self._log.warning("%s joined this tracker from a previous one (%d of %d)",
                        describe(task), len(self.by_rank), self.n_workers)
         return task
 
@@ -425,7 +474,7 @@ class Registry(Generic[C]):
                 self.by_rank[task.rank] = task
             out.append(Hook("on_rank_assigned", (task.task_id, task.rank), why))
         order = [self.by_rank[r] for r in range(self.n_workers)]
-        logger.info("all %d workers registered; ranks: %s", self.n_workers,
+        self._log.info("all %d workers registered; ranks: %s", self.n_workers,
                     ", ".join(f"{t.task_id}->{t.rank}" for t in order))
         for rank, task in enumerate(order):
             if task.conn is not None:
@@ -477,7 +526,7 @@ class Registry(Generic[C]):
         task.losses += 1
         # Fault tolerance hook point: the launcher may restart the task (it then registers
         # again) or give up (mark_failed).  Until then the job waits.
-        logger.warning("%s lost: %s", describe(task), reason)
+        self._log.warning("%s lost: %s", describe(task), reason)
         why = f"{describe(task)} lost: {reason}"
         out = self._notify_neighbors(task, {"t": "peer_lost", "reason": reason}, why)
         out.append(Hook("on_worker_lost", (task.task_id, task.rank, reason), why))

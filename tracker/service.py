@@ -19,6 +19,7 @@ with a reason logged on ``rabit2.tracker``; it never disturbs the job.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import socket
@@ -31,7 +32,17 @@ from rabit2.core.control import REFUSE_HELLO, FrameDecoder, check_progress, enco
 from rabit2.errors import CollectiveTimeoutError, ProtocolError
 from rabit2.io.handshake import RateLimitedLog, is_loopback
 from tracker.classic import ClassicJob
-from tracker.decisions import Decision, Fence, Finish, Grace, Hook, Release, Send
+from tracker.decisions import (
+    Decision,
+    EndSet,
+    Fence,
+    Finish,
+    FormSet,
+    Grace,
+    Hook,
+    Release,
+    Send,
+)
 from tracker.listener import Listener
 from tracker.registry import REJOIN_GRACE_SEC, SILENCE_REASON, Registry, job_status, natural_key
 
@@ -39,6 +50,17 @@ logger = logging.getLogger("rabit2.tracker")
 
 _READ_SIZE = 65536
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+
+
+class _Quiet(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """A live set's tracker: every record at DEBUG (its losses and aborts are the job
+    tracker's to tell, once)."""
+
+    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
+        super().log(logging.DEBUG, f"live set: {msg}", *args, **kwargs)
+
+
+_SET_LOG = _Quiet(logger, {})
 _STATUS_TASKS_ON_WIRE = 2000  # ~200 bytes each: a status_reply stays well under MAX_FRAME
 _MAX_WRITE_BUFFER = 8 * 1024 * 1024  # per connection: ~8 status replies or 100k notices
 
@@ -99,12 +121,17 @@ class Tracker:
         print_fn: Callable[[str], None] | None = None,
         rejoin_grace: float = REJOIN_GRACE_SEC,
         classic: str = "loopback",
+        elastic: bool = False,
+        min_workers: int = 1,
+        log: logging.Logger | logging.LoggerAdapter[Any] = logger,
     ) -> None:
         """Raises ``ValueError`` for a non-positive size or timeout or an unknown ``sortby``.
         ``rejoin_grace``: how long a worker whose connection ended keeps its place for the
         same process to rejoin (``REJOIN_GRACE_SEC``) before it counts as lost.
         ``classic``: from where workers speaking the classic rabit protocol (unauthenticated)
-        are served: "loopback", "any" or "none" (``tracker/classic.py``)."""
+        are served: "loopback", "any" or "none" (``tracker/classic.py``).
+        ``elastic``: the job's workers form live sets (docs/elastic.md), and a task given up
+        leaves the job while at least ``min_workers`` remain."""
         if classic not in ("loopback", "any", "none"):
             raise ValueError(f"classic must be loopback, any or none, got {classic!r}")
         if n_workers < 1:
@@ -113,6 +140,8 @@ class Tracker:
             raise ValueError(f"sortby must be 'task' or 'arrival', got {sortby!r}")
         if heartbeat_timeout <= 0 or handshake_timeout <= 0:
             raise ValueError("timeouts must be positive")
+        if not 1 <= min_workers <= n_workers:
+            raise ValueError(f"min_workers must be in [1, {n_workers}], got {min_workers}")
         self.n_workers = n_workers
         self.host = host
         self.port = port
@@ -120,7 +149,14 @@ class Tracker:
         self._sortby = sortby
         self._heartbeat_timeout = heartbeat_timeout
         self._registry: Registry[_Conn] = Registry(n_workers, sortby=sortby,
-                                                   rejoin_grace=rejoin_grace)
+                                                   rejoin_grace=rejoin_grace,
+                                                   elastic=elastic, min_workers=min_workers,
+                                                   log=log)
+        self._log = log
+        # elastic mode: the tracker of the current live set's collectives, and the set
+        self._set_tracker: Tracker | None = None
+        self._set_steps: asyncio.Task[None] | None = None  # (forming and ending, in order)
+        self._retiring: set[asyncio.Task[None]] = set()  # previous sets' trackers closing
         self._graces: dict[str, asyncio.TimerHandle] = {}  # task id -> its rejoin grace
         self._classic_from = classic
         self._classic: ClassicJob | None = None  # made by the first classic worker
@@ -148,7 +184,7 @@ class Tracker:
         Raises ``OSError`` if the address cannot be bound.
         """
         self.port = await self._door.start(self.host, self.port, max(128, 2 * self.n_workers))
-        logger.info("tracker listening on %s:%d for %d workers", self.host, self.port,
+        self._log.info("tracker listening on %s:%d for %d workers", self.host, self.port,
                     self.n_workers)
 
     async def close(self) -> None:
@@ -161,6 +197,14 @@ class Tracker:
         for grace in self._graces.values():
             grace.cancel()
         self._graces.clear()
+        if self._set_steps is not None:
+            self._set_steps.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._set_steps
+        await self._end_set("the tracker closed")
+        for task in list(self._retiring):
+            task.cancel()
+        await asyncio.gather(*self._retiring, return_exceptions=True)
         await self._door.cancel_handlers()
 
     def worker_env(self) -> dict[str, str]:
@@ -329,7 +373,7 @@ class Tracker:
                 if not self._on_message(conn, msg):
                     return "worker shut down"
 
-    def _on_message(self, conn: _Conn, msg: dict[str, Any]) -> bool:  # noqa: PLR0911
+    def _on_message(self, conn: _Conn, msg: dict[str, Any]) -> bool:
         """Handle one frame; False when the connection is finished (after shutdown)."""
         kind = msg["t"]
         if kind == "status":
@@ -372,17 +416,20 @@ class Tracker:
             label = task.task_id if task.rank is None else str(task.rank)
             self._print_fn(f"[rank {label}] {msg['msg']}")
             return True
-        if kind == "error":
-            self._apply(registry.error(conn, msg["msg"]))
-            return True
-        if kind == "unreachable":
-            self._apply(registry.unreachable(conn, msg["rank"], msg["reason"], now))
-            return True
         if kind == "shutdown":
             decisions = registry.shutdown(conn, msg["hold"])
             self._apply(decisions)
             return not any(isinstance(d, Release) for d in decisions)
-        raise ProtocolError(f"unexpected {kind} from a registered worker")
+        decide = {
+            "error": lambda: registry.error(conn, msg["msg"]),
+            "unreachable": lambda: registry.unreachable(conn, msg["rank"], msg["reason"], now),
+            "live": lambda: registry.live_ask(conn, msg),
+            "live_done": lambda: registry.live_done(conn, msg),
+        }.get(kind)
+        if decide is None:
+            raise ProtocolError(f"unexpected {kind} from a registered worker")
+        self._apply(decide())
+        return True
 
     def _connection_ended(self, conn: _Conn, reason: str, broken: bool) -> None:
         if self._registry.task_of(conn) is None:
@@ -415,6 +462,60 @@ class Tracker:
                     self._finish(success, reason)
                 case Release():
                     pass  # (the caller stops reading that connection)
+                case FormSet() | EndSet():
+                    self._set_step(decision)
+
+    def _set_step(self, decision: FormSet[_Conn] | EndSet) -> None:
+        """Form or end a live set (elastic mode), after the steps decided before it."""
+        previous = self._set_steps
+
+        async def step() -> None:
+            if previous is not None:
+                await previous
+            if isinstance(decision, EndSet):
+                await self._end_set(decision.reason)
+            else:
+                await self._form_set(decision)
+
+        self._set_steps = asyncio.get_running_loop().create_task(step())
+
+    async def _form_set(self, form: FormSet[_Conn]) -> None:
+        """Start the set's collectives' tracker (unless the previous one serves the same
+        members), then tell each member the set and where that tracker listens."""
+        if not form.reuse or self._set_tracker is None:
+            old, self._set_tracker = self._set_tracker, None
+            if old is not None:  # its members leave it as they join the new one
+                self._retiring.add(asyncio.get_running_loop().create_task(self._retire(old)))
+            sub = Tracker(len(form.ranks), self.host, 0, secret=self._secret,
+                          heartbeat_timeout=self._heartbeat_timeout,
+                          handshake_timeout=self._handshake_timeout,
+                          print_fn=self._print_fn, classic="none", log=_SET_LOG)
+            try:
+                await sub.start()
+            except OSError as exc:
+                logger.error("live set %d: cannot start its tracker: %s", form.epoch, exc)
+                return  # (its members time out waiting for the set, naming the wait)
+            self._set_tracker = sub
+        host = self.worker_env()["DMLC_TRACKER_URI"]
+        for _, conn in form.members:
+            conn.send({"t": "live_set", "epoch": form.epoch, "ranks": list(form.ranks),
+                       "new": list(form.new), "host": host, "port": self._set_tracker.port})
+
+    async def _retire(self, sub: Tracker) -> None:
+        """Close a previous set's tracker once its members left it (bounded)."""
+        with contextlib.suppress(CollectiveTimeoutError):
+            await sub.wait_done(self._heartbeat_timeout)
+        await sub.close()
+        self._retiring.discard(asyncio.current_task())
+
+    async def _end_set(self, reason: str) -> None:
+        """Abort the current set's collectives (a member blocked in one is released) and
+        close its tracker."""
+        sub, self._set_tracker = self._set_tracker, None
+        if sub is not None:
+            if sub.result is None:
+                sub.abort(f"the live set ended: {reason}")
+            await sub.close()
 
     def _grace_over(self, task_id: str, token: int) -> None:
         self._graces.pop(task_id, None)

@@ -150,6 +150,8 @@ def _run(options: LaunchOptions, writer: LineWriter, out: TextIO, err: TextIO) -
         secret=bytes.fromhex(secrets.token_hex(32)),
         heartbeat_timeout=options.heartbeat_timeout,
         classic=options.classic,
+        elastic=options.elastic,
+        min_workers=options.min_workers,
         # tracker_print relays ("[rank] msg") share the workers' line lock
         print_fn=lambda line: writer.write(out, line),
     )

@@ -55,6 +55,9 @@ MESSAGE_FIELDS: Final[Mapping[str, Mapping[str, type]]] = {
     "error": {"msg": str},
     "unreachable": {"rank": int, "reason": str},
     "status": {},
+    # elastic mode (docs/elastic.md)
+    "live": {"epoch": int},
+    "live_done": {"epoch": int, "ok": bool, "reason": str},
     # monitor -> tracker (a supervisor such as tracker.slot)
     "give_up": {"task_id": str, "reason": str},
     # tracker -> worker
@@ -72,6 +75,8 @@ MESSAGE_FIELDS: Final[Mapping[str, Mapping[str, type]]] = {
     "rejoined": {},
     "abort": {"reason": str},
     "status_reply": {"status": dict},
+    "live_set": {"epoch": int, "ranks": list, "new": list, "host": str, "port": int},
+    "live_result": {"epoch": int, "ok": bool, "reason": str},
     "peer_lost": {"rank": int, "incarnation": int, "reason": str},
     "peer_recovered": {"rank": int, "incarnation": int, "host": str, "port": int},
     # peer links, recovery protocol (docs/recovery.md): CONTROL frames carry these bodies

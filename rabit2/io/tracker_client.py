@@ -173,6 +173,7 @@ class TrackerClient:
         self.on_abort: Callable[[str], None] | None = None
         self.on_peer_lost: Callable[[int, int, str], None] | None = None
         self.on_peer_recovered: Callable[[int, int, tuple[str, int]], None] | None = None
+        self._replies: dict[str, asyncio.Future[dict[str, Any]]] = {}  # reply type -> waiter
         # what each heartbeat reports of this worker's progress (called on the loop thread)
         self.progress: Callable[[], dict[str, int | bool]] | None = None
         # to dial again after the connection ended (set by connect)
@@ -277,6 +278,26 @@ class TrackerClient:
         """Tell the tracker that the link to ``rank`` cannot be rebuilt (it decides whether
         that is a partition: ``docs/recovery.md``, "Partial partitions"); loop thread."""
         self._send({"t": "unreachable", "rank": rank, "reason": _truncate(reason)})
+
+    async def ask(self, msg: dict[str, Any], reply: str, timeout: float) -> dict[str, Any]:
+        """Send ``msg`` and wait for the tracker's next message of type ``reply`` (elastic
+        mode's ``live``/``live_set`` and ``live_done``/``live_result``: docs/elastic.md).
+
+        Raises :class:`CollectiveTimeoutError` after ``timeout`` seconds,
+        :class:`JobAbortedError` if the tracker aborted the job and :class:`TrackerError` if
+        the connection was lost (or already was)."""
+        if self._failure is not None:
+            raise self._failure
+        waiter = self._replies[reply] = asyncio.get_running_loop().create_future()
+        self._send(msg)
+        try:
+            return await asyncio.wait_for(waiter, timeout)
+        except TimeoutError:
+            raise CollectiveTimeoutError(
+                f"no {reply} from the tracker within {timeout:g} s") from None
+        finally:
+            if self._replies.get(reply) is waiter:
+                del self._replies[reply]
 
     async def shutdown(self, timeout: float, hold: bool = False,
                        leave_timeout: float = 10.0) -> None:
@@ -470,6 +491,11 @@ class TrackerClient:
         elif kind == "peer_recovered":
             address = (msg["host"], msg["port"])
             self._call(self.on_peer_recovered, msg["rank"], msg["incarnation"], address)
+        elif kind in ("live_set", "live_result"):
+            waiter = self._replies.pop(kind, None)
+            if waiter is None or waiter.done():
+                raise ProtocolError(f"{kind} that nobody asked for")
+            waiter.set_result(msg)
         else:
             raise ProtocolError(f"unexpected {kind} from the tracker")
 
@@ -478,6 +504,10 @@ class TrackerClient:
         if self._failure is None:
             self._failure = error
         self._assigned.set()
+        for waiter in self._replies.values():
+            if not waiter.done():
+                waiter.set_exception(self._failure)
+        self._replies.clear()
 
     def _connection_closed(self, error: TrackerError) -> None:
         """Close the writer and wake every waiter; the first recorded reason wins."""

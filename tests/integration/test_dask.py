@@ -43,7 +43,7 @@ def full(client: Any) -> Any:
 def chained_sums(iterations: int) -> tuple[int, str, str]:
     """A rabit2 program: SUM allreduces whose results are chained into a digest kept in the
     checkpoint, so a rank placed again resumes where its checkpoint stood."""
-    rank, world = rabit2.get_rank(), rabit2.get_world_size()
+    rank = rabit2.get_rank()
     version, digest = rabit2.load_checkpoint()
     digest = digest or ""
     for it in range(version, iterations):
@@ -129,7 +129,7 @@ def test_an_exception_in_func_ends_the_job_and_is_raised(full: Any) -> None:
 
 def test_a_rank_lost_once_too_often_ends_the_job(full: Any) -> None:
     # (recovery is off with one attempt: the survivors may fail on the lost link first)
-    with pytest.raises(JobAbortedError, match="task 1 failed for good|link to rank 1 lost"):
+    with pytest.raises(JobAbortedError, match=r"task 1 failed for good|link to rank 1 lost"):
         rabit2.dask.run(full, chained_sums, ITERATIONS, max_attempts=1,
                         config={"mock": "1,2,0,0"})
 
@@ -148,7 +148,7 @@ def test_bad_arguments_are_refused_before_anything_runs(full: Any, kwargs: dict[
 
 
 def test_workers_that_share_a_process_are_refused() -> None:
-    with distributed.LocalCluster(n_workers=2, processes=False, dashboard_address=":0") as cluster, \
-            distributed.Client(cluster) as threads, \
+    cluster = distributed.LocalCluster(n_workers=2, processes=False, dashboard_address=":0")
+    with cluster, distributed.Client(cluster) as threads, \
             pytest.raises(ValueError, match="share one process"):
         rabit2.dask.run(threads, rabit2.get_rank)

@@ -55,6 +55,8 @@ class LaunchOptions:
     metrics_port: int | None = None  # serve the job's metrics there (None: no endpoint)
     metrics_host: str = "127.0.0.1"
     status_file: str | None = None  # the job file's path (None: the default; "": none)
+    elastic: bool = False  # live sets (docs/elastic.md): the job goes on without the lost
+    min_workers: int = 1  # elastic: the fewest workers the job goes on with
 
 
 def parse_host_file(text: str) -> tuple[Host, ...]:
@@ -188,6 +190,13 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
                         help="where to write the job file that rabit2-tracker --query reads "
                              "(default: job-PID.json in $RABIT2_RUN_DIR, $XDG_RUNTIME_DIR/"
                              "rabit2 or /tmp/rabit2-UID; '' for none)")
+    parser.add_argument("--elastic", action="store_true",
+                        help="elastic mode: the workers' steps run in live sets, and the job "
+                             "goes on without a worker that runs out of attempts "
+                             "(docs/elastic.md)")
+    parser.add_argument("--min-workers", type=int, default=1, metavar="K",
+                        help="--elastic: the job fails when fewer than K workers remain "
+                             "(default 1)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the commands that would start the workers, and exit")
     parser.add_argument("--heartbeat-timeout", type=float, default=30.0, metavar="S",
@@ -232,6 +241,10 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
         parser.error("--heartbeat-timeout must be > 0")
     if args.timeout is not None and args.timeout <= 0:
         parser.error("--timeout must be > 0")
+    if not 1 <= args.min_workers <= args.num_workers:
+        parser.error("--min-workers must be between 1 and -n")
+    if args.min_workers != 1 and not args.elastic:
+        parser.error("--min-workers is for --elastic")
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         parser.error("--metrics-port must be a TCP port (0: any free one)")
     if not command:
@@ -265,6 +278,8 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
         if not sep or not key:
             parser.error(f"--env expects K=V, got {item!r}")
         env.append((key, value))
+    if args.elastic and not any(key == "RABIT2_ELASTIC" for key, _ in env):
+        env.append(("RABIT2_ELASTIC", "1"))
     if args.log_level is not None and "RABIT2_LOG_LEVEL" not in os.environ and not any(
             key == "RABIT2_LOG_LEVEL" for key, _ in env):
         env.append(("RABIT2_LOG_LEVEL", args.log_level))  # the workers log at it too
@@ -288,6 +303,8 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
         metrics_port=args.metrics_port,
         metrics_host=args.metrics_host,
         status_file=args.status_file,
+        elastic=args.elastic,
+        min_workers=args.min_workers,
         cluster=args.cluster,
         hosts=hosts,
         ssh=ssh_command,

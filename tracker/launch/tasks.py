@@ -79,7 +79,8 @@ class TaskLauncher:
         try:
             for task in self.tasks:
                 self._spawn(task)
-            while not all(task.status in ("ok", "failed", "killed") for task in self.tasks):
+            while not all(task.status in ("ok", "failed", "killed", "left")
+                          for task in self.tasks):
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
                     self._give_up(f"the job timed out after {options.timeout:g}s")
@@ -101,6 +102,8 @@ class TaskLauncher:
             task.rank = self.tracker.rank_of(str(task.task_id))
         self._note("summary:")
         ok = all(task.exit_code == 0 for task in self.tasks)
+        if self.options.elastic and result is not None and result.success:
+            ok = all(task.exit_code == 0 or task.status == "left" for task in self.tasks)
         self._writer.write(self._err, format_summary(
             self.tasks, job_line(result, ok, interrupted), None if ok else self._root_cause))
         if interrupted:
@@ -182,6 +185,11 @@ class TaskLauncher:
             task.status = "failed"
             self._give_up(f"task {task.task_id} exited with {code} after "
                           f"{task.attempts} attempts", task_id=task.task_id)
+            if self.options.elastic:
+                # the tracker lets the job go on without it while --min-workers remain (or
+                # aborts it: the next step sees that)
+                task.status = "left"
+                return
             # the tracker aborts the job: the others raise JobAbortedError and exit on
             # their own; whoever is still running after the grace period is stopped
             self._abort_seen_at = now

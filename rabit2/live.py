@@ -1,0 +1,101 @@
+"""Elastic mode's API: ``with rabit2.live_set() as live:`` (docs/elastic.md).
+
+A live set is the same tuple of live ranks on every live worker, formed behind a barrier;
+the collectives inside its block run over those ranks only, and the block is atomic: it
+returns on every member, or raises :class:`~rabit2.errors.LiveSetError` (the same message)
+on every member.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import TracebackType
+
+from rabit2 import api
+from rabit2.errors import LiveSetError, RabitError
+
+logger = logging.getLogger("rabit2")
+
+
+class LiveSet(tuple[int, ...]):
+    """The ranks of a live set, in order, with ``epoch`` (the set's number, from 1) and
+    ``new`` (the ranks that were not in the previous set: the first set's, a restarted
+    worker, one that came back)."""
+
+    epoch: int
+    new: tuple[int, ...]
+
+    def __new__(cls, ranks: tuple[int, ...], epoch: int, new: tuple[int, ...]) -> LiveSet:
+        live = super().__new__(cls, ranks)
+        live.epoch = epoch
+        live.new = new
+        return live
+
+    def __repr__(self) -> str:
+        return f"LiveSet({tuple(self)!r}, epoch={self.epoch}, new={self.new!r})"
+
+
+class live_set:  # (named as the function it stands for: ``with rabit2.live_set():``)
+    """``with rabit2.live_set() as live:`` — wait until every live worker asked for the
+    next live set, run the block's collectives over its ranks, and succeed or fail on every
+    member together.
+
+    Entering raises ``RuntimeError`` outside elastic mode or inside another live set's
+    block; :class:`~rabit2.errors.LiveSetError` if the set failed before its block began
+    (a member lost while the set's links came up); what waiting for the set raises
+    (:class:`~rabit2.errors.CollectiveTimeoutError` after ``rabit_timeout_sec``,
+    :class:`~rabit2.errors.JobAbortedError`, :class:`~rabit2.errors.TrackerError`).
+    Leaving waits until every member left the block, then raises
+    :class:`~rabit2.errors.LiveSetError` on every member if any of them was lost in it or
+    left it by an exception; a member whose own code raised sees that exception instead.
+    """
+
+    def __init__(self) -> None:
+        self._live: LiveSet | None = None
+
+    def __enter__(self) -> LiveSet:
+        comm = api._require()
+        member = comm.membership
+        if member is None:
+            raise RuntimeError("rabit2.live_set() needs elastic mode: rabit2-submit "
+                               "--elastic, or rabit2.init(elastic=True) with a tracker")
+        if comm.live is not None:
+            raise RuntimeError("live_set() blocks do not nest")
+        with comm.lock:
+            offer = member.next_set()
+            live = LiveSet(offer.ranks, offer.epoch, offer.new)
+            self._live = live
+            try:
+                engine = member.join_set(offer, comm.job_rank)
+            except RabitError as exc:
+                _, reason = member.report(False, f"{type(exc).__name__}: {exc}")
+                raise LiveSetError(self._message(reason)) from exc
+            comm.engine, comm.live = engine, live
+            comm.rank, comm.world = live.index(comm.job_rank), len(live)
+            comm.version = comm.seqno = 0
+        logger.debug("live set %d: %s (new: %s)", live.epoch, tuple(live), live.new)
+        return live
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        comm = api._comm
+        member = comm.membership
+        with comm.lock:
+            comm.engine, comm.live = None, None
+            comm.rank, comm.world = comm.job_rank, comm.job_world
+        if member is None:  # (finalize inside the block: nothing to report to)
+            return
+        ok = error is None
+        reason = "" if ok else f"{type(error).__name__}: {' '.join(str(error).split())}"
+        settled, why = member.report(ok, reason)
+        if settled or (error is not None and not isinstance(error, RabitError)):
+            return  # (this member's own exception propagates; the others raise LiveSetError)
+        raise LiveSetError(self._message(why)) from error
+
+    def _message(self, reason: str) -> str:
+        live = self._live
+        assert live is not None
+        return f"live set {live.epoch} {tuple(live)} failed: {reason}"
+
+
+__all__ = ["LiveSet", "live_set"]

@@ -1,0 +1,125 @@
+"""Elastic mode with real processes under ``rabit2-submit --elastic`` (docs/elastic.md): the
+job goes on without lost workers, takes a restarted one back, and every live set's block
+succeeds or fails on every member together.  The worker is
+``tests/support/workers/elastic_worker.py``; it checks each step's sum against the set it ran
+with, so every STEP line is a verified result."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+
+from tests.support import ROOT
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+WORKER = str(ROOT / "tests" / "support" / "workers" / "elastic_worker.py")
+
+
+def submit(n: int, *args: str, extra: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "--cluster", "local", "-n", str(n),
+         "--elastic", "--timeout", "90", *extra, "--", sys.executable, WORKER, *args],
+        capture_output=True, text=True, timeout=110, cwd=ROOT, check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def sets_seen(out: str) -> dict[int, list[tuple[int, str]]]:
+    """rank -> the (epoch, members) of every set it took part in, in order."""
+    seen: dict[int, list[tuple[int, str]]] = defaultdict(list)
+    for rank, epoch, live in re.findall(r"SET rank=(\d+) step=\d+ epoch=(\d+) live=([\d,]+)",
+                                        out):
+        seen[int(rank)].append((int(epoch), live))
+    return seen
+
+
+def totals(out: str) -> dict[int, int]:
+    return {int(rank): int(total)
+            for rank, total in re.findall(r"DONE rank=(\d+) total=(\d+)", out)}
+
+
+def expected_total(out: str, rank: int) -> int:
+    """What a worker's running total must be, from the sets its successful steps ran with."""
+    total = 0
+    for step, live in re.findall(rf"STEP rank={rank} step=(\d+) epoch=\d+ live=([\d,]+)", out):
+        total += sum(int(r) + 1 + int(step) for r in live.split(","))
+    return total
+
+
+def test_survivors_go_on_without_one_then_two_lost_workers() -> None:
+    """Rank 1 is killed inside a block, rank 3 later; neither is restarted.  The survivors
+    finish every step, each step's sum is right for the set it ran with, and they saw the
+    same sequence of sets; the failed block raised the same error on each of them."""
+    done = submit(4, "--steps=8", "--die=1,2,in", "--die=3,5,in", extra=("--max-attempts", "1"))
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert set(totals(out)) == {0, 2}
+    assert totals(out)[0] == totals(out)[2] == expected_total(out, 0) == expected_total(out, 2)
+    seen = sets_seen(out)
+    assert seen[0] == seen[2], out
+    members = [live for _, live in seen[0]]
+    assert members[0] == "0,1,2,3" and members[-1] == "0,2" and "0,2,3" in members
+    # the blocks the kills hit failed on every survivor, with one message each
+    for step, lost in ((2, 1), (5, 3)):
+        errors = re.findall(rf"RETRY rank=\d+ step={step} error=(.*)", out)
+        assert len(errors) == 4 - (2 if step == 5 else 1), out
+        assert len(set(errors)) == 1 and f"rank {lost} lost" in errors[0], errors
+    assert re.search(r"^1\s+1\s+1\s+-9\s+left$", done.stderr, re.M), done.stderr
+    assert re.search(r"^3\s+3\s+1\s+-9\s+left$", done.stderr, re.M), done.stderr
+
+
+def test_a_restarted_worker_joins_the_next_set_and_agrees_from_then_on() -> None:
+    done = submit(3, "--steps=12", "--slow=0.2", "--die=1,2,in",
+                  extra=("--max-attempts", "2", "--restart-delay", "1"))
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    # it was out for a while, then came back, named as new in the set it joined
+    seen = sets_seen(out)
+    assert any(live == "0,2" for _, live in seen[0]), out
+    back = re.search(r"SET rank=1 step=\d+ epoch=(\d+) live=0,1,2 new=1\b", out)
+    assert back is not None, out
+    assert len(set(totals(out).values())) == 1 and set(totals(out)) == {0, 1, 2}, out
+    assert re.search(r"DONE rank=1 total=\d+ attempt=1", out), out
+    assert seen[0] == seen[2]
+    since = int(back.group(1))  # from the set it came back in, it saw the same sets
+    assert [e for e in seen[0] if e[0] >= since] == [e for e in seen[1] if e[0] >= since]
+
+
+def test_a_worker_killed_while_it_waits_for_a_set_is_left_out_of_it() -> None:
+    done = submit(3, "--steps=6", "--die=2,3,asking", extra=("--max-attempts", "1"))
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert "RETRY" not in out  # the set formed without it: no block failed
+    assert sets_seen(out)[0] == sets_seen(out)[1]
+    assert re.search(r"SET rank=0 step=3 epoch=\d+ live=0,1 ", out), out
+    assert totals(out)[0] == totals(out)[1] == expected_total(out, 0)
+
+
+def test_fewer_workers_than_min_workers_end_the_job() -> None:
+    done = submit(3, "--steps=6", "--die=1,2,in", extra=("--max-attempts", "1",
+                                                          "--min-workers", "3"))
+    assert done.returncode == 1, done.stderr
+    assert "job: rank 1 (task 1) failed for good" in done.stderr, done.stderr
+
+
+def test_collectives_outside_a_live_set_are_refused_in_elastic_mode() -> None:
+    code = ("import numpy as np, rabit2\nrabit2.init()\n"
+            "try:\n    rabit2.allreduce(np.ones(2), rabit2.Op.SUM)\n"
+            "except RuntimeError as exc:\n    print('REFUSED', exc)\n"
+            "with rabit2.live_set() as live:\n"
+            "    a = rabit2.allreduce(np.ones(2), rabit2.Op.SUM)\n"
+            "print('SUM', int(a[0]), len(live), rabit2.get_world_size())\n"
+            "rabit2.finalize()\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "-n", "2", "--elastic", "--timeout", "60",
+         "--", sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=90, cwd=ROOT, check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("REFUSED in elastic mode collectives run inside") == 2, done.stdout
+    assert done.stdout.count("SUM 2 2 2") == 2, done.stdout

@@ -1,0 +1,132 @@
+"""Elastic mode's live sets on the tracker (tracker/elastic.py through the registry): the
+barrier, shrink and grow, one outcome for every member.  Pure: connections are strings."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import rabit2
+from rabit2.errors import ProtocolError
+from tracker.decisions import Decision, EndSet, FormSet, Send
+from tracker.registry import SILENCE_REASON, Registry
+
+Decisions = list[Decision[str]]
+
+
+def elastic_job(n: int, **kwargs: Any) -> Registry[str]:
+    registry: Registry[str] = Registry(n, elastic=True, **kwargs)
+    for i in range(n):
+        registry.register(f"c{i}", {"task_id": str(i), "attempt": 0, "port": 9000 + i,
+                                    "world_size": -1}, host="h", peer="p", now=0.0)
+    return registry
+
+
+def ask(registry: Registry[str], *conns: str) -> Decisions:
+    out: Decisions = []
+    for conn in conns:
+        out += registry.live_ask(conn, {"t": "live", "epoch": 0})
+    return out
+
+
+def done(registry: Registry[str], conn: str, epoch: int, ok: bool = True,
+         reason: str = "") -> Decisions:
+    return registry.live_done(conn, {"t": "live_done", "epoch": epoch, "ok": ok,
+                                     "reason": reason})
+
+
+def formed(decisions: Decisions) -> FormSet[str]:
+    (form,) = [d for d in decisions if isinstance(d, FormSet)]
+    return form
+
+
+def results(decisions: Decisions) -> dict[str, dict[str, Any]]:
+    return {d.conn: d.msg for d in decisions
+            if isinstance(d, Send) and d.msg["t"] == "live_result"}
+
+
+def test_a_set_forms_once_every_live_worker_asked() -> None:
+    registry = elastic_job(3)
+    assert ask(registry, "c0", "c2") == []
+    form = formed(ask(registry, "c1"))
+    assert (form.epoch, form.ranks, form.new, form.reuse) == (1, (0, 1, 2), (0, 1, 2), False)
+    assert [conn for _, conn in form.members] == ["c0", "c1", "c2"]
+
+
+def test_every_member_gets_the_same_outcome_and_a_good_set_is_reused() -> None:
+    registry = elastic_job(2)
+    formed(ask(registry, "c0", "c1"))
+    assert done(registry, "c0", 1) == []  # (waits for the other member)
+    out = results(done(registry, "c1", 1))
+    assert out["c0"] == out["c1"] == {"t": "live_result", "epoch": 1, "ok": True,
+                                       "reason": ""}
+    again = formed(ask(registry, "c0", "c1"))
+    assert (again.epoch, again.new, again.reuse) == (2, (), True)
+
+
+def test_a_member_lost_in_the_block_fails_it_for_everyone_and_leaves_the_next_set() -> None:
+    registry = elastic_job(3)
+    formed(ask(registry, "c0", "c1", "c2"))
+    assert done(registry, "c0", 1) == []
+    lost = registry.connection_ended("c1", "connection closed by the worker")
+    assert any(isinstance(d, EndSet) for d in lost)  # the set's collectives are released
+    failed = results(lost)["c0"]
+    assert not failed["ok"] and "rank 1 lost its tracker connection" in failed["reason"]
+    assert results(done(registry, "c2", 1, ok=False, reason="PeerLostError: x"))["c2"] == failed
+    nxt = formed(ask(registry, "c0", "c2"))  # rank 1 is no longer waited for
+    assert (nxt.ranks, nxt.new, nxt.reuse) == ((0, 2), (), False)
+
+
+def test_a_worker_lost_while_asking_is_not_waited_for() -> None:
+    registry = elastic_job(3)
+    assert ask(registry, "c0", "c2") == []
+    form = formed(registry.connection_ended("c1", f"{SILENCE_REASON} 30s"))
+    assert form.ranks == (0, 2)
+
+
+def test_a_restarted_worker_is_waited_for_and_named_new() -> None:
+    registry = elastic_job(2)
+    formed(ask(registry, "c0", "c1"))
+    results(done(registry, "c0", 1) + done(registry, "c1", 1))
+    registry.connection_ended("c1", f"{SILENCE_REASON} 30s")
+    registry.register("c9", {"task_id": "1", "attempt": 1, "port": 9009, "world_size": -1},
+                      host="h", peer="p", now=1.0)
+    assert ask(registry, "c0") == []  # the new process must ask too
+    form = formed(ask(registry, "c9"))
+    assert (form.ranks, form.new, form.reuse) == ((0, 1), (1,), False)
+
+
+def test_a_member_that_raised_fails_the_set_at_once() -> None:
+    registry = elastic_job(2)
+    formed(ask(registry, "c0", "c1"))
+    out = results(done(registry, "c1", 1, ok=False, reason="ValueError: bad"))
+    assert out["c1"]["reason"] == "rank 1 failed in it: ValueError: bad"
+    assert results(done(registry, "c0", 1))["c0"] == out["c1"]  # ok or not: the same
+
+
+def test_min_workers_bounds_how_far_the_job_shrinks() -> None:
+    registry = elastic_job(3, min_workers=2)
+    registry.connection_ended("c1", f"{SILENCE_REASON} 30s")
+    registry.mark_failed("1", "out of attempts")
+    assert registry.outcome is None and registry.tasks["1"].left  # two remain: it goes on
+    registry.connection_ended("c2", f"{SILENCE_REASON} 30s")
+    registry.mark_failed("2", "out of attempts")
+    assert registry.outcome is not None and not registry.outcome.success
+
+
+def test_live_messages_need_an_elastic_job() -> None:
+    registry: Registry[str] = Registry(1)
+    registry.register("c0", {"task_id": "0", "attempt": 0, "port": 9000, "world_size": -1},
+                      host="h", peer="p", now=0.0)
+    with pytest.raises(ProtocolError, match="elastic"):
+        ask(registry, "c0")
+
+
+def test_live_set_outside_elastic_mode_is_a_clear_error() -> None:
+    rabit2.init()  # (no tracker: single-process mode)
+    try:
+        with pytest.raises(RuntimeError, match="needs elastic mode"), rabit2.live_set():
+            pass
+    finally:
+        rabit2.finalize()
