@@ -165,9 +165,18 @@ def _give_up_on_bad_parameters(error: ValueError) -> None:
     from rabit2.io.tracker_client import query_tracker_status  # noqa: PLC0415
 
     reason = f"rabit2.init refused its parameters, which no restart can fix: {error}"
-    with contextlib.suppress(RabitError, RuntimeError, OSError):
-        asyncio.run(query_tracker_status(job.tracker_uri, job.tracker_port, job.secret, 5.0,
-                                         give_up=(job.task_id, reason), task_id=job.task_id))
+
+    def tell() -> None:
+        assert job.tracker_uri is not None
+        with contextlib.suppress(RabitError, OSError):
+            asyncio.run(query_tracker_status(job.tracker_uri, job.tracker_port, job.secret,
+                                             5.0, give_up=(job.task_id, reason),
+                                             task_id=job.task_id))
+
+    # (on a thread of its own: this one may run an event loop already, as in a notebook)
+    teller = threading.Thread(target=tell, name="rabit2-give-up", daemon=True)
+    teller.start()
+    teller.join(10.0)
 
 
 def abort_for(error: BaseException) -> None:
@@ -177,15 +186,15 @@ def abort_for(error: BaseException) -> None:
     :class:`~rabit2.errors.JobAbortedError` is the job's already: this only leaves (a
     RabitError that every rank saw is said again, which the tracker ignores after the first).
     Safe to call when not initialised; never raises a RabitError."""
-    with _comm.lock:
-        job = _job()
-        if job is not None and not isinstance(error, JobAbortedError):
-            text = " ".join(str(error).split())
-            job.signal_error(
-                f"rank {get_rank()} raised {type(error).__name__}"
-                + (f": {text}" if text else ""))
-        with contextlib.suppress(RabitError):
-            finalize()
+    # (before the lock: a collective still running in another thread, e.g. one whose
+    # asyncio await was cancelled, holds it; signal_error never blocks)
+    job = _job()
+    if job is not None and not isinstance(error, JobAbortedError):
+        text = " ".join(str(error).split())
+        job.signal_error(
+            f"rank {get_rank()} raised {type(error).__name__}" + (f": {text}" if text else ""))
+    with _comm.lock, contextlib.suppress(RabitError):
+        finalize()
 
 
 def leave(error: BaseException | None) -> None:

@@ -65,6 +65,7 @@ class _Rank:
     address: str = ""  # the Dask worker it is pinned to
     attempt: int = 0
     future: Any = None
+    worker_id: str = ""  # the Dask worker process it was placed on (an address may return)
     submitted_at: float = 0.0
     lost_at: float | None = None  # its worker went away; waiting for a free one
 
@@ -92,10 +93,11 @@ def run(client: Any, func: Callable[..., Any], *args: Any,
     names must be bound with ``functools.partial``.
 
     Raises ``ValueError`` for bad arguments (no workers, a worker address the cluster does
-    not have, two ranks that would share a process); the exception ``func`` raised on the
-    rank that failed first; :class:`~rabit2.errors.JobAbortedError` when the job is given up
-    (a rank lost more than ``max_attempts`` times, no free worker for a lost rank within
-    60 s, a rank that does not start, ``timeout``); ``ImportError`` without
+    not have, two ranks that would share a process); an exception ``func`` raised (of
+    the lowest rank that raised one not of rabit2's own);
+    :class:`~rabit2.errors.JobAbortedError` when the job is given up (a rank lost more
+    than ``max_attempts`` times, no free worker for a lost rank within 60 s, a rank that
+    does not start, a silent worker without a nanny, ``timeout``); ``ImportError`` without
     ``distributed``.
     """
     from tracker.server import TrackerThread  # noqa: PLC0415 (a launcher: see the docstring)
@@ -136,6 +138,12 @@ def _worker_processes(client: Any) -> dict[str, Any]:
     info = client.scheduler_info(n_workers=-1)
     workers: dict[str, Any] = info.get("workers", {})
     return workers
+
+
+def _identity(info: dict[str, Any]) -> str:
+    """One worker process, told apart from a later one at the same address: its name and
+    its scratch directory (each worker process makes its own)."""
+    return f"{info.get('id', '')}|{info.get('local_directory', '')}"
 
 
 def _choose_workers(client: Any, wanted: int | Sequence[str] | None) -> list[str]:
@@ -220,24 +228,30 @@ class _Job:
                            "dmlc_num_worker": env["DMLC_NUM_WORKER"],
                            "rabit2_secret": env["RABIT2_SECRET"]}
         # a rank placed again recovers, as under rabit2-submit (unless config says)
-        params.setdefault("rabit2_recover", max_attempts > 1)
+        if not any(key.lower() in ("recover", "rabit2_recover") for key in params):
+            params["rabit2_recover"] = max_attempts > 1
         self.token = secrets.token_hex(4)  # makes the task keys of this job unique
+        # the workers at the last look: address -> the worker process's id
+        self.present = {address: _identity(info)
+                        for address, info in _worker_processes(client).items()}
 
     def run(self) -> list[Any]:
-        for rank, address in zip(self.ranks, self.addresses, strict=True):
-            self._submit(rank, address)
         try:
+            for rank, address in zip(self.ranks, self.addresses, strict=True):
+                self._submit(rank, address)
             reason = self._watch()
-        except BaseException:
-            self.tracker.abort("rabit2.dask.run was interrupted")
+            return self._results(reason)
+        except BaseException as exc:
+            if self.tracker.result() is None:
+                self.tracker.abort(f"rabit2.dask.run ended by {type(exc).__name__}")
             self._cancel_all()
             raise
-        return self._results(reason)
 
     def _submit(self, rank: _Rank, address: str) -> None:
         params = {**self.params, **self.job_params, "dmlc_task_id": rank.task_id,
                   "dmlc_num_attempt": str(rank.attempt)}
         rank.address = address
+        rank.worker_id = self.present.get(address, "")
         rank.lost_at = None
         rank.submitted_at = time.monotonic()
         rank.future = self.client.submit(
@@ -254,8 +268,11 @@ class _Job:
             now = time.monotonic()
             if self.deadline is not None and now >= self.deadline:
                 return self._give_up(f"the job timed out after {self.timeout:g} s")
-            if any(rank.future.status == "error" for rank in self.ranks):
-                return None  # func raised there: the rank ended the job itself
+            failed = next((rank for rank in self.ranks if rank.future.status == "error"), None)
+            if failed is not None:  # (raised there, maybe before it joined: end the job)
+                error = failed.future.exception()
+                return self._give_up(f"task {failed.task_id} raised "
+                                     f"{type(error).__name__}: {error}")
             reason = self._check_ranks(now)
             if reason is not None:
                 return self._give_up(reason)
@@ -263,16 +280,22 @@ class _Job:
 
     def _check_ranks(self, now: float) -> str | None:
         """Re-place the ranks whose workers went away; why the job cannot go on, if so."""
-        present = set(_worker_processes(self.client))
+        workers = _worker_processes(self.client)
         silent = set(self.tracker.take_silent())
         stuck = [rank.address for rank in self.ranks if rank.task_id in silent]
         if stuck:  # paused or wedged: its nanny restarts it, and the rank is placed again
-            self.client.restart_workers(stuck, raise_for_error=False)
+            reason = self._restart(stuck, workers)
+            if reason is not None:
+                return reason
+            workers = _worker_processes(self.client)
+        self.present = {address: _identity(info) for address, info in workers.items()}
+        present = set(self.present)
         registered = {task["task_id"] for task in (self.tracker.status() or {}).get("tasks", ())}
         for rank in self.ranks:
             if rank.future.status == "finished":
                 continue
-            if rank.lost_at is None and rank.address not in present:
+            if rank.lost_at is None and self.present.get(rank.address) != rank.worker_id:
+                # (gone, or a new worker process at the same address)
                 rank.lost_at = now
                 rank.future.cancel()
                 if rank.attempt + 1 >= self.max_attempts:
@@ -295,12 +318,27 @@ class _Job:
                         f"threads busy with other work?)")
         return None
 
+    def _restart(self, addresses: list[str], workers: dict[str, Any]) -> str | None:
+        """Have the nannies of silent workers restart them; why the job cannot go on if a
+        worker has no nanny (nothing here can stop it)."""
+        orphans = [address for address in addresses if not workers.get(address, {}).get("nanny")]
+        if orphans:
+            return (f"the Dask workers {orphans} stopped answering and have no nanny to "
+                    "restart them")
+        try:
+            self.client.restart_workers(addresses, timeout=PLACE_TIMEOUT_SEC,
+                                        raise_for_error=False)
+        except Exception as exc:  # (any failure: said in the reason)
+            return f"restarting the silent Dask workers {addresses} failed: {exc}"
+        return None
+
     def _give_up(self, reason: str) -> str:
         self.tracker.abort(reason)
         return reason
 
     def _cancel_all(self) -> None:
-        self.client.cancel([rank.future for rank in self.ranks if rank.future is not None])
+        self.client.cancel([rank.future for rank in self.ranks
+                            if rank.future is not None and not rank.future.done()])
 
     def _results(self, reason: str | None) -> list[Any]:
         """Wait (bounded) for every task to return; the results, or the error that ended
@@ -318,10 +356,10 @@ class _Job:
             if not running or time.monotonic() >= deadline:
                 break
             time.sleep(POLL_SEC)
+        errors = [future.exception() for future in futures if future.status == "error"]
         not_done = [future for future in futures if not future.done()]
         if not_done:
             self._cancel_all()
-        errors = [future.exception() for future in futures if future.status == "error"]
         program = [error for error in errors if not isinstance(error, RabitError)]
         if program:  # the root cause: what func raised on the rank that ended the job
             raise program[0]
@@ -342,7 +380,12 @@ class _Job:
         by_rank: dict[int, Any] = {}
         for rank, future in zip(self.ranks, futures, strict=True):
             placed = self.tracker.rank_of(rank.task_id)
-            by_rank[int(rank.task_id) if placed is None else placed] = future.result()
+            try:
+                value = future.result(timeout=ENDING_GRACE_SEC)
+            except TimeoutError:  # (its worker went away with the result)
+                raise JobAbortedError(f"the result of task {rank.task_id} was lost with its "
+                                      "Dask worker after the job ended") from None
+            by_rank[int(rank.task_id) if placed is None else placed] = value
         return [by_rank[i] for i in range(len(self.ranks))]
 
 

@@ -57,6 +57,11 @@ class LiveSetError(RabitError):
     failed on every member, with the same message; retry the step with the next set."""
 
 
+class JobFinishedError(JobAbortedError):
+    """Elastic mode: this worker came back after the job's other workers finished it, so
+    there is no live set to join; it has nothing left to do and may leave quietly."""
+
+
 class NotInitializedError(RabitError):
     """A collective was called before :func:`rabit2.init` or after :func:`rabit2.finalize`."""
 
@@ -65,6 +70,7 @@ __all__ = [
     "AuthenticationError",
     "CollectiveTimeoutError",
     "JobAbortedError",
+    "JobFinishedError",
     "LiveSetError",
     "MismatchError",
     "NotInitializedError",

@@ -78,6 +78,7 @@ class LiveSets(Generic[C]):
 
     def try_form(self, tasks: Iterable[Task[C]]) -> list[Decision[C]]:
         """Form the next set if every eligible task asked for it."""
+        tasks = list(tasks)
         eligible = [task for task in tasks if task.rank is not None and task.conn is not None
                     and not task.finished and not task.left]
         if not eligible or any(task.task_id not in self.asking for task in eligible):
@@ -87,6 +88,8 @@ class LiveSets(Generic[C]):
         incarnations = {task.rank: task.incarnation for task in eligible
                         if task.rank is not None}
         new = tuple(rank for rank in ranks if self.incarnations.get(rank) != incarnations[rank])
+        if self.epoch > 0 and new == ranks and any(task.finished for task in tasks):
+            return self._nothing_to_join(eligible)
         reuse = (self.outcome is not None and self.outcome[0] and ranks == self.ranks
                  and not new)
         members = tuple((task.task_id, self.asking[task.task_id]) for task in eligible)
@@ -98,6 +101,18 @@ class LiveSets(Generic[C]):
                                                                  else "")
         logger.info("%s", why)
         return [FormSet(self.epoch, ranks, new, members, reuse, why)]
+
+    def _nothing_to_join(self, askers: list[Task[C]]) -> list[Decision[C]]:
+        """Only newcomers ask, and the workers that had the job's state finished it: there
+        is no set to join (they are told with an empty one, and leave)."""
+        why = "the job's other workers finished it: there is no live set to join"
+        out: list[Decision[C]] = []
+        for task in askers:
+            conn = self.asking.pop(task.task_id)
+            out.append(Send(task.task_id, conn, {"t": "live_set", "epoch": self.epoch,
+                                                 "ranks": [], "new": [], "host": "",
+                                                 "port": 0, "reason": why}, why))
+        return out
 
     def _settle(self, ok: bool, reason: str) -> list[Decision[C]]:
         self.outcome = (ok, reason)

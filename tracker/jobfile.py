@@ -7,7 +7,11 @@ do.  The file holds the job's secret, so it is private: mode 0600, in a director
 user's that nobody else may write to (checked, not assumed)::
 
     $RABIT2_RUN_DIR, else $XDG_RUNTIME_DIR/rabit2, else <tmp>/rabit2-<uid>
-        job-<launcher pid>.json
+        job-<host>-<launcher pid>.json
+
+A job file is read only from such a directory and only if this user owns it and nobody else
+may read or write it: a file planted by another user is not trusted.  Files are named by host
+and pid, so that a run directory shared between hosts lists each host's jobs apart.
 
 Content (JSON): ``host``, ``port`` (where the workers reach the tracker), ``secret`` (hex),
 ``pid`` (the launcher's), ``world_size``, ``cluster``, ``command``, ``started`` (ISO 8601)
@@ -19,12 +23,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import stat
 import tempfile
 from pathlib import Path
 from typing import Any
 
 _PREFIX = "job-"
+_HOST = socket.gethostname().replace("-", "_") or "localhost"
 
 
 def run_dir() -> Path:
@@ -43,6 +49,12 @@ def _private_dir(path: Path) -> None:
     ``OSError`` saying why it cannot hold a secret."""
     with contextlib.suppress(FileExistsError):
         path.mkdir(mode=0o700, parents=True)
+    _check_private(path)
+
+
+def _check_private(path: Path) -> None:
+    """Raise ``OSError`` unless ``path`` is a directory (not a link) of this user that
+    nobody else may write to (``FileNotFoundError`` when it does not exist)."""
     info = path.lstat()
     if not stat.S_ISDIR(info.st_mode):
         raise OSError(f"{path} is not a directory")
@@ -58,7 +70,7 @@ def write(info: dict[str, Any], path: Path | None = None) -> Path:
         folder = run_dir()
         _private_dir(folder)
         _prune(folder)
-        path = folder / f"{_PREFIX}{os.getpid()}.json"
+        path = folder / f"{_PREFIX}{_HOST}-{os.getpid()}.json"
     fd, staging = tempfile.mkstemp(prefix=".job-", dir=path.parent)  # created 0600
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -74,12 +86,21 @@ def write(info: dict[str, Any], path: Path | None = None) -> Path:
 
 def read(path: str | Path) -> tuple[str, int, str]:
     """The tracker's host, port and secret (hex) from a job file; raises ``ValueError``
-    naming the file and what is wrong with it."""
+    naming the file and what is wrong with it (including a file this user does not own or
+    that others may read or write, and a symbolic link)."""
     try:
-        with open(path, encoding="utf-8") as f:
-            info = json.load(f)
-    except (OSError, ValueError) as exc:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
         raise ValueError(f"cannot read job file {path}: {exc}") from None
+    with os.fdopen(fd, encoding="utf-8") as f:
+        owner = os.fstat(f.fileno())
+        if owner.st_uid != os.getuid() or owner.st_mode & 0o077:
+            raise ValueError(f"{path} is not private to this user (owner uid "
+                             f"{owner.st_uid}, mode {stat.S_IMODE(owner.st_mode):o})")
+        try:
+            info = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"cannot read job file {path}: {exc}") from None
     host, port, secret = (info.get(key) if isinstance(info, dict) else None
                           for key in ("host", "port", "secret"))
     if (not isinstance(host, str) or type(port) is not int or not 0 < port < 65536
@@ -89,10 +110,10 @@ def read(path: str | Path) -> tuple[str, int, str]:
 
 
 def _launcher_alive(path: Path) -> bool | None:
-    """Whether the launcher that wrote job file ``path`` still runs (None: not a job file
-    name)."""
-    pid_text = path.stem[len(_PREFIX):]
-    if not pid_text.isdigit():
+    """Whether the launcher that wrote job file ``path`` on this host still runs (None:
+    not a job file name of this host)."""
+    host, _, pid_text = path.stem[len(_PREFIX):].rpartition("-")
+    if host != _HOST or not pid_text.isdigit():
         return None
     try:
         os.kill(int(pid_text), 0)
@@ -115,6 +136,10 @@ def running(folder: Path | None = None) -> list[Path]:
     """The job files in ``folder`` (default :func:`run_dir`) whose launcher still runs,
     oldest first.  A file left by a launcher that was killed is skipped."""
     folder = run_dir() if folder is None else folder
+    try:
+        _check_private(folder)
+    except FileNotFoundError:
+        return []
     found: list[tuple[float, Path]] = []
     for path in folder.glob(f"{_PREFIX}*.json"):
         if _launcher_alive(path):

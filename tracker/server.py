@@ -42,7 +42,9 @@ class TrackerThread:
 
     def _worker_lost(self, task_id: str, rank: int | None, reason: str) -> None:
         with self._ranks_lock:
-            if self.first_loss is None:
+            if self.first_loss is None and self.tracker.result is None:
+                # (a loss after the job ended, e.g. a survivor's grace running out after
+                # an abort, is no cause of it)
                 who = f"task {task_id}" if rank is None else f"rank {rank} (task {task_id})"
                 clock = time.strftime("%H:%M:%S")
                 self.first_loss = f"{who} was lost at {clock}: {reason}"

@@ -409,7 +409,11 @@ class Tracker:
             return True
         if kind == "heartbeat":  # reading it already reset the liveness deadline
             if "progress" in msg:
-                self._registry.heartbeat(conn, check_progress(msg["progress"]))
+                try:
+                    self._registry.heartbeat(conn, check_progress(msg["progress"]))
+                except ProtocolError as exc:  # (monitoring only: not worth the worker)
+                    self._refusals.warning("ignoring the progress task %s reported: %s",
+                                           task.task_id, exc)
             return True
         if kind == "print":
             self._prints += 1

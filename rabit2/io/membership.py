@@ -15,7 +15,7 @@ import socket
 from typing import Any
 
 from rabit2.config import Config
-from rabit2.errors import RabitError
+from rabit2.errors import JobFinishedError, RabitError
 from rabit2.io.engine import Engine
 from rabit2.io.loop_thread import LoopThread
 from rabit2.io.tracker_client import Assignment, TrackerClient
@@ -73,8 +73,11 @@ class Membership:
 
     def next_set(self) -> SetOffer:
         """Wait (barrier) for the next live set.  Raises :class:`CollectiveTimeoutError`,
-        :class:`JobAbortedError` or :class:`TrackerError` (the tracker's connection)."""
+        :class:`JobAbortedError`, :class:`JobFinishedError` (this worker came back after
+        the others finished the job: there is nothing to join) or :class:`TrackerError`."""
         msg = self._ask({"t": "live", "epoch": self.epoch}, "live_set")
+        if not msg["ranks"]:  # (newcomers only, and the others finished the job)
+            raise JobFinishedError(str(msg.get("reason", "there is no live set to join")))
         self.epoch = msg["epoch"]
         return SetOffer(msg["epoch"], tuple(msg["ranks"]), tuple(msg["new"]),
                         (msg["host"], msg["port"]))

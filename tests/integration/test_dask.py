@@ -127,6 +127,21 @@ def test_an_exception_in_func_ends_the_job_and_is_raised(full: Any) -> None:
     assert rabit2.dask.run(full, rabit2.get_rank) == list(range(N_WORKERS))
 
 
+def refuses_task_1(**params: Any) -> Any:
+    """A context whose rank 1 fails before it joins (as an init error would)."""
+    if params["dmlc_task_id"] == "1":
+        raise RuntimeError("no GPU on this worker")
+    return rabit2.CommunicatorContext(**params)
+
+
+def test_an_error_before_a_rank_joins_ends_the_job_at_once(full: Any) -> None:
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="no GPU on this worker"):
+        rabit2.dask.run(full, rabit2.get_rank, context=refuses_task_1)
+    assert time.monotonic() - started < 20  # (the others do not wait out a deadline)
+    assert rabit2.dask.run(full, rabit2.get_rank) == list(range(N_WORKERS))
+
+
 def test_a_rank_lost_once_too_often_ends_the_job(full: Any) -> None:
     # (recovery is off with one attempt: the survivors may fail on the lost link first)
     with pytest.raises(JobAbortedError, match=r"task 1 failed for good|link to rank 1 lost"):

@@ -123,3 +123,19 @@ def test_collectives_outside_a_live_set_are_refused_in_elastic_mode() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("REFUSED in elastic mode collectives run inside") == 2, done.stdout
     assert done.stdout.count("SUM 2 2 2") == 2, done.stdout
+
+
+def test_the_elastic_training_example_trains_through_a_loss_and_a_rejoin() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "-n", "4", "--elastic", "--max-attempts", "2",
+         "--restart-delay", "0.5", "--timeout", "90", "--", sys.executable, "-m",
+         "rabit2.examples.elastic_train", "--die=2,20", "--pause=0.05", "--steps=80"],
+        capture_output=True, text=True, timeout=110, cwd=ROOT, check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    finals = re.findall(r"elastic rank=(\d) done steps=(\d+) model=([0-9a-f]{16})", out)
+    assert sorted(rank for rank, _, _ in finals) == ["0", "1", "2", "3"], out
+    assert {steps for _, steps, _ in finals} == {"80"} and len({m for _, _, m in finals}) == 1
+    losses = re.findall(r"step=79 live=\[0, 1, 2, 3\] loss=([\d.]+)", out)
+    assert losses and float(losses[0]) < 0.05, out  # it learned, and rank 2 is back

@@ -130,3 +130,15 @@ def test_live_set_outside_elastic_mode_is_a_clear_error() -> None:
             pass
     finally:
         rabit2.finalize()
+
+
+def test_newcomers_alone_after_the_others_finished_have_nothing_to_join() -> None:
+    registry = elastic_job(2)
+    formed(ask(registry, "c0", "c1"))
+    results(done(registry, "c0", 1) + done(registry, "c1", 1))
+    registry.connection_ended("c1", f"{SILENCE_REASON} 30s")
+    registry.register("c9", {"task_id": "1", "attempt": 1, "port": 9009, "world_size": -1},
+                      host="h", peer="p", now=1.0)
+    registry.shutdown("c0", hold=False)  # rank 0 finished the job meanwhile
+    (told,) = [d for d in ask(registry, "c9") if isinstance(d, Send)]
+    assert told.msg["ranks"] == [] and "finished" in told.msg["reason"]

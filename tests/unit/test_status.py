@@ -4,6 +4,7 @@ status snapshot (``tracker.metrics``); no sockets, no job."""
 from __future__ import annotations
 
 import json
+import socket
 import stat
 import subprocess
 import sys
@@ -40,13 +41,32 @@ def test_a_job_file_is_private_and_names_the_tracker(
 
 def test_job_files_of_dead_launchers_are_skipped_and_pruned(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("RABIT2_RUN_DIR", str(tmp_path))
-    stale = tmp_path / f"job-{_a_dead_pid()}.json"
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    monkeypatch.setenv("RABIT2_RUN_DIR", str(run))
+    host = socket.gethostname().replace("-", "_")
+    stale = run / f"job-{host}-{_a_dead_pid()}.json"
     stale.write_text(json.dumps({"host": "h", "port": 1, "secret": "00"}))
-    (tmp_path / "job-notapid.json").write_text("{}")
+    elsewhere = run / f"job-otherhost-{_a_dead_pid()}.json"  # (a shared run directory)
+    elsewhere.write_text("{}")
+    (run / "job-notapid.json").write_text("{}")
     assert jobfile.running() == []
     jobfile.write({"host": "h", "port": 1, "secret": "00"})
-    assert not stale.exists()
+    assert not stale.exists() and elsewhere.exists()
+
+
+def test_a_job_file_others_could_have_written_is_not_trusted(tmp_path: Path) -> None:
+    planted = tmp_path / "job.json"
+    planted.write_text(json.dumps({"host": "evil", "port": 1, "secret": "00"}))
+    planted.chmod(0o644)
+    with pytest.raises(ValueError, match="not private"):
+        jobfile.read(planted)
+    link = tmp_path / "link.json"
+    planted.chmod(0o600)
+    link.symlink_to(planted)
+    with pytest.raises(ValueError, match="cannot read"):
+        jobfile.read(link)
+    assert jobfile.read(planted) == ("evil", 1, "00")
 
 
 def test_a_run_dir_others_can_write_is_refused(tmp_path: Path,
@@ -65,6 +85,7 @@ def test_a_run_dir_others_can_write_is_refused(tmp_path: Path,
 def test_a_bad_job_file_is_a_clear_error(tmp_path: Path, content: str) -> None:
     path = tmp_path / "job.json"
     path.write_text(content)
+    path.chmod(0o600)
     with pytest.raises(ValueError, match=str(path)):
         jobfile.read(path)
     with pytest.raises(ValueError, match="cannot read"):

@@ -188,7 +188,7 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
                         help="address of the metrics endpoint (default 127.0.0.1)")
     parser.add_argument("--status-file", default=None, metavar="F",
                         help="where to write the job file that rabit2-tracker --query reads "
-                             "(default: job-PID.json in $RABIT2_RUN_DIR, $XDG_RUNTIME_DIR/"
+                             "(default: job-HOST-PID.json in $RABIT2_RUN_DIR, $XDG_RUNTIME_DIR/"
                              "rabit2 or /tmp/rabit2-UID; '' for none)")
     parser.add_argument("--elastic", action="store_true",
                         help="elastic mode: the workers' steps run in live sets, and the job "

@@ -176,7 +176,10 @@ class TaskLauncher:
             task.status = "failed"
             self._note(f"task {task.task_id} exited with {code} after shutting down; "
                        "not restarting it")
-        elif task.attempts < self.options.max_attempts:
+        elif task.attempts < self.options.max_attempts and not (
+                self.options.elastic and any(other.status == "ok" for other in self.tasks)):
+            # (elastic: once a worker finished, the job is ending; a restarted one would
+            # find nobody to take the state from)
             task.status = "restarting"
             task.restart_at = now + self.options.restart_delay
             self._note(f"task {task.task_id} exited with {code} (attempt {task.attempts}/"
