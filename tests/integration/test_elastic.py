@@ -100,6 +100,19 @@ def test_a_worker_killed_while_it_waits_for_a_set_is_left_out_of_it() -> None:
     assert totals(out)[0] == totals(out)[1] == expected_total(out, 0)
 
 
+def test_a_worker_killed_between_the_set_forming_and_joining_it_fails_that_set() -> None:
+    """The set formed with rank 2 in it, which dies before it joins the set's collectives:
+    the others cannot start them without it, so the set fails on each of them (at entry),
+    with one message, and the next set goes on without rank 2."""
+    done = submit(3, "--steps=5", "--die=2,2,joining", extra=("--max-attempts", "1"))
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    errors = re.findall(r"RETRY rank=\d step=2 error=(.*)", out)
+    assert len(errors) == 2 and len(set(errors)) == 1 and "rank 2" in errors[0], out
+    assert re.search(r"SET rank=0 step=2 epoch=\d+ live=0,1 ", out), out
+    assert totals(out)[0] == totals(out)[1] == expected_total(out, 0)
+
+
 def test_fewer_workers_than_min_workers_end_the_job() -> None:
     done = submit(3, "--steps=6", "--die=1,2,in", extra=("--max-attempts", "1",
                                                           "--min-workers", "3"))

@@ -14,8 +14,9 @@ Lines, all flushed at once:
 * ``DONE rank=R total=T attempt=A`` at the end
 
 ``--die=RANK,STEP,WHERE`` (first attempt only): rank RANK SIGKILLs itself at step STEP,
-``in`` the block after its allreduce, or ``asking`` (0.3 s after it called ``live_set()``,
-while the others are still computing: it dies inside the barrier).  Repeatable.
+``in`` the block after its allreduce, ``asking`` (0.3 s after it called ``live_set()``,
+while the others are still computing: it dies inside the barrier) or ``joining`` (inside
+``live_set()`` once the set formed, before it joined the set's collectives).  Repeatable.
 ``--slow=S``: every rank sleeps S seconds per step (outside the block).
 """
 
@@ -30,6 +31,7 @@ import time
 import numpy as np
 
 import rabit2
+from rabit2.io.membership import Membership
 
 
 def main(argv: list[str]) -> None:
@@ -50,6 +52,14 @@ def main(argv: list[str]) -> None:
     while state["step"] < steps:
         step = state["step"]
         die = deaths.get((rank, step)) if attempt == 0 else None
+        if die == "joining":
+            join = Membership.join_set
+
+            def join_and_die(self: Membership, *args: object) -> object:
+                os.kill(os.getpid(), signal.SIGKILL)
+                return join(self, *args)  # (not reached)
+
+            Membership.join_set = join_and_die  # type: ignore[method-assign]
         if die == "asking":
             threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
         else:
