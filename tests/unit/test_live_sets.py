@@ -85,13 +85,19 @@ def test_a_worker_lost_while_asking_is_not_waited_for() -> None:
     assert form.ranks == (0, 2)
 
 
-def test_a_restarted_worker_is_waited_for_and_named_new() -> None:
+def job_whose_rank_1_was_replaced() -> Registry[str]:
+    """Two workers had a good set; rank 1's process was lost and a new one registered."""
     registry = elastic_job(2)
     formed(ask(registry, "c0", "c1"))
     results(done(registry, "c0", 1) + done(registry, "c1", 1))
     registry.connection_ended("c1", f"{SILENCE_REASON} 30s")
     registry.register("c9", {"task_id": "1", "attempt": 1, "port": 9009, "world_size": -1},
                       host="h", peer="p", now=1.0)
+    return registry
+
+
+def test_a_restarted_worker_is_waited_for_and_named_new() -> None:
+    registry = job_whose_rank_1_was_replaced()
     assert ask(registry, "c0") == []  # the new process must ask too
     form = formed(ask(registry, "c9"))
     assert (form.ranks, form.new, form.reuse) == ((0, 1), (1,), False)
@@ -133,12 +139,7 @@ def test_live_set_outside_elastic_mode_is_a_clear_error() -> None:
 
 
 def test_newcomers_alone_after_the_others_finished_have_nothing_to_join() -> None:
-    registry = elastic_job(2)
-    formed(ask(registry, "c0", "c1"))
-    results(done(registry, "c0", 1) + done(registry, "c1", 1))
-    registry.connection_ended("c1", f"{SILENCE_REASON} 30s")
-    registry.register("c9", {"task_id": "1", "attempt": 1, "port": 9009, "world_size": -1},
-                      host="h", peer="p", now=1.0)
+    registry = job_whose_rank_1_was_replaced()
     registry.shutdown("c0", hold=False)  # rank 0 finished the job meanwhile
     (told,) = [d for d in ask(registry, "c9") if isinstance(d, Send)]
     assert told.msg["ranks"] == [] and "finished" in told.msg["reason"]

@@ -34,6 +34,11 @@ import rabit2
 from rabit2.io.membership import Membership
 
 
+def _die_joining(self: Membership, *args: object) -> None:
+    """In place of ``Membership.join_set``: die once the set formed, before joining it."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main(argv: list[str]) -> None:
     steps, slow = 10, 0.0
     deaths: dict[tuple[int, int], str] = {}
@@ -53,13 +58,7 @@ def main(argv: list[str]) -> None:
         step = state["step"]
         die = deaths.get((rank, step)) if attempt == 0 else None
         if die == "joining":
-            join = Membership.join_set
-
-            def join_and_die(self: Membership, *args: object) -> object:
-                os.kill(os.getpid(), signal.SIGKILL)
-                return join(self, *args)  # (not reached)
-
-            Membership.join_set = join_and_die  # type: ignore[method-assign]
+            Membership.join_set = _die_joining  # type: ignore[method-assign,assignment]
         if die == "asking":
             threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGKILL)).start()
         else:
