@@ -185,7 +185,17 @@ def abort_for(error: BaseException) -> None:
     of waiting for it) and leave; the launcher does not restart a worker that left so.  A
     :class:`~rabit2.errors.JobAbortedError` is the job's already: this only leaves (a
     RabitError that every rank saw is said again, which the tracker ignores after the first).
-    Safe to call when not initialised; never raises a RabitError."""
+    In elastic mode the worker only leaves, as if lost: the job goes on without it (or gets
+    it back when the launcher restarts it).  Safe to call when not initialised; never raises
+    a RabitError."""
+    member = _comm.membership
+    if member is not None:
+        # elastic mode: a program error makes this worker lost (restarted, or the job goes
+        # on without it), not the job's end
+        with _comm.lock:
+            _comm.engine = _comm.membership = _comm.config = _comm.live = None
+        member.close()
+        return
     # (before the lock: a collective still running in another thread, e.g. one whose
     # asyncio await was cancelled, holds it; signal_error never blocks)
     job = _job()
@@ -233,6 +243,8 @@ def finalize() -> None:
     can replay; raises :class:`~rabit2.errors.JobAbortedError` if the job is aborted then.
     Other failures while leaving (the tracker gone, no answer in time) are logged, not
     raised.  The process is not initialised afterwards, whether this returned or raised."""
+    if _comm.live is not None:
+        raise RuntimeError("finalize() inside a live set's block: leave the block first")
     with _comm.lock:
         engine, _comm.engine, _comm.config = _comm.engine, None, None
         member, _comm.membership, _comm.live = _comm.membership, None, None

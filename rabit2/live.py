@@ -31,6 +31,14 @@ class LiveSet(tuple[int, ...]):
         live.new = new
         return live
 
+    @property
+    def source(self) -> int | None:
+        """The first member that holds the job's state (one not in ``new``): where the
+        newcomers take it from, ``broadcast(state, root=live.source)``.  None when every
+        member is new (the first set, or every holder was lost: the program starts
+        over)."""
+        return next((rank for rank in self if rank not in self.new), None)
+
     def __repr__(self) -> str:
         return f"LiveSet({tuple(self)!r}, epoch={self.epoch}, new={self.new!r})"
 
@@ -83,8 +91,8 @@ class live_set:  # (named as the function it stands for: ``with rabit2.live_set(
         with comm.lock:
             comm.engine, comm.live = None, None
             comm.rank, comm.world = comm.job_rank, comm.job_world
-        if member is None:  # (finalize inside the block: nothing to report to)
-            return
+        if member is None:  # (finalize() refuses inside a block; init again is the same)
+            raise RuntimeError("the live set's job was left inside its block")
         ok = error is None
         reason = "" if ok else f"{type(error).__name__}: {' '.join(str(error).split())}"
         settled, why = member.report(ok, reason)

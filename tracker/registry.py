@@ -91,11 +91,11 @@ class Registry(Generic[C]):
         while at least ``min_workers`` remain."""
         self.n_workers = n_workers
         self._log = log  # (a live set's tracker logs at DEBUG: tracker/service.py)
-        self.live: LiveSets[C] | None = LiveSets() if elastic else None
+        self.tasks: dict[str, Task[C]] = {}
+        self.live: LiveSets[C] | None = LiveSets(self.tasks) if elastic else None
         self.min_workers = min_workers
         self._sortby = sortby
         self._rejoin_grace = rejoin_grace
-        self.tasks: dict[str, Task[C]] = {}
         self.by_rank: dict[int, Task[C]] = {}
         self._by_conn: dict[C, Task[C]] = {}
         self._anonymous = 0
@@ -128,7 +128,7 @@ class Registry(Generic[C]):
             raise ProtocolError("live_set() needs an elastic job (rabit2-submit --elastic)")
         if task.rank is None:
             raise ProtocolError("live before the ranks were assigned")
-        return self.live.ask(task, conn, self.tasks.values())
+        return self.live.ask(task)
 
     def live_done(self, conn: C, msg: dict[str, Any]) -> list[Decision[C]]:
         """``live_done{epoch, ok, reason}``: the worker on ``conn`` left a live set's
@@ -136,13 +136,17 @@ class Registry(Generic[C]):
         task = self._by_conn[conn]
         if self.live is None:
             raise ProtocolError("live_done needs an elastic job")
-        return self.live.done(task, conn, msg["epoch"], msg["ok"], msg["reason"][:_MAX_REASON])
+        return self.live.done(task, msg["epoch"], msg["ok"], msg["reason"][:_MAX_REASON])
+
+    def live_failed(self, epoch: int, reason: str) -> list[Decision[C]]:
+        """Live set ``epoch`` cannot run (the tracker could not start its collectives)."""
+        return [] if self.live is None else self.live.failed(epoch, reason)
 
     def _gone(self, task: Task[C], why: str) -> list[Decision[C]]:
         """Elastic mode: ``task`` takes part in no live set any more (for now)."""
         if self.live is None or self.outcome is not None:
             return []
-        return self.live.gone(task, why, self.tasks.values())
+        return self.live.gone(task, why)
 
     def register(self, conn: C, msg: dict[str, Any], *, host: str, peer: str,
                  now: float) -> list[Decision[C]]:
@@ -183,19 +187,20 @@ class Registry(Generic[C]):
                 # a restart within the grace: the old process is lost after all (its
                 # neighbours hear of that incarnation before they hear of the new one)
                 out += self._declare_lost(task, task.loss_reason)
+            out += self._gone(task, "was replaced by a new process")
             task.incarnation += 1
             task.progress = None  # a new process counts afresh
             if task.conn is not None:
                 # The newer process wins (incarnation fencing): the old one is a zombie.
                 out.append(self._fence(task, f"{describe(task)} registered again"))
                 self._log.warning("%s registered again; closed its previous connection",
-                               describe(task))
+                                  describe(task))
         task.attempt = msg["attempt"]
         task.host = host
         task.port = msg["port"]
         self._attach(task, conn, now)
         self._log.info("task %s registered from %s:%d (attempt %d, incarnation %d)",
-                    task_id, host, task.port, task.attempt, task.incarnation)
+                       task_id, host, task.port, task.attempt, task.incarnation)
         if task.rank is not None:
             why = f"{describe(task)} registered again as incarnation {task.incarnation}"
             out.append(Send(task_id, conn, self._assign_msg(task, task.rank), why))

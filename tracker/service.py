@@ -157,6 +157,7 @@ class Tracker:
         self._set_tracker: Tracker | None = None
         self._set_steps: asyncio.Task[None] | None = None  # (forming and ending, in order)
         self._retiring: set[asyncio.Task[None]] = set()  # previous sets' trackers closing
+        self._set_host: str | None = None  # where members reach the sets' trackers
         self._graces: dict[str, asyncio.TimerHandle] = {}  # task id -> its rejoin grace
         self._classic_from = classic
         self._classic: ClassicJob | None = None  # made by the first classic worker
@@ -485,7 +486,8 @@ class Tracker:
 
     async def _form_set(self, form: FormSet[_Conn]) -> None:
         """Start the set's collectives' tracker (unless the previous one serves the same
-        members), then tell each member the set and where that tracker listens."""
+        members), then tell each member the set, where that tracker listens and whether it
+        is the one of the previous set (``same``)."""
         if not form.reuse or self._set_tracker is None:
             old, self._set_tracker = self._set_tracker, None
             if old is not None:  # its members leave it as they join the new one
@@ -497,13 +499,18 @@ class Tracker:
             try:
                 await sub.start()
             except OSError as exc:
-                logger.error("live set %d: cannot start its tracker: %s", form.epoch, exc)
-                return  # (its members time out waiting for the set, naming the wait)
+                self._apply(self._registry.live_failed(
+                    form.epoch, f"its collectives' tracker could not start: {exc}"))
+                return
             self._set_tracker = sub
-        host = self.worker_env()["DMLC_TRACKER_URI"]
+        if self._set_tracker is None:
+            return  # (the set failed meanwhile: its members hear that when they report)
+        if self._set_host is None:  # (a wildcard address is resolved once, off the hot path)
+            self._set_host = self.worker_env()["DMLC_TRACKER_URI"]
         for _, conn in form.members:
             conn.send({"t": "live_set", "epoch": form.epoch, "ranks": list(form.ranks),
-                       "new": list(form.new), "host": host, "port": self._set_tracker.port})
+                       "new": list(form.new), "host": self._set_host,
+                       "port": self._set_tracker.port, "same": form.reuse})
 
     async def _retire(self, sub: Tracker) -> None:
         """Close a previous set's tracker once its members left it (bounded)."""

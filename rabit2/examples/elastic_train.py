@@ -11,7 +11,8 @@ Every step runs in ``with rabit2.live_set() as live``: the step's batch is split
 live workers, each computes the gradient of its part, and one SUM allreduce adds them up.
 The update is applied only after the block succeeded; a step whose block failed (a worker
 was lost in it) is retried with the next set.  A worker that joins (``live.new``) gets the
-model and the step number by a broadcast from ``live[0]``.
+model and the step number by a broadcast from ``live.source``, the first member that
+holds them (``live[0]`` would not do when rank 0 itself is the one that came back).
 
 ``--die=RANK,STEP`` SIGKILLs that rank at that step on its first attempt, inside the block
 (repeatable): with ``--max-attempts 1`` the others finish without it, with more attempts it
@@ -74,9 +75,9 @@ def train(opts: argparse.Namespace, x: np.ndarray, y: np.ndarray, rank: int, ste
         time.sleep(opts.pause)
         try:
             with rabit2.live_set() as live:
-                if live.new:  # someone joined: everyone takes the model of the first member
-                    step, w = rabit2.broadcast((step, w) if rank == live[0] else None,
-                                               root=live[0])
+                if live.new and live.source is not None:  # someone joined: it takes the
+                    step, w = rabit2.broadcast((step, w) if rank == live.source else None,
+                                               root=live.source)  # model of a member
                 batch = np.random.default_rng(step).choice(opts.rows, opts.batch, replace=False)
                 mine = np.array_split(batch, len(live))[live.index(rank)]
                 error = x[mine] @ w - y[mine]

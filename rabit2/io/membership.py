@@ -33,6 +33,7 @@ class SetOffer:
     ranks: tuple[int, ...]
     new: tuple[int, ...]
     address: tuple[str, int]  # where the set's collectives' tracker listens
+    same: bool  # that tracker is the previous set's (whose engine may go on)
 
 
 class Membership:
@@ -80,13 +81,13 @@ class Membership:
             raise JobFinishedError(str(msg.get("reason", "there is no live set to join")))
         self.epoch = msg["epoch"]
         return SetOffer(msg["epoch"], tuple(msg["ranks"]), tuple(msg["new"]),
-                        (msg["host"], msg["port"]))
+                        (msg["host"], msg["port"]), bool(msg.get("same", False)))
 
     def join_set(self, offer: SetOffer, rank: int) -> Engine:
         """The engine of ``offer``'s collectives: the current one when the set's tracker is
         the same, else a new one (the old one leaves its set first).  Raises what
         :meth:`Engine.start` raises."""
-        if self.engine is not None and self._engine_at == offer.address:
+        if self.engine is not None and offer.same and self._engine_at == offer.address:
             return self.engine
         self.leave_set(graceful=True)
         host, port = offer.address

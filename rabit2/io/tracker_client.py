@@ -174,6 +174,7 @@ class TrackerClient:
         self.on_peer_lost: Callable[[int, int, str], None] | None = None
         self.on_peer_recovered: Callable[[int, int, tuple[str, int]], None] | None = None
         self._replies: dict[str, asyncio.Future[dict[str, Any]]] = {}  # reply type -> waiter
+        self._asked: dict[str, dict[str, Any]] = {}  # reply type -> what asked for it
         # what each heartbeat reports of this worker's progress (called on the loop thread)
         self.progress: Callable[[], dict[str, int | bool]] | None = None
         # to dial again after the connection ended (set by connect)
@@ -289,6 +290,7 @@ class TrackerClient:
         if self._failure is not None:
             raise self._failure
         waiter = self._replies[reply] = asyncio.get_running_loop().create_future()
+        self._asked[reply] = msg  # (asked again if the connection is rebuilt meanwhile)
         self._send(msg)
         try:
             return await asyncio.wait_for(waiter, timeout)
@@ -298,6 +300,8 @@ class TrackerClient:
         finally:
             if self._replies.get(reply) is waiter:
                 del self._replies[reply]
+            if self._asked.get(reply) is msg:
+                del self._asked[reply]
 
     async def shutdown(self, timeout: float, hold: bool = False,
                        leave_timeout: float = 10.0) -> None:
@@ -458,6 +462,11 @@ class TrackerClient:
                 held, self._held = self._held, []
                 for msg in held:
                     self._writer.write(encode_frame(msg))
+                # what is still waited for may have been lost with the old connection: the
+                # tracker answers a question asked again as it answered it the first time
+                for msg in self._asked.values():
+                    if not any(msg is sent for sent in held):
+                        self._writer.write(encode_frame(msg))
                 self._heartbeat_task.cancel()
                 self._heartbeat_task = asyncio.create_task(
                     self._heartbeat_loop(self._heartbeat_sec), name="rabit2-tracker-heartbeat")
@@ -493,9 +502,11 @@ class TrackerClient:
             self._call(self.on_peer_recovered, msg["rank"], msg["incarnation"], address)
         elif kind in ("live_set", "live_result"):
             waiter = self._replies.pop(kind, None)
-            if waiter is None or waiter.done():
-                raise ProtocolError(f"{kind} that nobody asked for")
-            waiter.set_result(msg)
+            self._asked.pop(kind, None)
+            if waiter is None or waiter.done():  # (an answer to a question asked twice)
+                logger.debug("ignoring a %s nobody waits for", kind)
+            else:
+                waiter.set_result(msg)
         else:
             raise ProtocolError(f"unexpected {kind} from the tracker")
 
@@ -508,6 +519,7 @@ class TrackerClient:
             if not waiter.done():
                 waiter.set_exception(self._failure)
         self._replies.clear()
+        self._asked.clear()
 
     def _connection_closed(self, error: TrackerError) -> None:
         """Close the writer and wake every waiter; the first recorded reason wins."""

@@ -75,7 +75,8 @@ def test_a_member_lost_in_the_block_fails_it_for_everyone_and_leaves_the_next_se
     assert not failed["ok"] and "rank 1 lost its tracker connection" in failed["reason"]
     assert results(done(registry, "c2", 1, ok=False, reason="PeerLostError: x"))["c2"] == failed
     nxt = formed(ask(registry, "c0", "c2"))  # rank 1 is no longer waited for
-    assert (nxt.ranks, nxt.new, nxt.reuse) == ((0, 2), (), False)
+    # (no set succeeded yet, so nobody holds a state the others lack: all are new)
+    assert (nxt.ranks, nxt.new, nxt.reuse) == ((0, 2), (0, 2), False)
 
 
 def test_a_worker_lost_while_asking_is_not_waited_for() -> None:
@@ -143,3 +144,48 @@ def test_newcomers_alone_after_the_others_finished_have_nothing_to_join() -> Non
     registry.shutdown("c0", hold=False)  # rank 0 finished the job meanwhile
     (told,) = [d for d in ask(registry, "c9") if isinstance(d, Send)]
     assert told.msg["ranks"] == [] and "finished" in told.msg["reason"]
+
+
+def test_a_newcomer_whose_first_set_failed_is_still_new_in_the_next() -> None:
+    registry = job_whose_rank_1_was_replaced()
+    first = formed(ask(registry, "c0", "c9"))
+    assert first.new == (1,)
+    results(done(registry, "c0", 1 + 1, ok=False, reason="PeerLostError: x"))
+    again = formed(ask(registry, "c0", "c9"))
+    assert again.new == (1,)  # it never got the state: it must be handed it again
+
+
+def test_a_restart_that_registers_again_ends_its_predecessor_s_part_in_the_set() -> None:
+    registry = elastic_job(2)
+    formed(ask(registry, "c0", "c1"))
+    assert done(registry, "c0", 1) == []
+    # rank 1's host vanished (its connection is still open here) and its restart registers
+    out = registry.register("c9", {"task_id": "1", "attempt": 1, "port": 9009,
+                                   "world_size": -1}, host="h", peer="p", now=1.0)
+    failed = results(out)["c0"]
+    assert not failed["ok"] and "rank 1 was replaced by a new process" in failed["reason"]
+
+
+def test_a_blink_fails_the_set_and_the_worker_asks_again_for_the_next() -> None:
+    registry = elastic_job(2)
+    formed(ask(registry, "c0", "c1"))
+    # rank 1's connection blinked before it reported: the set fails (it may have missed
+    # the set itself); it rejoins and asks again, and reports again what it waited for
+    registry.connection_ended("c1", "connection reset by peer")
+    registry.rejoin("c5", {"task_id": "1", "rank": 1, "incarnation": 0, "port": 9001},
+                    host="h", peer="p", now=0.5)
+    out = results(done(registry, "c0", 1)) | results(done(registry, "c5", 1))
+    assert out["c0"] == out["c5"] and not out["c0"]["ok"]
+    assert "rank 1 lost its tracker connection" in out["c0"]["reason"]
+    nxt = formed(registry.live_ask("c5", {"t": "live", "epoch": 0})
+                 + registry.live_ask("c0", {"t": "live", "epoch": 1}))
+    assert nxt.members == (("0", "c0"), ("1", "c5"))  # (its current connection)
+
+
+def test_a_late_report_of_an_older_set_gets_that_set_s_outcome() -> None:
+    registry = elastic_job(2)
+    formed(ask(registry, "c0", "c1"))
+    results(done(registry, "c0", 1) + done(registry, "c1", 1))
+    formed(ask(registry, "c0", "c1"))
+    late = results(done(registry, "c1", 1))["c1"]  # (sent again after a blink)
+    assert late == {"t": "live_result", "epoch": 1, "ok": True, "reason": ""}

@@ -53,6 +53,19 @@ def main(argv: list[str]) -> None:
     rabit2.init()
     rank = rabit2.get_rank()
     attempt = int(os.environ.get("DMLC_NUM_ATTEMPT", "0"))
+    try:
+        state = run(steps, slow, deaths, rank, attempt)
+    except rabit2.errors.JobFinishedError:  # (back after the others finished)
+        print(f"FINISHED-WITHOUT rank={rank}", flush=True)
+        rabit2.finalize()
+        return
+    print(f"DONE rank={rank} total={state['total']} attempt={attempt}", flush=True)
+    rabit2.finalize()
+
+
+def run(steps: int, slow: float, deaths: dict[tuple[int, int], str], rank: int,
+        attempt: int) -> dict[str, int]:
+    """The steps; the state at the end."""
     state = {"step": 0, "total": 0}
     while state["step"] < steps:
         step = state["step"]
@@ -67,8 +80,9 @@ def main(argv: list[str]) -> None:
                 time.sleep(1.0)  # (the others come late: the dying rank waits in the barrier)
         try:
             with rabit2.live_set() as live:
-                if live.new:
-                    state = rabit2.broadcast(state if rank == live[0] else None, root=live[0])
+                if live.new and live.source is not None:  # newcomers take the state
+                    state = rabit2.broadcast(state if rank == live.source else None,
+                                             root=live.source)
                     step = state["step"]
                 members = ",".join(map(str, live))
                 print(f"SET rank={rank} step={step} epoch={live.epoch} live={members} "
@@ -84,8 +98,7 @@ def main(argv: list[str]) -> None:
                   f"total={state['total']}", flush=True)
         except rabit2.LiveSetError as exc:
             print(f"RETRY rank={rank} step={step} error={exc}", flush=True)
-    print(f"DONE rank={rank} total={state['total']} attempt={attempt}", flush=True)
-    rabit2.finalize()
+    return state
 
 
 if __name__ == "__main__":
