@@ -75,8 +75,11 @@ def test_survivors_go_on_without_one_then_two_lost_workers() -> None:
     assert re.search(r"^3\s+3\s+1\s+-9\s+left$", done.stderr, re.M), done.stderr
 
 
-@pytest.mark.parametrize("victim", [1, 0])  # (rank 0 back: the state comes from rank 1)
-def test_a_restarted_worker_joins_the_next_set_and_agrees_from_then_on(victim: int) -> None:
+def test_a_restarted_worker_joins_the_next_set_and_agrees_from_then_on() -> None:
+    """Rank 0 is killed, restarted and comes back: the state it is handed comes from rank 1,
+    the first member that holds it (a restarted rank other than 0 rejoins in the example's
+    test below)."""
+    victim = 0
     done = submit(3, "--steps=24", "--slow=0.2", f"--die={victim},2,in",
                   extra=("--max-attempts", "2", "--restart-delay", "0.5"))
     out = done.stdout + done.stderr
