@@ -61,7 +61,7 @@ class _Quiet(logging.LoggerAdapter):  # type: ignore[type-arg]
 
 
 _SET_LOG = _Quiet(logger, {})
-_STATUS_TASKS_ON_WIRE = 2000  # ~200 bytes each: a status_reply stays well under MAX_FRAME
+_STATUS_TASKS_ON_WIRE = 2000  # the most task rows a status_reply carries
 _MAX_WRITE_BUFFER = 8 * 1024 * 1024  # per connection: ~8 status replies or 100k notices
 
 
@@ -381,12 +381,7 @@ class Tracker:
             only = msg.get("task_id")
             if only is not None and not isinstance(only, str):
                 raise ProtocolError("status.task_id must be a str")
-            status = self.status(only)
-            if len(status["tasks"]) > _STATUS_TASKS_ON_WIRE:
-                # keep the reply under MAX_FRAME; the totals above the list stay exact
-                status["tasks"] = status["tasks"][:_STATUS_TASKS_ON_WIRE]
-                status["tasks_truncated"] = True
-            conn.send({"t": "status_reply", "status": status})
+            conn.send({"t": "status_reply", "status": _fit_on_wire(self.status(only))})
             return True
         if kind == "give_up" and conn.role == "monitor":
             self._apply(self._registry.give_up(msg["task_id"], msg["reason"]))
@@ -551,6 +546,24 @@ async def _streams(sock: socket.socket,
     except BaseException:
         sock.close()
         raise
+
+
+def _fit_on_wire(status: dict[str, Any]) -> dict[str, Any]:
+    """``status`` cut to at most :data:`_STATUS_TASKS_ON_WIRE` task rows and to what fits in
+    one frame (``tasks_truncated: true``); the totals above the list stay exact."""
+    rows = status["tasks"]
+    keep = min(len(rows), _STATUS_TASKS_ON_WIRE)
+    while True:
+        if keep < len(rows):
+            status = {**status, "tasks": rows[:keep], "tasks_truncated": True}
+        try:
+            encode_frame({"t": "status_reply", "status": status})
+        except ValueError:  # (over MAX_FRAME: rows grow with task ids, hosts and progress)
+            if keep == 0:
+                raise
+            keep //= 2
+            continue
+        return status
 
 
 def _print_stdout(line: str) -> None:

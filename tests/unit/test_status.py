@@ -149,3 +149,21 @@ def test_the_endpoint_answers_over_http_and_closes() -> None:
         server.close()
     server.close()  # idempotent
     assert "rabit2_job_world_size 1.0" in text
+
+
+def test_a_status_reply_is_cut_to_fit_one_frame() -> None:
+    from rabit2.core.control import MAX_FRAME, encode_frame  # noqa: PLC0415
+    from tracker.service import _fit_on_wire  # noqa: PLC0415
+
+    progress = {"version": 1 << 40, "seqno": 1 << 40, "calls": 1 << 40, "sent": 1 << 60,
+                "received": 1 << 60, "links_reset": 9, "replayed": 9, "resumed": 9,
+                "replaying": False}
+    rows = [{"task_id": f"{i:0>256}", "rank": i, "host": "h" * 255, "progress": progress}
+            for i in range(3000)]
+    status = {"world_size": 3000, "registered": 3000, "tasks": rows}
+    fitted = _fit_on_wire(status)
+    assert len(encode_frame({"t": "status_reply", "status": fitted})) <= MAX_FRAME + 4
+    assert fitted["tasks_truncated"] and 0 < len(fitted["tasks"]) < 2000
+    assert fitted["registered"] == 3000 and fitted["tasks"] == rows[:len(fitted["tasks"])]
+    small = {"world_size": 2, "tasks": rows[:2]}
+    assert _fit_on_wire(small) == small  # nothing to cut
