@@ -430,7 +430,10 @@ def test_three_neighbours_killed_together_end_typed_or_recover(
     failed = job.failures()
     # (a rank the tracker's abort reached before its neighbour's error has it as the reason)
     assert {f["type"] for f in failed} <= {"UnrecoverableError", "JobAbortedError"}, job.tail()
-    assert all("three or more neighbouring ranks" in f["msg"] for f in failed), job.tail()
+    # (either documented reason: the middle rank's version 0 caught out, or a restarted rank
+    # resuming a call its live neighbour finished and no longer retains, docs/recovery.md)
+    assert all("three or more neighbouring ranks" in f["msg"] or "no longer retains" in f["msg"]
+               for f in failed), job.tail()
     assert {int(f["rank"].removeprefix("task")) for f in failed} == set(range(8)), job.tail()
     assert job.elapsed < 20, job.elapsed
 
