@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from types import TracebackType
 
-from rabit2 import api
+from rabit2 import state
 from rabit2.errors import LiveSetError, RabitError
 
 logger = logging.getLogger("rabit2")
@@ -62,7 +62,7 @@ class live_set:  # (named as the function it stands for: ``with rabit2.live_set(
         self._live: LiveSet | None = None
 
     def __enter__(self) -> LiveSet:
-        comm = api._require()
+        comm = state.require()
         member = comm.membership
         if member is None:
             raise RuntimeError("rabit2.live_set() needs elastic mode: rabit2-submit "
@@ -86,7 +86,7 @@ class live_set:  # (named as the function it stands for: ``with rabit2.live_set(
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  tb: TracebackType | None) -> None:
-        comm = api._comm
+        comm = state.comm
         member = comm.membership
         with comm.lock:
             comm.engine, comm.live = None, None

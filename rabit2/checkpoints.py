@@ -1,0 +1,135 @@
+"""Checkpoints of the blocking API: :func:`checkpoint`, :func:`lazy_checkpoint`,
+:func:`load_checkpoint`, :func:`version_number` and :func:`recovery_statistics` (re-exported by
+:mod:`rabit2.api` and :mod:`rabit2`).  What every rank keeps, and how a restarted worker gets
+it back: ``docs/recovery.md``.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable
+from typing import Any
+
+from rabit2.state import Communicator as _Communicator
+from rabit2.state import comm as _comm
+from rabit2.state import mock_hit as _mock_hit
+from rabit2.state import require as _require
+
+# ----------------------------------------------------------------------------- checkpoints
+
+
+def checkpoint(global_model: Any, local_model: Any = None) -> None:
+    """Record the model state after an iteration; the version number goes up by one.
+
+    Models are pickled and kept in memory (nothing touches disk).  Collective calls after
+    this point are numbered from zero again (their identity is (version, seqno)).  With
+    recovery on, ``local_model`` is handed to the next ranks of the ring (not waited for).
+    Nothing is exchanged with the other ranks, so no peer's failure is raised here.
+
+    Raises :class:`~rabit2.errors.NotInitializedError` before :func:`init` or after
+    :func:`finalize`, and what ``pickle`` raises (``TypeError``, ``pickle.PicklingError``,
+    ...) for a model that cannot be pickled, before the version goes up.
+    """
+    comm = _require()
+    comm.global_model = pickle.dumps(global_model, protocol=pickle.HIGHEST_PROTOCOL)
+    comm.lazy_model = None
+    comm.local_model = (
+        None if local_model is None else pickle.dumps(local_model, pickle.HIGHEST_PROTOCOL)
+    )
+    _advance_version(comm, comm.global_model, comm.local_model)
+
+
+def lazy_checkpoint(global_model: Any, local_model: Any = None) -> None:
+    """Like :func:`checkpoint` without pickling the global model now: it must not change
+    until the next checkpoint (it is serialised only if a restarted peer needs it).  A
+    ``local_model`` (beyond rabit, whose lazy checkpoint has none) is pickled now and
+    replicated as with :func:`checkpoint`.
+
+    Raises :class:`~rabit2.errors.NotInitializedError` before :func:`init` or after
+    :func:`finalize`, and what ``pickle`` raises for a ``local_model`` that cannot be
+    pickled, before the version goes up."""
+    comm = _require()
+    comm.lazy_model = global_model
+    comm.global_model = None
+    comm.local_model = (
+        None if local_model is None else pickle.dumps(local_model, pickle.HIGHEST_PROTOCOL)
+    )
+    # pickled on the loop thread only if a restarted neighbour asks for it
+    _advance_version(comm, lambda: pickle.dumps(global_model, pickle.HIGHEST_PROTOCOL),
+                     comm.local_model)
+
+
+def _advance_version(comm: _Communicator, blob: bytes | Callable[[], bytes],
+                     local: bytes | None = None) -> None:
+    _mock_hit("checkpoint")
+    comm.must_load = False  # a program that checkpoints before loading starts afresh
+    if comm.engine is not None:
+        comm.version = comm.engine.checkpoint(blob, local)
+    else:
+        comm.version += 1
+    comm.seqno = 0
+
+
+def load_checkpoint(with_local: bool = False) -> tuple[Any, ...]:
+    """Return ``(version, global_model)`` (or with ``local_model`` too); ``(0, None)`` on a
+    fresh start.
+
+    In a worker that ``rabit2-submit`` restarted after a failure (recovery on), the first
+    call fetches the checkpoint from a live neighbour (and, with ``with_local``, its local
+    model from the next rank of the ring, which holds a replica): the program then replays
+    from that version, and the results of calls the others already finished come from
+    them.  Elsewhere it communicates nothing.
+
+    Raises :class:`~rabit2.errors.NotInitializedError` before :func:`init` or after
+    :func:`finalize`.  The fetch of a restarted worker raises
+    :class:`~rabit2.errors.UnrecoverableError` if no live neighbour holds what is needed,
+    :class:`~rabit2.errors.CollectiveTimeoutError` if nothing arrives within
+    ``timeout_sec``, and :class:`~rabit2.errors.JobAbortedError` if the job was aborted.
+    """
+    comm = _require()
+    if comm.must_load:
+        comm.must_load = False
+        version, blob, local = comm.engine.load_checkpoint(with_local)
+        comm.version, comm.seqno = version, 0
+        comm.global_model, comm.lazy_model, comm.local_model = blob, None, local
+    if comm.version == 0:
+        return (0, None, None) if with_local else (0, None)
+    if comm.lazy_model is not None:
+        model = comm.lazy_model
+    else:
+        model = None if comm.global_model is None else pickle.loads(comm.global_model)
+    if with_local:
+        local = None if comm.local_model is None else pickle.loads(comm.local_model)
+        return comm.version, model, local
+    return comm.version, model
+
+
+def version_number() -> int:
+    """How many checkpoints this job has taken (the version :func:`load_checkpoint`
+    returns; 0 when not initialised).  Never raises."""
+    return _comm.version if _comm.config is not None else 0
+
+
+def recovery_statistics() -> dict[str, int]:
+    """Counters of this worker's part in recoveries so far (``docs/recovery.md``):
+    ``links_up`` (links re-established after a loss or a reset), ``fetched_bytes`` (results,
+    checkpoints and local models copied from neighbours), ``resent_bytes`` (bytes sent again
+    because a replacement asked for them), ``replayed_calls`` and ``resumed_calls`` (calls a
+    restarted worker fetched, or resumed at byte offsets), ``corrupt_frames`` (frames from a
+    neighbour that failed their checksum, each followed by a reset of that link: see
+    ``docs/protocol.md``, "Checksums").  All 0 in single-process mode; with recovery off only
+    ``corrupt_frames`` can count.
+
+    Raises :class:`~rabit2.errors.NotInitializedError` before :func:`init` or after
+    :func:`finalize`."""
+    comm = _require()
+    if comm.engine is None:
+        return dict.fromkeys(("links_up", "fetched_bytes", "resent_bytes", "replayed_calls",
+                              "resumed_calls", "corrupt_frames"), 0)
+    stats: dict[str, int] = comm.engine.recovery_statistics()
+    return stats
+
+
+
+__all__ = ["checkpoint", "lazy_checkpoint", "load_checkpoint", "recovery_statistics",
+           "version_number"]

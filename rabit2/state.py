@@ -1,0 +1,111 @@
+"""The process-wide communicator (rabit has exactly one per process): what :func:`rabit2.init`
+made, the checks every public call starts with, and the one path every collective takes to
+the engine.  Shared by the API's modules (:mod:`rabit2.api`, :mod:`rabit2.calls`,
+:mod:`rabit2.checkpoints`, :mod:`rabit2.live`); not public.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+from rabit2.config import Config
+from rabit2.core.records import Call
+from rabit2.errors import NotInitializedError
+
+logger = logging.getLogger("rabit2")
+
+
+class Communicator:
+    """The process-wide communicator (rabit has exactly one per process)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.config: Config | None = None
+        self.engine: Any = None  # rabit2.io.engine.Engine when distributed
+        self.rank = 0
+        self.world = 1
+        self.version = 0
+        self.seqno = 0
+        self.global_model: bytes | None = None
+        self.lazy_model: Any = None
+        self.local_model: bytes | None = None
+        self.must_load = False  # a restarted worker whose checkpoint is with its neighbours
+        # elastic mode (docs/elastic.md): the worker's place in the job, its rank and size
+        # there, and the live set whose block it is in (rank and world are then the set's)
+        self.membership: Any = None  # rabit2.io.membership.Membership
+        self.job_rank = 0
+        self.job_world = 1
+        self.live: Any = None  # rabit2.live.LiveSet
+
+
+comm = Communicator()
+
+
+def require() -> Communicator:
+    if comm.config is None:
+        raise NotInitializedError("call rabit2.init() first")
+    return comm
+
+
+def collective() -> Communicator:
+    """:func:`_require`, for a collective: in elastic mode only inside a live set."""
+    comm = require()
+    if comm.membership is not None and comm.live is None:
+        raise RuntimeError("in elastic mode collectives run inside `with rabit2.live_set():` "
+                           "(docs/elastic.md)")
+    return comm
+
+
+def job() -> Any:
+    """What talks to the tracker for this process: the elastic membership, the engine, or
+    None when not distributed."""
+    return comm.membership if comm.membership is not None else comm.engine
+
+
+# ----------------------------------------------------------------------------- fault hooks
+
+
+def mock_hit(kind: str) -> tuple[int, int, bool]:
+    """rabit's mock engine: ``mock=rank,version,seqno,trial`` kills us at that call.
+
+    With a fifth field (``after_bytes``) the kill happens inside the call, once that many
+    payload bytes of it have arrived; the byte count is returned for the engine (-1: none),
+    with the rank whose link to reset instead of dying (-1: die), and whether to damage a
+    byte from that rank instead of resetting.
+    """
+    cfg = comm.config
+    if cfg is None or not cfg.mock:
+        return -1, -1, False
+    key = (comm.rank, comm.version, comm.seqno, cfg.num_attempt)
+    for spec in cfg.mock:
+        if (spec.rank, spec.version, spec.seqno, spec.trial) != key:
+            continue
+        if spec.after_bytes >= 0 and kind != "checkpoint":
+            return spec.after_bytes, spec.reset_peer, bool(spec.damage)
+        logger.error("[%d]@@@Hit Mock Error:%s at %s", comm.rank, kind, key)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return -1, -1, False
+
+
+def run(call: Call) -> None:
+    comm = require()
+    engine = comm.engine
+    if engine is None:
+        return
+    # one collective at a time per process: calls from several threads queue here (their
+    # order must still be the same on every rank, or the ranks get a MismatchError)
+    with comm.lock:
+        if comm.config is not None and comm.config.mock:
+            engine.run_call(call, *mock_hit(call.kind.name.lower()))
+        else:
+            engine.run_call(call)
+        comm.seqno += 1
+
+
+
+
+__all__ = ["Communicator", "collective", "comm", "job", "mock_hit", "require", "run"]
