@@ -97,6 +97,8 @@ class Membership:
             mock=())
         engine = Engine(config)
         engine.start()  # (closes itself if it fails)
+        if engine.tracker is not None:  # (the set's end is said by LiveSetError, once)
+            engine.tracker.abort_log_level = logging.DEBUG
         self.engine, self._engine_at = engine, offer.address
         return engine
 

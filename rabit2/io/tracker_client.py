@@ -171,6 +171,9 @@ class TrackerClient:
         self._closing = False  # shutdown/close requested: a lost connection is expected
         self._abort_reported = False
         self.on_abort: Callable[[str], None] | None = None
+        # how an abort is logged: a live set's own job (elastic mode) says it at DEBUG, the
+        # set's outcome being what its members raise
+        self.abort_log_level = logging.WARNING
         self.on_peer_lost: Callable[[int, int, str], None] | None = None
         self.on_peer_recovered: Callable[[int, int, tuple[str, int]], None] | None = None
         self._replies: dict[str, asyncio.Future[dict[str, Any]]] = {}  # reply type -> waiter
@@ -533,7 +536,7 @@ class TrackerClient:
         if self._abort_reported:
             return
         self._abort_reported = True
-        logger.warning("%s", reason)
+        logger.log(self.abort_log_level, "%s", reason)
         self._call(self.on_abort, reason)
 
     @staticmethod
