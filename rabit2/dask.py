@@ -140,10 +140,11 @@ def _worker_processes(client: Any) -> dict[str, Any]:
     return workers
 
 
-def _identity(info: dict[str, Any]) -> str:
-    """One worker process, told apart from a later one at the same address: its name and
-    its scratch directory (each worker process makes its own)."""
-    return f"{info.get('id', '')}|{info.get('local_directory', '')}"
+def _identities(workers: dict[str, Any]) -> dict[str, str]:
+    """Address -> the worker process there, told apart from a later one at the same address:
+    its name and its scratch directory (each worker process makes its own)."""
+    return {address: f"{info.get('id', '')}|{info.get('local_directory', '')}"
+            for address, info in workers.items()}
 
 
 def _choose_workers(client: Any, wanted: int | Sequence[str] | None) -> list[str]:
@@ -232,8 +233,7 @@ class _Job:
             params["rabit2_recover"] = max_attempts > 1
         self.token = secrets.token_hex(4)  # makes the task keys of this job unique
         # the workers at the last look: address -> the worker process's id
-        self.present = {address: _identity(info)
-                        for address, info in _worker_processes(client).items()}
+        self.present = _identities(_worker_processes(client))
 
     def run(self) -> list[Any]:
         try:
@@ -288,7 +288,7 @@ class _Job:
             if reason is not None:
                 return reason
             workers = _worker_processes(self.client)
-        self.present = {address: _identity(info) for address, info in workers.items()}
+        self.present = _identities(workers)
         present = set(self.present)
         registered = {task["task_id"] for task in (self.tracker.status() or {}).get("tasks", ())}
         for rank in self.ranks:

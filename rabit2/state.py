@@ -52,11 +52,13 @@ def require() -> Communicator:
 
 
 def collective() -> Communicator:
-    """:func:`_require`, for a collective: in elastic mode only inside a live set."""
-    comm = require()
+    """:func:`require`, for a collective (on every call's path: one check when not in
+    elastic mode): in elastic mode only inside a live set."""
     if comm.membership is not None and comm.live is None:
         raise RuntimeError("in elastic mode collectives run inside `with rabit2.live_set():` "
                            "(docs/elastic.md)")
+    if comm.config is None:
+        raise NotInitializedError("call rabit2.init() first")
     return comm
 
 

@@ -85,6 +85,10 @@ class _Conn:
     fenced: bool = False  # replaced by a newer registration of the same task
 
     def send(self, msg: dict[str, Any]) -> None:
+        self.send_frame(encode_frame(msg))
+
+    def send_frame(self, frame: bytes) -> None:
+        """Write an encoded frame, unless the peer does not read what it is sent."""
         if self.writer.is_closing():
             return
         if self.writer.transport.get_write_buffer_size() > _MAX_WRITE_BUFFER:
@@ -93,7 +97,7 @@ class _Conn:
                            self.peer)
             self.writer.close()
             return
-        self.writer.write(encode_frame(msg))
+        self.writer.write(frame)
 
 
 class Tracker:
@@ -381,7 +385,7 @@ class Tracker:
             only = msg.get("task_id")
             if only is not None and not isinstance(only, str):
                 raise ProtocolError("status.task_id must be a str")
-            conn.send({"t": "status_reply", "status": _fit_on_wire(self.status(only))})
+            conn.send_frame(_status_frame(self.status(only)))
             return True
         if kind == "give_up" and conn.role == "monitor":
             self._apply(self._registry.give_up(msg["task_id"], msg["reason"]))
@@ -548,22 +552,21 @@ async def _streams(sock: socket.socket,
         raise
 
 
-def _fit_on_wire(status: dict[str, Any]) -> dict[str, Any]:
-    """``status`` cut to at most :data:`_STATUS_TASKS_ON_WIRE` task rows and to what fits in
-    one frame (``tasks_truncated: true``); the totals above the list stay exact."""
+def _status_frame(status: dict[str, Any]) -> bytes:
+    """The ``status_reply`` frame of ``status``, its task rows cut to at most
+    :data:`_STATUS_TASKS_ON_WIRE` and to what fits in one frame (``tasks_truncated: true``);
+    the totals above the list stay exact."""
     rows = status["tasks"]
     keep = min(len(rows), _STATUS_TASKS_ON_WIRE)
     while True:
         if keep < len(rows):
             status = {**status, "tasks": rows[:keep], "tasks_truncated": True}
         try:
-            encode_frame({"t": "status_reply", "status": status})
+            return encode_frame({"t": "status_reply", "status": status})
         except ValueError:  # (over MAX_FRAME: rows grow with task ids, hosts and progress)
             if keep == 0:
                 raise
             keep //= 2
-            continue
-        return status
 
 
 def _print_stdout(line: str) -> None:

@@ -101,9 +101,10 @@ class TaskLauncher:
         for task in self.tasks:
             task.rank = self.tracker.rank_of(str(task.task_id))
         self._note("summary:")
-        ok = all(task.exit_code == 0 for task in self.tasks)
-        if self.options.elastic and result is not None and result.success:
-            ok = all(task.exit_code == 0 or task.status == "left" for task in self.tasks)
+        # (elastic: a task that left a job that went on to succeed is no failure of it)
+        left_ok = self.options.elastic and result is not None and result.success
+        ok = all(task.exit_code == 0 or (left_ok and task.status == "left")
+                 for task in self.tasks)
         self._writer.write(self._err, format_summary(
             self.tasks, job_line(result, ok, interrupted), None if ok else self._root_cause))
         if interrupted:
