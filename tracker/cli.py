@@ -27,6 +27,7 @@ import secrets
 import sys
 from collections.abc import Sequence
 
+import rabit2
 from rabit2.errors import TrackerError
 from rabit2.io.tracker_client import query_tracker_status
 from tracker import jobfile
@@ -44,6 +45,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="rabit2-tracker", description="Run a rabit2 tracker and print the worker env."
     )
+    parser.add_argument("--version", action="version",
+                        version=f"%(prog)s (rabit2 {rabit2.__version__})")
     parser.add_argument("--n", "-n", type=int, help="number of workers (required to run one)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
     parser.add_argument("--port", type=int, default=0, help="port to listen on (0: any free)")

@@ -132,6 +132,17 @@ def test_parse_args_errors(
     assert message in capsys.readouterr().err
 
 
+def test_both_commands_say_their_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import rabit2  # noqa: PLC0415
+    from tracker import cli  # noqa: PLC0415
+
+    for parse, prog in ((parse_args, "rabit2-submit"), (cli.parse_args, "rabit2-tracker")):
+        with pytest.raises(SystemExit) as info:
+            parse(["--version"])  # (before -n is asked for, as argparse does)
+        assert info.value.code == 0
+        assert capsys.readouterr().out == f"{prog} (rabit2 {rabit2.__version__})\n"
+
+
 def test_build_worker_env() -> None:
     tracker_env = {"DMLC_TRACKER_URI": "127.0.0.1", "DMLC_TRACKER_PORT": "9",
                    "DMLC_NUM_WORKER": "4", "RABIT2_SECRET": "ab"}

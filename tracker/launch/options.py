@@ -9,6 +9,8 @@ import shlex
 import socket
 from collections.abc import Sequence
 
+import rabit2
+
 CLUSTERS = ("local", "ssh", "slurm", "mpi")
 
 
@@ -149,6 +151,8 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
         description="Launch a rabit2 job: a tracker plus N workers running COMMAND.",
         usage="%(prog)s --cluster {local,ssh,slurm,mpi} -n N [options] -- command [args...]",
     )
+    parser.add_argument("--version", action="version",
+                        version=f"%(prog)s (rabit2 {rabit2.__version__})")
     parser.add_argument("--cluster", default="local", help=f"one of: {', '.join(CLUSTERS)}")
     parser.add_argument("-n", "--num-workers", type=int, required=True)
     # (the second spellings are dmlc-submit's and XGBoost's tracker's)

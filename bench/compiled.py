@@ -1,0 +1,137 @@
+"""Would compiling the call path pay?  This checkout, side by side with a copy of it whose
+call-path modules are compiled unchanged by Cython (docs/performance.md, "Compiled call path").
+
+    python bench/compiled.py                     # N=2 and 4: 4K..1M allreduce, the GBDT example
+    python bench/compiled.py --rounds 6 --n 2
+
+Needs Cython (``pip install cython``) and a C compiler.  The copy goes to a temporary folder
+(``--keep`` leaves it); each round runs both variants (in reverse order every other round) with
+``bench/run.py``, and a cell is the median over rounds; the ratio is the median of the
+per-round ratios source / compiled (> 1: compiled faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from units import fmt_time
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+#: what one allreduce or broadcast runs through, from the API to the agent and its links
+MODULES = [
+    "rabit2/calls.py", "rabit2/state.py",
+    *(f"rabit2/core/{m}.py" for m in (
+        "agent", "failures", "framing", "fsm", "ops", "pair", "peers", "planning", "progress",
+        "records", "sending")),
+    *(f"rabit2/core/recovery/{m}.py" for m in ("component", "replay", "store")),
+    *(f"rabit2/core/schedule/{m}.py" for m in (
+        "pair_exchange", "ring", "ring_allgather", "ring_allreduce", "tree_allreduce",
+        "tree_broadcast")),
+    *(f"rabit2/io/{m}.py" for m in ("driving", "engine", "links", "loop_thread", "waiting")),
+]
+BUILD = """\
+import sys
+from setuptools import setup
+from Cython.Build import cythonize
+setup(name="rabit2-compiled-copy", script_args=["build_ext", "--inplace", "-j", "{jobs}"],
+      ext_modules=cythonize(sys.argv[1:], quiet=True, compiler_directives={{
+          "language_level": 3, "annotation_typing": False}}))
+"""
+
+
+def make_copy(dest: Path) -> None:
+    """Copy the checkout's packages and bench/ to ``dest`` and compile MODULES there."""
+    skip = shutil.ignore_patterns("__pycache__", "results", ".venv*", ".setup")
+    for part in ("rabit2", "tracker", "bench"):
+        shutil.copytree(ROOT / part, dest / part, ignore=skip)
+    (dest / "bench" / "results").mkdir()
+    script = dest / "build_compiled.py"
+    script.write_text(BUILD.format(jobs=os.cpu_count() or 1))
+    print(f"compiling {len(MODULES)} modules in {dest} ...", flush=True)
+    proc = subprocess.run([sys.executable, str(script), *MODULES], cwd=dest,
+                          capture_output=True, text=True, check=False)
+    built = list(dest.glob("rabit2/**/*.so"))
+    if proc.returncode != 0 or len(built) != len(MODULES):
+        raise SystemExit(f"the build failed ({len(built)} of {len(MODULES)} modules):\n"
+                         + (proc.stdout + proc.stderr)[-3000:])
+
+
+def run_variant(tree: Path, args: list[str], out: Path) -> list[dict[str, Any]]:
+    """One ``bench/run.py`` job of ``tree``; its JSON rows."""
+    out.mkdir(parents=True)
+    cmd = [sys.executable, str(tree / "bench" / "run.py"), "--results", str(out), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=900)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+    rows: list[dict[str, Any]] = []
+    for raw in out.glob("*.jsonl"):
+        if "-collectives-" not in raw.name:
+            rows += [json.loads(line) for line in raw.read_text().splitlines() if line.strip()]
+    return rows
+
+
+def key_value(row: dict[str, Any]) -> tuple[str, float] | None:
+    if row.get("op") == "gbdt-bench":
+        return f"GBDT example N={row['world']}, s in allreduce (rank 0)", row["allreduce_s"]
+    if "median_s" in row:
+        kib = row["size_bytes"] // 1024
+        size = f"{kib // 1024} MiB" if kib >= 1024 else f"{kib} KiB"
+        return f"{row['op']} N={row['world']} {size}", row["median_s"]
+    return None
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--n", default="2,4")
+    ap.add_argument("--sizes", default="4K,64K,1M")
+    ap.add_argument("--ops", default="allreduce")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--keep", action="store_true", help="leave the compiled copy")
+    ns = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="rabit2-compiled-"))
+    try:
+        make_copy(work / "copy")
+        variants = {"source": ROOT, "compiled": work / "copy"}
+        jobs = [["--n", ns.n, "--sizes", ns.sizes, "--ops", ns.ops],
+                ["--n", ns.n, "--gbdt-only"]]
+        seen: dict[str, dict[str, list[float]]] = {}
+        for rnd in range(ns.rounds):
+            order = list(variants) if rnd % 2 == 0 else list(variants)[::-1]
+            for j, args in enumerate(jobs):
+                for name in order:
+                    rows = run_variant(variants[name], args, work / f"r{rnd}-j{j}-{name}")
+                    for row in rows:
+                        kv = key_value(row)
+                        if kv is not None:
+                            seen.setdefault(kv[0], {}).setdefault(name, []).append(kv[1])
+            print(f"round {rnd + 1} of {ns.rounds} done", flush=True)
+        print(f"\n| what ({ns.rounds} rounds, medians) | source | compiled | source / compiled |")
+        print("| --- | --- | --- | --- |")
+        for what, by in seen.items():
+            src, comp = by.get("source", []), by.get("compiled", [])
+            if not src or len(src) != len(comp):
+                continue
+            ratio = statistics.median(s / c for s, c in zip(src, comp, strict=True))
+            won = sum(c < s for s, c in zip(src, comp, strict=True))
+            print(f"| {what} | {fmt_time(statistics.median(src))} | "
+                  f"{fmt_time(statistics.median(comp))} | {ratio:.2f}x ({won}/{len(src)}) |")
+    finally:
+        if ns.keep:
+            print(f"kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
