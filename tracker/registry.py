@@ -76,6 +76,10 @@ class Task(Generic[C]):
     # (REJOIN_GRACE_SEC) before it counts as lost; the grace's token and the reason
     pending_loss: int | None = None
     loss_reason: str = ""
+    # the launcher saw its process end while its connection still looked open here (the
+    # two are heard on different threads, in either order): that connection's end is a
+    # loss at once, with no grace for a rejoin that cannot come
+    exited: bool = False
 
 
 class Registry(Generic[C]):
@@ -190,6 +194,7 @@ class Registry(Generic[C]):
             out += self._gone(task, "was replaced by a new process")
             task.incarnation += 1
             task.progress = None  # a new process counts afresh
+            task.exited = False
             if task.conn is not None:
                 # The newer process wins (incarnation fencing): the old one is a zombie.
                 out.append(self._fence(task, f"{describe(task)} registered again"))
@@ -307,7 +312,7 @@ class Registry(Generic[C]):
         if task.finished and not task.held:
             return []
         gone = self._gone(task, f"lost its tracker connection ({reason})")
-        if reason.startswith(SILENCE_REASON) or task.rank is None:
+        if reason.startswith(SILENCE_REASON) or task.rank is None or task.exited:
             return gone + self._declare_lost(task, reason)
         # the process may live (a blip on the path to it): it may rejoin within the grace
         self._log.info("%s: connection ended (%s); it may rejoin within %g s", describe(task),
@@ -329,10 +334,15 @@ class Registry(Generic[C]):
 
     def worker_exited(self, task_id: str) -> list[Decision[C]]:
         """The launcher saw ``task_id``'s process end: if its connection ended too, it will
-        not rejoin, so it is lost now rather than at the end of the rejoin grace."""
+        not rejoin, so it is lost now rather than at the end of the rejoin grace; if its
+        connection has not ended yet here, it is lost as soon as it does."""
         task = self.tasks.get(task_id)
-        if task is not None and task.pending_loss is not None:
+        if task is None:
+            return []
+        if task.pending_loss is not None:
             return self._declare_lost(task, task.loss_reason)
+        if task.conn is not None:
+            task.exited = True
         return []
 
     def mark_failed(self, task_id: str, reason: str) -> list[Decision[C]]:

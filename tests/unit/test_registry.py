@@ -159,6 +159,24 @@ def test_the_launcher_seeing_the_process_exit_ends_the_grace() -> None:
     assert registry.worker_exited("0") == []  # (once)
 
 
+def test_the_process_exit_heard_before_its_connection_ended_leaves_no_grace() -> None:
+    """The launcher reaps the process before the tracker's thread reads the end of its
+    connection: the end is then a loss at once (a grace would hold the survivors that wait
+    for the notice until the restart comes), and a restart starts with a clean slate."""
+    registry, _ = job(3)
+    assert registry.worker_exited("1") == []
+    decisions = registry.connection_ended("c1", "connection closed by the worker")
+    assert not [d for d in decisions if isinstance(d, Grace)]
+    assert hooks(decisions, "on_worker_lost")[0].args == ("1", 1,
+                                                           "connection closed by the worker")
+    told = sends(decisions, "peer_lost")
+    assert told and "1" not in told
+    assert all(d.msg["reason"] == "connection closed by the worker" for d in told.values())
+    register(registry, "c9", "1", port=9100, attempt=1)
+    (grace,) = registry.connection_ended("c9", "connection reset")
+    assert isinstance(grace, Grace)  # (the new process may still rejoin)
+
+
 def test_a_restart_gets_its_rank_back_and_its_neighbours_hear_of_it() -> None:
     registry, _ = job(3)
     registry.connection_ended("c1", "connection closed by the worker")
