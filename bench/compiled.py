@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -23,7 +24,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from units import fmt_time
+from units import fmt_size, fmt_time
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -67,12 +68,21 @@ def make_copy(dest: Path) -> None:
 
 
 def run_variant(tree: Path, args: list[str], out: Path) -> list[dict[str, Any]]:
-    """One ``bench/run.py`` job of ``tree``; its JSON rows."""
+    """One ``bench/run.py`` job of ``tree``, run in ``tree`` (``python -m`` puts the working
+    directory ahead of ``PYTHONPATH``: elsewhere the GBDT workers would import another copy);
+    its JSON rows."""
     out.mkdir(parents=True)
     cmd = [sys.executable, str(tree / "bench" / "run.py"), "--results", str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=900)
+    proc = subprocess.Popen(cmd, cwd=tree, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        text, _ = proc.communicate(timeout=900)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # (the launcher and its workers too)
+        proc.communicate()
+        raise SystemExit(f"{' '.join(cmd)} did not finish in 900 s") from None
     if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{text[-3000:]}")
     rows: list[dict[str, Any]] = []
     for raw in out.glob("*.jsonl"):
         if "-collectives-" not in raw.name:
@@ -84,9 +94,7 @@ def key_value(row: dict[str, Any]) -> tuple[str, float] | None:
     if row.get("op") == "gbdt-bench":
         return f"GBDT example N={row['world']}, s in allreduce (rank 0)", row["allreduce_s"]
     if "median_s" in row:
-        kib = row["size_bytes"] // 1024
-        size = f"{kib // 1024} MiB" if kib >= 1024 else f"{kib} KiB"
-        return f"{row['op']} N={row['world']} {size}", row["median_s"]
+        return f"{row['op']} N={row['world']} {fmt_size(row['size_bytes'])}", row["median_s"]
     return None
 
 

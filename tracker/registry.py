@@ -234,6 +234,7 @@ class Registry(Generic[C]):
             raise ProtocolError(f"{describe(task)} was declared lost (no rejoin within "
                                 f"{self._rejoin_grace:g} s): a restart takes its place")
         task.pending_loss = None  # (its grace ends for nothing)
+        task.exited = False  # (a rejoin proves the process lives: what ended was another one)
         out: list[Decision[C]] = []
         if task.conn is not None:  # (the old connection still looked open from here)
             out.append(self._fence(task, f"{describe(task)} rejoined on a new connection"))

@@ -250,8 +250,9 @@ class Tracker:
 
     def worker_exited(self, task_id: str) -> None:
         """The launcher saw ``task_id``'s process end: if its connection ended too, it will
-        not rejoin, so it is lost now rather than at the end of the rejoin grace.  Never
-        raises; an unknown task is ignored."""
+        not rejoin, so it is lost now rather than at the end of the rejoin grace; if its
+        connection has not ended yet here, it is lost as soon as it does.  Never raises; an
+        unknown task is ignored."""
         self._apply(self._registry.worker_exited(task_id))
 
     def mark_failed(self, task_id: str, reason: str) -> None:
