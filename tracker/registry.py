@@ -333,12 +333,16 @@ class Registry(Generic[C]):
 
     # -- events from the launcher ------------------------------------------------------------
 
-    def worker_exited(self, task_id: str) -> list[Decision[C]]:
-        """The launcher saw ``task_id``'s process end: if its connection ended too, it will
-        not rejoin, so it is lost now rather than at the end of the rejoin grace; if its
-        connection has not ended yet here, it is lost as soon as it does."""
+    def worker_exited(self, task_id: str, attempt: int | None = None) -> list[Decision[C]]:
+        """The launcher (or a supervisor, ``tracker.slot``) saw ``task_id``'s process end:
+        if its connection ended too, it will not rejoin, so it is lost now rather than at
+        the end of the rejoin grace; if its connection has not ended yet here, it is lost as
+        soon as it does.  ``attempt``: the run that ended; a report about another run than
+        the one registered (a late one, about a run already replaced) changes nothing."""
+        if not 0 < len(task_id) <= _MAX_TASK_ID:
+            raise ProtocolError(f"task_id must have 1..{_MAX_TASK_ID} characters")
         task = self.tasks.get(task_id)
-        if task is None:
+        if task is None or (attempt is not None and attempt != task.attempt):
             return []
         if task.pending_loss is not None:
             return self._declare_lost(task, task.loss_reason)

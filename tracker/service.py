@@ -388,12 +388,9 @@ class Tracker:
                 raise ProtocolError("status.task_id must be a str")
             conn.send_frame(_status_frame(self.status(only)))
             return True
-        if kind == "give_up" and conn.role == "monitor":
-            self._apply(self._registry.give_up(msg["task_id"], msg["reason"]))
-            return True
         if conn.role != "worker":
-            raise ProtocolError(f"a {conn.role} connection may only send status or give_up, "
-                                f"not {kind}")
+            self._on_monitor(conn, kind, msg)
+            return True
         registry = self._registry
         now = asyncio.get_running_loop().time()
         task = registry.task_of(conn)
@@ -435,6 +432,17 @@ class Tracker:
             raise ProtocolError(f"unexpected {kind} from a registered worker")
         self._apply(decide())
         return True
+
+    def _on_monitor(self, conn: _Conn, kind: str, msg: dict[str, Any]) -> None:
+        """What a supervisor (``tracker.slot``) tells of a task: out of attempts, or a run
+        of its process ended."""
+        if kind == "give_up" and conn.role == "monitor":
+            self._apply(self._registry.give_up(msg["task_id"], msg["reason"]))
+        elif kind == "exited" and conn.role == "monitor":
+            self._apply(self._registry.worker_exited(msg["task_id"], msg["attempt"]))
+        else:
+            raise ProtocolError(f"a {conn.role} connection may only send status, give_up or "
+                                f"exited, not {kind}")
 
     def _connection_ended(self, conn: _Conn, reason: str, broken: bool) -> None:
         if self._registry.task_of(conn) is None:

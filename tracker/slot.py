@@ -12,19 +12,20 @@ It runs the command (with ``DMLC_TASK_ID`` from the launcher's own index, see
 :func:`rabit2.config.launcher_task`, ``DMLC_NUM_ATTEMPT`` counting its runs and
 ``RABIT2_RECOVER=1`` unless set) and, when it exits non-zero, runs it again, up to
 ``--max-attempts`` runs in all, as ``rabit2-submit`` does for its workers; with recovery
-on, the new run rejoins the job and replays.  Before a restart it asks the tracker whether
-that is still any use: not when the job is over (finished or aborted), when this task
-already shut down (it failed for good after telling the tracker), or when the tracker
-cannot be reached.  When its attempts are used up it tells the tracker (``give_up``,
-``docs/protocol.md``), which aborts the job as ``rabit2-submit`` would: the other workers
-raise ``JobAbortedError`` at once instead of waiting for a replacement.  While a worker
-runs, the slot asks the tracker every ``--watch`` seconds whether it declared that worker
-lost (paused or wedged past the heartbeat deadline): then it kills it, and the usual
-restart follows.  SIGTERM, SIGINT
-or SIGHUP (the launcher cancelling the job) stop the command (SIGTERM, then SIGKILL after
+on, the new run rejoins the job and replays. Before a restart it tells the tracker that the
+run ended (``exited``, ``docs/protocol.md``: the other workers hear of the loss at once, as
+under ``rabit2-submit``) and asks whether a new run is still any use: not when the job is
+over (finished or aborted), when this task already shut down (it failed for good after
+telling the tracker), or when the tracker cannot be reached. When its attempts are used up
+it tells the tracker (``give_up``, ``docs/protocol.md``), which aborts the job as
+``rabit2-submit`` would: the other workers raise ``JobAbortedError`` at once instead of
+waiting for a replacement. While a worker runs, the slot asks the tracker every ``--watch``
+seconds whether it declared that worker lost (paused or wedged past the heartbeat
+deadline): then it kills it, and the usual restart follows. SIGTERM, SIGINT or SIGHUP (the
+launcher cancelling the job) stop the command (SIGTERM, then SIGKILL after
 ``--kill-grace``; it runs in this program's process group, which the launcher tracks) and
-end the supervisor without a restart.  Exit
-status: the last run's (128 + N for signal N), 2 on bad usage.
+end the supervisor without a restart. Exit status: the last run's (128 + N for signal N), 2
+on bad usage.
 """
 
 from __future__ import annotations
@@ -51,11 +52,11 @@ RESTART_QUERY_PATIENCE = 10.0  # asking again, with backoff, before a restart is
 _EXIT_GRACE = 2.0  # a worker seen disconnected gets this long to be exiting on its own
 
 
-def _ask_tracker(env: Mapping[str, str], task: str,
-                 give_up: tuple[str, str] | None = None) -> dict[str, Any] | str | None:
-    """The job's tracker status, listing ``task`` alone (after telling it ``give_up``, if
-    given); a string saying why it cannot be asked; None when there is no tracker (a
-    single-process program)."""
+def _ask_tracker(env: Mapping[str, str], task: str, give_up: tuple[str, str] | None = None,
+                 exited: int | None = None) -> dict[str, Any] | str | None:
+    """The job's tracker status, listing ``task`` alone (after telling it ``give_up``, or
+    that run ``exited`` of ``task`` ended, if given); a string saying why it cannot be
+    asked; None when there is no tracker (a single-process program)."""
     try:
         cfg = load_config(environ=env)  # the tracker and secret exactly as a worker reads them
     except ValueError as exc:
@@ -63,25 +64,30 @@ def _ask_tracker(env: Mapping[str, str], task: str,
     if cfg.tracker_uri is None:
         return None
     try:
-        return asyncio.run(query_tracker_status(cfg.tracker_uri, cfg.tracker_port, cfg.secret,
-                                                QUERY_TIMEOUT, give_up, task_id=task))
+        return asyncio.run(query_tracker_status(
+            cfg.tracker_uri, cfg.tracker_port, cfg.secret, QUERY_TIMEOUT, give_up,
+            task_id=task, exited=None if exited is None else (task, exited)))
     except RabitError as exc:
         return f"the tracker cannot be asked ({exc})"
 
 
 def restart_refused(env: Mapping[str, str], task: str,
-                    patience: float = RESTART_QUERY_PATIENCE) -> str | None:
+                    patience: float = RESTART_QUERY_PATIENCE,
+                    exited: int | None = None) -> str | None:
     """Why the tracker says a new run of ``task`` would be no use, or None if it would.
+    ``exited``: the run of ``task`` that just ended, which the tracker hears first (it
+    tells the other workers of the loss at once, instead of keeping the task's place for
+    a rejoin that cannot come).
 
     A tracker that cannot be reached is asked again, with backoff, for ``patience`` seconds:
     a blip on the tracker's path must not cost the job a worker."""
     deadline = time.monotonic() + patience
     delay = 0.2
-    status = _ask_tracker(env, task)
+    status = _ask_tracker(env, task, exited=exited)
     while isinstance(status, str) and time.monotonic() + delay <= deadline:
         time.sleep(delay)
         delay = min(delay * 2, 2.0)
-        status = _ask_tracker(env, task)
+        status = _ask_tracker(env, task, exited=exited)
     if status is None or isinstance(status, str):
         return status
     if status.get("done"):
@@ -166,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901
             # waiting for a replacement that will not come
             _ask_tracker(env, task, (task, f"exited with {code} after {run + 1} attempts"))
             return code
-        why = restart_refused(env, task)
+        why = restart_refused(env, task, exited=first_attempt + run)
         if why is not None:
             _note(task, f"exited with {code}; not restarting: {why}")
             return code

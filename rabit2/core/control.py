@@ -60,6 +60,7 @@ MESSAGE_FIELDS: Final[Mapping[str, Mapping[str, type]]] = {
     "live_done": {"epoch": int, "ok": bool, "reason": str},
     # monitor -> tracker (a supervisor such as tracker.slot)
     "give_up": {"task_id": str, "reason": str},
+    "exited": {"task_id": str, "attempt": int},
     # tracker -> worker
     "assign": {
         "rank": int,

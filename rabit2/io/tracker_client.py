@@ -552,12 +552,15 @@ class TrackerClient:
 async def query_tracker_status(
     host: str, port: int, secret: bytes, timeout: float,
     give_up: tuple[str, str] | None = None, task_id: str | None = None,
+    exited: tuple[str, int] | None = None,
 ) -> dict[str, Any]:
     """Ask a tracker for its :meth:`tracker.server.Tracker.status` over a monitor connection.
 
     ``task_id``: list that task alone (a job of 1024 tasks answers 100 KB otherwise).
     ``give_up=(task_id, reason)`` first tells it that a supervisor gave up on that task
-    (the tracker aborts the job); the status returned is then the one after that.
+    (the tracker aborts the job); ``exited=(task_id, attempt)``, that this run of that
+    task's process has ended (it is lost at once rather than after the rejoin grace); the
+    status returned is then the one after that.
     Raises :class:`TrackerError` if the tracker cannot be reached, refuses us or does not
     answer within ``timeout`` seconds.
     """
@@ -567,6 +570,9 @@ async def query_tracker_status(
         raise TrackerError(f"cannot query the tracker at {host}:{port}: {exc}") from exc
     reader, writer = await asyncio.open_connection(sock=sock)
     try:
+        if exited is not None:
+            writer.write(encode_frame({"t": "exited", "task_id": exited[0],
+                                       "attempt": exited[1]}))
         if give_up is not None:
             writer.write(encode_frame({"t": "give_up", "task_id": give_up[0],
                                        "reason": give_up[1]}))

@@ -237,3 +237,53 @@ def test_a_signal_to_the_slot_alone_stops_the_worker(tmp_path: Path) -> None:
     proc.send_signal(signal.SIGTERM)
     _out, err = proc.communicate(timeout=30)
     assert proc.returncode == 128 + signal.SIGTERM and "restarting" not in err
+
+
+RUN_AND_DIE_ONCE = (
+    "import os, sys, time\n"
+    "import numpy as np\n"
+    "import rabit2\n"
+    "rabit2.init()\n"
+    "if os.environ['DMLC_TASK_ID'] == '0' and os.environ['DMLC_NUM_ATTEMPT'] == '0':\n"
+    "    with open(sys.argv[1], 'w') as f:\n"
+    "        f.write(repr(time.monotonic()))\n"
+    "    os._exit(3)\n"
+    "x = np.ones(4, np.float32)\n"
+    "rabit2.allreduce(x, rabit2.Op.SUM)\n"
+    "assert x.tolist() == [2.0] * 4, x\n"
+    "rabit2.finalize()\n"
+)
+
+
+def test_the_slot_reports_the_exit_so_the_loss_is_known_before_the_restart(
+        tmp_path: Path) -> None:
+    """A worker dies after it registered; its slot waits 4 s before the restart. The slot
+    tells the tracker that the run ended, so the loss is declared within moments of the exit
+    (without that, only when the restart registers or the 5 s rejoin grace ends); the
+    restart then rejoins and the job finishes."""
+    tracker = TrackerThread(2, host="127.0.0.1", port=0, secret=SECRET)
+    tracker.start()
+    marker = tmp_path / "died"
+    try:
+        env = base_env(**tracker.worker_env())
+        victim = subprocess.Popen(
+            [sys.executable, "-m", "tracker.slot", "--max-attempts", "2", "--restart-delay",
+             "4", "--", sys.executable, "-c", RUN_AND_DIE_ONCE, str(marker)],
+            env={**env, "DMLC_TASK_ID": "0"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True)
+        survivor = subprocess.Popen(
+            [sys.executable, "-c", RUN_AND_DIE_ONCE, str(marker)],
+            env={**env, "DMLC_TASK_ID": "1", "RABIT2_RECOVER": "1"}, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
+        wait_until(marker.exists, 60, victim, "the first run's death")
+        wait_until(lambda: tracker.first_loss is not None, 10, victim, "the loss")
+        declared = time.monotonic()
+        died = float(marker.read_text() or "nan")
+        assert declared - died < 2.5, (declared - died, tracker.first_loss)
+        for proc in (victim, survivor):
+            _out, err = proc.communicate(timeout=60)
+            assert proc.returncode == 0, err
+        result = tracker.join(30)
+        assert result is not None and result.success
+    finally:
+        tracker.stop()

@@ -299,6 +299,32 @@ async def test_restart_gets_old_rank_and_next_incarnation(
 
 
 @pytest.mark.asyncio
+async def test_a_supervisor_reporting_the_exit_ends_the_rejoin_grace(
+    make_tracker: Callable[..., Any],
+) -> None:
+    """A worker's connection ends (its process died) while the rejoin grace is 30 s: a
+    supervisor's ``exited`` report about another run changes nothing, one about the run
+    that registered makes it lost at once, and its neighbour hears of it then."""
+    tracker = await make_tracker(2, rejoin_grace=30.0)
+    survivor, victim = await join_job(tracker, ["0", "1"])
+    await asyncio.gather(survivor.wait_assignment(5), victim.wait_assignment(5))
+    notices: list[tuple[int, int]] = []
+    survivor.on_peer_lost = lambda r, inc, why: notices.append((r, inc))
+    await victim.close()  # dies without shutdown
+    await wait_until(lambda: tracker._registry.tasks["1"].pending_loss is not None)
+    status = await query_tracker_status(HOST, tracker.port, SECRET, 5, task_id="1",
+                                        exited=("1", 3))
+    assert status["failures"] == 0
+    await asyncio.sleep(0.3)
+    assert not notices
+    status = await query_tracker_status(HOST, tracker.port, SECRET, 5, task_id="1",
+                                        exited=("1", 0))
+    assert status["failures"] == 1  # (handled before the status was made)
+    await wait_until(lambda: bool(notices), timeout=5.0)
+    assert notices == [(1, 0)]
+
+
+@pytest.mark.asyncio
 async def test_a_worker_whose_connection_breaks_rejoins_without_a_loss(
     make_tracker: Callable[..., Any],
 ) -> None:

@@ -159,6 +159,24 @@ def test_the_launcher_seeing_the_process_exit_ends_the_grace() -> None:
     assert registry.worker_exited("0") == []  # (once)
 
 
+def test_an_exit_reported_for_another_run_changes_nothing() -> None:
+    """A supervisor's report names the run that ended: one about an earlier run (late, its
+    replacement already registered) or a later one leaves the registered run's place alone;
+    the right run's report ends the grace; a task id out of bounds is a protocol error."""
+    registry, _ = job(2)
+    registry.connection_ended("c0", "connection reset")
+    assert registry.worker_exited("0", attempt=1) == []
+    assert registry.tasks["0"].pending_loss is not None  # (still in its grace)
+    assert hooks(registry.worker_exited("0", attempt=0), "on_worker_lost")
+    register(registry, "c5", "0", port=9100, attempt=1)
+    assert registry.worker_exited("0", attempt=0) == []
+    assert not registry.tasks["0"].exited  # (the new run's end still gets its grace)
+    (grace,) = registry.connection_ended("c5", "connection reset")
+    assert isinstance(grace, Grace)
+    with pytest.raises(ProtocolError, match="task_id"):
+        registry.worker_exited("x" * 300, attempt=0)
+
+
 def test_the_process_exit_heard_before_its_connection_ended_leaves_no_grace() -> None:
     """The launcher reaps the process before the tracker's thread reads the end of its
     connection: the end is then a loss at once (a grace would hold the survivors that wait
