@@ -122,8 +122,11 @@ class Planner:
             if kind is CollectiveKind.ALLREDUCE_PAIR:
                 if world != 2:
                     raise ValueError("the pair exchange needs a world of exactly 2")
+                # the result is made in the buffer that is then retained
+                keep = (recovery.pair_keep(len(call.buf), (self.agent.version, self.agent.seqno))
+                        if recovery is not None else None)
                 return PairExchange(call.buf, call.dtype, call.op, rank, 1 - rank,
-                                    self._scratch, self._send_scratch)
+                                    self._scratch, self._send_scratch, keep)
             if kind is CollectiveKind.ALLREDUCE_RING:
                 # the plan fills the buffer that is then retained as it makes the result
                 keep = (recovery.ring_keep(len(call.buf), (self.agent.version, self.agent.seqno))

@@ -45,10 +45,15 @@ Event = fsm.Event
 
 @dataclasses.dataclass(slots=True)  # (made per call: a frozen one takes ~5x longer to build)
 class Send:
-    """Write these buffers, in order, to the link to ``peer`` (header first)."""
+    """Write these buffers, in order, to the link to ``peer`` (header first).
+
+    ``volatile``: the agent changes the buffers once this command has been executed, so
+    what the kernel does not take at once must be copied (otherwise the I/O layer may keep
+    referring to them until they are written)."""
 
     peer: int
     buffers: list[bytes | memoryview]
+    volatile: bool = False
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

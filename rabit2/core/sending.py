@@ -53,6 +53,7 @@ class Sender:
         desc = active.desc
         version, seqno = active.call_id
         final = active.has_result
+        volatile = plan.volatile_out
         links = self.agent.links
         for peer, stream in plan.out_streams.items():
             link = links[peer]
@@ -77,14 +78,14 @@ class Sender:
                     n = len(view)
                     header = pack_header(FrameKind.DATA, desc, version, seqno, sent, n, 0,
                                          checksum(view))
-                    cmds.append(Send(peer, [header, view]))
+                    cmds.append(Send(peer, [header, view], volatile))
                     self.bytes_sent += n
                     self.frames_sent += 1
                     sent += n
             while ready > sent:
                 end = min(ready, sent + MAX_PAYLOAD)  # a frame's length is a u32
                 header = pack_header(FrameKind.DATA, desc, version, seqno, sent, end - sent)
-                cmds.append(Send(peer, [header, *stream.views(sent, end)]))
+                cmds.append(Send(peer, [header, *stream.views(sent, end)], volatile))
                 self.bytes_sent += end - sent
                 self.frames_sent += 1
                 sent = end

@@ -161,7 +161,9 @@ class Engine:
                 link = self.links.get(cmd.peer)
                 if link is None or link.transport is None or link.transport.is_closing():
                     continue
-                if self._writelines:
+                if cmd.volatile:
+                    link.write_copied(cmd.buffers)
+                elif self._writelines:
                     link.transport.writelines(cmd.buffers)
                 else:
                     # asyncio's writelines joins (copies) everything first on Python 3.11

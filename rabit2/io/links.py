@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import TYPE_CHECKING, cast
 
@@ -43,6 +44,25 @@ class PeerLink(asyncio.BufferedProtocol):
         # report "buffer non-empty" / "drained" exactly, so a call completes only once every
         # byte it handed to this transport has been copied into the kernel
         self.transport.set_write_buffer_limits(high=0, low=0)
+
+    def write_copied(self, buffers: list[bytes | memoryview]) -> None:
+        """Write ``buffers`` so that their owner may change them as soon as this returns
+        (a ``volatile`` send): the kernel takes what it can at once, and the transport gets
+        a copy of the rest (left to itself, it would keep referring to the buffers)."""
+        transport = self.transport
+        assert transport is not None
+        taken = 0
+        if self.fd >= 0 and not transport.get_write_buffer_size():
+            try:
+                taken = os.writev(self.fd, buffers)
+            except OSError:
+                # would block; or broken, which the transport finds out with the rest too,
+                # and hangs the link up as for any other write
+                taken = 0
+        if taken == sum(len(b) for b in buffers):
+            return
+        rest = b"".join(buffers)[taken:]  # (a copy; a full kernel buffer is the rare case)
+        transport.write(rest)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if not self.current:

@@ -63,3 +63,39 @@ def test_a_transfer_slower_than_the_progress_deadline_completes(
     assert done.returncode == 0, out
     assert out.count("broadcast ok") == 2, out
     assert time.monotonic() - started > 3, out  # the link really was slower than the deadline
+
+
+PAIR_PROGRAM = textwrap.dedent("""
+    import sys
+    import numpy as np
+    import rabit2
+
+    rabit2.init(sys.argv[1:])
+    rank = rabit2.get_rank()
+    for call in range(4):
+        # 480 KB per rank: a pair exchange whose result is made in the buffer kept for
+        # replays, while its input is still leaving over the slow link
+        data = (np.arange(60_000, dtype=np.float64) * (rank + 1) + call)
+        rabit2.allreduce(data, rabit2.Op.SUM)
+        want = np.arange(60_000, dtype=np.float64) * 3 + 2 * call
+        assert np.array_equal(data, want), (call, data[:4], want[:4])
+    print(f"rank={rank} pair ok", flush=True)
+    rabit2.finalize()
+""")
+
+
+def test_a_pair_exchange_whose_input_is_still_leaving_gets_the_exact_result(
+        slow_host: netns.Testbed, tmp_path: Path) -> None:
+    """At world size 2 with recovery on, the pair exchange sends the caller's array itself
+    and writes the result over it once the call completes, perhaps before the kernel took
+    all of it: over a slow link too, each rank gets the other's input, not its result
+    (tests/unit/test_links.py makes the partial write certain)."""
+    script = tmp_path / "pair.py"
+    script.write_text(PAIR_PROGRAM)
+    done = subprocess.run(
+        slow_host.run(1, [sys.executable, "-m", "tracker.submit", "--cluster", "local",
+                          "-n", "2", "--max-attempts", "2", "--", sys.executable, str(script)]),
+        capture_output=True, text=True, timeout=100, check=False)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert out.count("pair ok") == 2, out

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rabit2.core.agent import Agent, Call
+from rabit2.core.agent import Agent, Call, CallComplete, Command, Send
 from rabit2.core.framing import CallDescriptor, CollectiveKind
 from rabit2.core.fsm import State
 from rabit2.core.ops import Op
@@ -537,6 +537,98 @@ def test_a_ring_retains_its_result_copied_while_it_made_it(
         kept = net.agents[r].recovery.results.get(net.done[r])
         assert kept is not None
         assert bytes(kept[1]) == bufs[r].tobytes()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_pair_exchange_makes_its_result_in_the_retained_buffer(
+        monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """At world size 2 with recovery on, a result above the small-result size is made in
+    the buffer the store then keeps (one buffer taken per call, nothing copied into it at
+    the end); the input is sent from the caller's array itself, in volatile sends, and the
+    array holds the input until the call completes, then the result."""
+    taken = _count_takes(monkeypatch)
+    rng = np.random.default_rng(seed)
+    data = [rng.integers(-1000, 1000, 30_001).astype(np.float64) for _ in range(2)]
+    bufs = [d.copy() for d in data]
+    net = SimNet(2, seed=seed, max_piece=9_001, recover=True)
+    sends: list[Send] = []
+    seen_input = []
+    execute = net.execute
+
+    def watching(rank: int, cmds: list[Command]) -> None:
+        sends.extend(c for c in cmds if isinstance(c, Send) and len(c.buffers) > 1)
+        if not any(isinstance(c, CallComplete) for c in cmds):
+            seen_input.append(bufs[rank].tobytes() == data[rank].tobytes())
+        execute(rank, cmds)
+
+    monkeypatch.setattr(net, "execute", watching)
+    net.run({r: Call(CollectiveKind.ALLREDUCE_PAIR, memoryview(bufs[r]).cast("B"),
+                     np.dtype(np.float64), Op.SUM) for r in range(2)})
+    assert not net.failed and len(net.done) == 2
+    expect = (data[0] + data[1]).tobytes()
+    assert all(b.tobytes() == expect for b in bufs)
+    assert taken == [bufs[0].nbytes] * 2  # one retained buffer per rank, no other
+    assert sends and all(c.volatile for c in sends)
+    assert seen_input and all(seen_input)  # (before completing, the array is the input)
+    for r in range(2):
+        kept = net.agents[r].recovery.results.get(net.done[r])
+        assert kept is not None and bytes(kept[1]) == expect
+
+
+def test_a_small_pair_result_and_recovery_off_keep_the_input_copy() -> None:
+    """Up to the small-result size (kept as bytes), and with recovery off (nothing kept),
+    the pair exchange sends a copy of the input as before: its sends are not volatile."""
+    for recover, count in ((True, 1000), (False, 30_001)):
+        bufs = [np.full(count, r + 1, np.float64) for r in range(2)]
+        net = SimNet(2, recover=recover)
+        begun = {r: net.agents[r].begin(
+            Call(CollectiveKind.ALLREDUCE_PAIR, memoryview(bufs[r]).cast("B"),
+                 np.dtype(np.float64), Op.SUM), 0.0) for r in range(2)}
+        sends = [c for cmds in begun.values() for c in cmds if isinstance(c, Send)]
+        assert sends and not any(c.volatile for c in sends)
+        for r, cmds in begun.items():
+            net.execute(r, cmds)
+        while net.step():
+            pass
+        assert all((b == 3.0).all() for b in bufs)
+
+
+PAIR_SEEDS = [s for s in range(600) if int(np.random.default_rng([7919, s]).integers(2, 9)) == 2]
+"""Seeds of ``random_plan`` whose world size is 2 (where allreduces go pairwise)."""
+
+
+@pytest.mark.parametrize("seed", PAIR_SEEDS[:24])
+def test_random_fault_plans_with_every_pair_result_made_in_place(
+        monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """Random fault plans at world size 2 with every pair exchange making its result in the
+    retained buffer (normally only above 64 KiB): kills, resets and resumes meet results made
+    aside, arrays that hold the input until the end, and results fetched from a neighbour
+    instead."""
+    monkeypatch.setattr("rabit2.core.recovery.component.SMALL_RESULT", 0)
+    run_random_plan(seed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", PAIR_SEEDS[24:])
+def test_random_fault_plans_with_every_pair_result_made_in_place_soak(
+        monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+    """The same, over the other seeds below 600 (``pytest --slow -k made_in_place_soak``)."""
+    monkeypatch.setattr("rabit2.core.recovery.component.SMALL_RESULT", 0)
+    run_random_plan(seed)
+
+
+@pytest.mark.parametrize("at", [(0, 0), (1, 1), (2, 0)])
+@pytest.mark.parametrize("victim", [0, 1])
+def test_kill_mid_pair_call_with_its_result_made_in_place(
+        monkeypatch: pytest.MonkeyPatch, at: tuple[int, int], victim: int) -> None:
+    """A rank killed before, inside and at the end of a pair exchange whose result is made
+    in the retained buffer: its restart replays and resumes, and every result is exact."""
+    monkeypatch.setattr("rabit2.core.recovery.component.SMALL_RESULT", 0)
+    program = [[SMALL, Spec("allreduce", 700)], [Spec("broadcast", 300, root=1), SMALL],
+               [Spec("allreduce", 900), SMALL]]
+    nbytes = program[at[0]][at[1]].count * 8
+    for seed, after in enumerate([0, nbytes // 3, nbytes - 1]):
+        run_job(2, [Kill(victim, at, after)], seed=seed, program=program)
 
 
 def _count_takes(monkeypatch: pytest.MonkeyPatch) -> list[int]:

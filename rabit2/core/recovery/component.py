@@ -27,7 +27,7 @@ from rabit2.core.recovery.port import AgentPort
 from rabit2.core.recovery.replay import Replay
 from rabit2.core.recovery.replicas import LocalReplicas
 from rabit2.core.recovery.store import GENERATIONS, SMALL_RESULT, ResultStore
-from rabit2.core.schedule import EMPTY, RingAllreduce, TreeBroadcast
+from rabit2.core.schedule import EMPTY, PairExchange, RingAllreduce, TreeBroadcast
 from rabit2.errors import PeerLostError, ProtocolError, RabitError, UnrecoverableError
 
 State = fsm.State
@@ -95,6 +95,14 @@ class Recovery:
             return results.take(nbytes).data
         return None
 
+    def pair_keep(self, nbytes: int, call: tuple[int, int]) -> memoryview | None:
+        """The buffer a pair exchange makes its result in, to be retained; None for a result
+        kept as bytes (small ones), or not kept at all."""
+        results = self.results
+        if nbytes > SMALL_RESULT and results.fits(nbytes) and results.wants(call):
+            return results.take(nbytes).data
+        return None
+
     def start_mirror(self, active: ActiveCall, plan: TreeBroadcast) -> None:
         """A receiving rank of a broadcast of known size: take the buffer that the stream
         is copied to as it arrives.  Small results are kept as bytes, and one larger than
@@ -139,10 +147,16 @@ class Recovery:
             self.mirror(active, plan.in_streams[plan.in_link].length)
             self.results.keep(active.call_id, active.desc, active.mirror)
             return
-        if not isinstance(plan, RingAllreduce) or plan.keep is None or active.has_result:
+        if (not isinstance(plan, (RingAllreduce, PairExchange)) or plan.keep is None
+                or active.has_result):
             self.results.add(active.call_id, active.desc, _result_pieces(active))
             return
         keep = plan.keep
+        if isinstance(plan, PairExchange):
+            blob = keep.obj
+            assert isinstance(blob, np.ndarray) and blob.nbytes == keep.nbytes
+            self.results.keep(active.call_id, active.desc, blob)
+            return
         if plan.own_fetched:
             lo, hi = plan.own_segment
             keep[lo:hi] = active.call.buf[lo:hi]

@@ -114,10 +114,18 @@ class Resume:
 class Plan:
     """Base of every schedule: streams per link plus the counters that gate them."""
 
+    volatile_out = False
+    """Whether the out-streams' bytes change once the call completes (:meth:`finish`):
+    their sends are then ``volatile``."""
+
     def __init__(self) -> None:
         self.in_streams: dict[int, Stream] = {}
         self.out_streams: dict[int, Stream] = {}
         self.received: dict[int, int] = {}
+
+    def finish(self) -> None:
+        """The call completed with the result this plan made (not one fetched from a
+        neighbour): put it where the caller expects it, if it was made elsewhere."""
 
     def _set_streams(self, ins: dict[int, Stream], outs: dict[int, Stream]) -> None:
         self.in_streams = ins

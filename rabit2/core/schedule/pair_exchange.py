@@ -12,22 +12,38 @@ class PairExchange(Plan):
     """World size 2: both ranks send their whole input and reduce what arrives.
 
     One network hop instead of the tree's two (up, then down), which halves small-call
-    latency.  The input is first copied to the link's send buffer, so the reduction can
-    overwrite ``buf`` while the copy is still being sent.  Both ranks compute
-    ``op(input of rank 0, input of rank 1)`` in that order, so the bits agree even for
-    NaN payloads.  Used up to the ring threshold (the copy stays small).
+    latency.  Both ranks compute ``op(input of rank 0, input of rank 1)`` in that order, so
+    the bits agree even for NaN payloads; the output never aliases an operand.  Used up to
+    the ring threshold.
+
+    Without ``keep``, the input is first copied to the link's send buffer, so that the
+    reduction can overwrite ``buf`` while the copy is still being sent.  With ``keep``
+    (recovery on: the buffer retained as this call's result, as long as ``buf``), the input
+    is sent from ``buf`` itself and the reduction writes ``keep``, which :meth:`finish`
+    copies into ``buf`` when the call completes: one pass over the bytes fewer, since the
+    result is retained without a further copy.  ``buf`` then holds the input until the end
+    (a resumed link is served from it), and the sends are volatile: ``buf`` changes once the
+    call completes, perhaps before the kernel took all of it.
     """
 
     def __init__(self, buf: memoryview, dtype: np.dtype, op: Op, rank: int, peer: int,
-                 scratch: ScratchFn, send_scratch: ScratchFn) -> None:
+                 scratch: ScratchFn, send_scratch: ScratchFn,
+                 keep: memoryview | None = None) -> None:
         super().__init__()
         self.buf, self.dtype, self.op, self.peer = buf, dtype, op, peer
         self.lower_first = rank < peer
         n = len(buf)
         self.landing = scratch(peer, n)
-        self.copy = send_scratch(peer, n)
-        self.copy[:] = buf
-        self._set_streams({peer: Stream([self.landing])}, {peer: Stream([self.copy])})
+        self.keep = keep
+        if keep is None:
+            self.input = send_scratch(peer, n)  # what is sent, and reduced from
+            self.input[:] = buf
+            self.out = buf  # where the result is made
+        else:
+            self.input = buf
+            self.out = keep
+            self.volatile_out = True
+        self._set_streams({peer: Stream([self.landing])}, {peer: Stream([self.input])})
         self.reduced = 0
 
     def on_received(self, peer: int, pos: int) -> None:
@@ -38,17 +54,21 @@ class PairExchange(Plan):
         lo = self.reduced
         # the same call on both ranks, with inputs that never alias the output: which NaN
         # payload survives can depend on operand order and on aliasing
-        mine, theirs = self.copy[lo:upto], self.landing[lo:upto]
+        mine, theirs = self.input[lo:upto], self.landing[lo:upto]
         first, second = (mine, theirs) if self.lower_first else (theirs, mine)
-        reduce_bytes_ordered(self.op, self.dtype, self.buf[lo:upto], first, second)
+        reduce_bytes_ordered(self.op, self.dtype, self.out[lo:upto], first, second)
         self.reduced = upto
 
+    def finish(self) -> None:
+        if self.keep is not None:
+            self.buf[:] = self.keep
+
     def out_ready(self, peer: int) -> int:
-        return len(self.copy)
+        return len(self.input)
 
     def check_invariants(self) -> None:
         super().check_invariants()
         assert self.reduced <= self.received[self.peer]
 
     def final_from(self, peer: int) -> int:
-        return len(self.copy)  # the stream is this rank's input, never the result
+        return len(self.input)  # the stream is this rank's input, never the result
