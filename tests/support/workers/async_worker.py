@@ -6,6 +6,7 @@ block instead, and every other rank reports the error its next collective raises
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 
 import numpy as np
@@ -14,7 +15,7 @@ import rabit2
 
 
 async def fail_in_block() -> None:
-    rank = -1
+    rank = -1  # (the abort can reach a worker still wiring its links, before it has a rank)
     try:
         async with rabit2.aio.Communicator() as comm:
             rank = comm.rank
@@ -22,7 +23,8 @@ async def fail_in_block() -> None:
                 raise ValueError("bad input on rank 1")
             await comm.allreduce(np.ones(4), rabit2.Op.SUM)
     except rabit2.RabitError as exc:
-        print(f"ASYNC ABORTED rank={rank} {type(exc).__name__}: {exc}", flush=True)
+        task = os.environ.get("DMLC_TASK_ID")
+        print(f"ASYNC ABORTED task={task} rank={rank} {type(exc).__name__}: {exc}", flush=True)
 
 
 async def main() -> None:
