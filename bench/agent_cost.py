@@ -40,6 +40,8 @@ class Pair:
             if isinstance(cmd, Send):
                 self.queued[rank].append(b"".join(bytes(b) for b in cmd.buffers))
             elif isinstance(cmd, CallComplete):
+                if cmd.finish is not None:
+                    cmd.finish()
                 done = True
         return done
 

@@ -339,8 +339,6 @@ class Registry(Generic[C]):
         the end of the rejoin grace; if its connection has not ended yet here, it is lost as
         soon as it does.  ``attempt``: the run that ended; a report about another run than
         the one registered (a late one, about a run already replaced) changes nothing."""
-        if not 0 < len(task_id) <= _MAX_TASK_ID:
-            raise ProtocolError(f"task_id must have 1..{_MAX_TASK_ID} characters")
         task = self.tasks.get(task_id)
         if task is None or (attempt is not None and attempt != task.attempt):
             return []
@@ -349,6 +347,13 @@ class Registry(Generic[C]):
         if task.conn is not None:
             task.exited = True
         return []
+
+    def exit_reported(self, task_id: str, attempt: int) -> list[Decision[C]]:
+        """A supervisor (tracker.slot) says run ``attempt`` of ``task_id`` ended: as
+        :meth:`worker_exited`, for a task id read from the wire."""
+        if not 0 < len(task_id) <= _MAX_TASK_ID:
+            raise ProtocolError(f"task_id must have 1..{_MAX_TASK_ID} characters")
+        return self.worker_exited(task_id, attempt)
 
     def mark_failed(self, task_id: str, reason: str) -> list[Decision[C]]:
         """The launcher gave up on ``task_id``: abort the job, naming the task and reason."""

@@ -439,7 +439,7 @@ class Tracker:
         if kind == "give_up" and conn.role == "monitor":
             self._apply(self._registry.give_up(msg["task_id"], msg["reason"]))
         elif kind == "exited" and conn.role == "monitor":
-            self._apply(self._registry.worker_exited(msg["task_id"], msg["attempt"]))
+            self._apply(self._registry.exit_reported(msg["task_id"], msg["attempt"]))
         else:
             raise ProtocolError(f"a {conn.role} connection may only send status, give_up or "
                                 f"exited, not {kind}")

@@ -84,10 +84,14 @@ def restart_refused(env: Mapping[str, str], task: str,
     deadline = time.monotonic() + patience
     delay = 0.2
     status = _ask_tracker(env, task, exited=exited)
+    if isinstance(status, str) and exited is not None:
+        # (a tracker of an older rabit2 closes a connection that sends ``exited``: the
+        # report is a courtesy, the restart is what matters)
+        status = _ask_tracker(env, task)
     while isinstance(status, str) and time.monotonic() + delay <= deadline:
         time.sleep(delay)
         delay = min(delay * 2, 2.0)
-        status = _ask_tracker(env, task, exited=exited)
+        status = _ask_tracker(env, task)
     if status is None or isinstance(status, str):
         return status
     if status.get("done"):

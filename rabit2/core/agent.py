@@ -282,12 +282,11 @@ class Agent:
                 return
         self.active = None
         self._calls_completed += 1
-        if not active.has_result:
-            plan.finish()  # (a fetched result is in the caller's buffer already)
         if self.recovery is not None:
             self.recovery.on_complete(active, active.desc.kind in EVERY_RANK_CONTRIBUTES)
         self.go(Event.OP_COMPLETE)
-        cmds.append(CallComplete(active.call_id))
+        # (a fetched result is in the caller's buffer already)
+        cmds.append(CallComplete(active.call_id, None if active.has_result else plan.finish))
 
     # ------------------------------------------------------------------ checkpoints
 

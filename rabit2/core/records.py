@@ -9,6 +9,7 @@ socket.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -68,9 +69,14 @@ class ResumeReading:
 
 @dataclasses.dataclass(slots=True)  # (made per call: a frozen one takes ~5x longer to build)
 class CallComplete:
-    """The current call finished on this rank; ``call_id`` = (version, seqno)."""
+    """The current call finished on this rank; ``call_id`` = (version, seqno).
+
+    ``finish``: to run when this command is executed, after every command before it (so
+    after the sends that still read the caller's array): a plan that made the result
+    elsewhere puts it there (:attr:`rabit2.core.schedule.Plan.finish`)."""
 
     call_id: tuple[int, int]
+    finish: Callable[[], None] | None = dataclasses.field(default=None, compare=False)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

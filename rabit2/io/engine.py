@@ -170,6 +170,8 @@ class Engine:
                     for buf in cmd.buffers:
                         link.transport.write(buf)
             elif isinstance(cmd, CallComplete):
+                if cmd.finish is not None:
+                    cmd.finish()  # (the sends before it were written or copied)
                 if self.agent.replay_overflow >= 0 and not self._overflow_told:
                     self._tell_overflow()
                 if self.faults.kill_at >= 0:  # fewer bytes arrived than asked: fail at the end

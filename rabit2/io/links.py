@@ -59,10 +59,15 @@ class PeerLink(asyncio.BufferedProtocol):
                 # would block; or broken, which the transport finds out with the rest too,
                 # and hangs the link up as for any other write
                 taken = 0
-        if taken == sum(len(b) for b in buffers):
-            return
-        rest = b"".join(buffers)[taken:]  # (a copy; a full kernel buffer is the rare case)
-        transport.write(rest)
+        rest: list[bytes | memoryview] = []
+        for buf in buffers:
+            if taken >= len(buf):
+                taken -= len(buf)
+            else:
+                rest.append(memoryview(buf)[taken:])
+                taken = 0
+        if rest:
+            transport.write(b"".join(rest))  # (one copy; a full kernel buffer is the rare case)
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if not self.current:

@@ -134,6 +134,28 @@ def test_no_restart_once_the_job_is_over_or_the_tracker_is_gone() -> None:
     assert restart_refused(base_env(), "1") is None  # no tracker at all: nothing to ask
 
 
+def test_a_tracker_that_refuses_the_exit_report_still_allows_the_restart(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tracker of an older rabit2 closes a monitor connection that sends ``exited``: the
+    slot then asks without it, and the restart goes ahead."""
+    from rabit2.errors import ProtocolError  # noqa: PLC0415
+    from tracker.registry import Registry  # noqa: PLC0415
+
+    def refuse(self: object, task_id: str, attempt: int) -> list[object]:
+        raise ProtocolError("a monitor connection may only send status or give_up, not exited")
+
+    monkeypatch.setattr(Registry, "exit_reported", refuse)
+    tracker = TrackerThread(2, host="127.0.0.1", port=0, secret=SECRET)
+    tracker.start()
+    try:
+        env = base_env(DMLC_TASK_ID="1", **tracker.worker_env())
+        started = time.monotonic()
+        assert restart_refused(env, "1", exited=0) is None
+        assert time.monotonic() - started < 5  # (not refused after 10 s of asking)
+    finally:
+        tracker.stop()
+
+
 def test_a_tracker_blip_does_not_refuse_a_restart() -> None:
     """The tracker cannot be reached for a second (here: it is not up yet): the slot asks
     again with backoff and, once it answers, restarts the worker."""

@@ -71,6 +71,8 @@ class SimNet:
             elif isinstance(cmd, ResumeReading):
                 self.paused.discard((rank, cmd.peer))
             elif isinstance(cmd, CallComplete):
+                if cmd.finish is not None:
+                    cmd.finish()
                 self.done[rank] = cmd.call_id
             elif isinstance(cmd, CallFailed):
                 self.failed[rank] = cmd.error

@@ -593,27 +593,105 @@ def test_a_small_pair_result_and_recovery_off_keep_the_input_copy() -> None:
         assert all((b == 3.0).all() for b in bufs)
 
 
+@pytest.mark.parametrize("checked", [False, True])
+def test_a_pair_resend_answered_with_the_last_bytes_in_one_read_sends_the_input(
+        checked: bool) -> None:
+    """A 160 KB pair exchange whose link resets while rank 0 lacks only the last 800 bytes of
+    rank 1's input, and rank 1's lacks half of rank 0's.  After the reset rank 0 reads rank
+    1's state and those 800 bytes in one read: its resend of the input to rank 1 is queued,
+    then the call completes.  The resend must carry the input, not the result that lands in
+    the same array once the call completed (on links without payload checksums nothing else
+    would tell them apart)."""
+    count = 20_000  # above the small-result size: the result is made in the kept buffer
+    data = [np.arange(count, dtype=np.float64) * (r + 1) for r in range(2)]
+    bufs = [d.copy() for d in data]
+    net = SimNet(2, seed=0, recover=True, checked=checked)
+    for r in range(2):
+        net.execute(r, net.agents[r].begin(
+            Call(CollectiveKind.ALLREDUCE_PAIR, memoryview(bufs[r]).cast("B"),
+                 np.dtype(np.float64), Op.SUM), 0.0))
+
+    def deliver(src: int, dst: int, nbytes: int) -> None:
+        q, pos = net.queues[(src, dst)], 0
+        while pos < nbytes:
+            target = net.agents[dst].recv_buffer(src)
+            n = min(len(target), nbytes - pos)
+            target[:n] = q[pos : pos + n]
+            pos += n
+            net.execute(dst, net.agents[dst].on_bytes(src, n, net.now))
+        del q[:nbytes]
+
+    deliver(1, 0, len(net.queues[(1, 0)]) - 800)
+    deliver(0, 1, len(net.queues[(0, 1)]) // 2)
+    for link in ((0, 1), (1, 0)):
+        del net.queues[link][:]  # (in flight when the link reset)
+    for a, b in ((0, 1), (1, 0)):
+        net.execute(a, net.agents[a].on_hangup(b, "reset", net.now))
+    for a, b in ((0, 1), (1, 0)):
+        net.execute(a, net.agents[a].on_link_up(b, net.agents[b].incarnation, net.now))
+    deliver(0, 1, len(net.queues[(0, 1)]))  # rank 1 answers with what rank 0 lacks
+    deliver(1, 0, len(net.queues[(1, 0)]))  # its state and the 800 bytes, in one read
+    while net.step():
+        pass
+    assert not net.failed and len(net.done) == 2
+    want = data[0] + data[1]
+    assert all(np.array_equal(b, want) for b in bufs)
+
+
+@pytest.mark.parametrize("checked", [False, True])
+def test_a_pair_input_staged_whole_before_the_call_began(
+        monkeypatch: pytest.MonkeyPatch, checked: bool) -> None:
+    """Rank 1's whole input arrived (staged, held) before rank 0 began: rank 0's call
+    completes inside ``begin``, with its own send still queued in the same commands; that
+    send must carry rank 0's input, and the array the result."""
+    monkeypatch.setattr("rabit2.core.recovery.component.SMALL_RESULT", 0)
+    data = [np.arange(100, dtype=np.float64) * (r + 1) for r in range(2)]
+    bufs = [d.copy() for d in data]
+    net = SimNet(2, seed=1, recover=True, checked=checked)
+
+    def call(r: int) -> Call:
+        return Call(CollectiveKind.ALLREDUCE_PAIR, memoryview(bufs[r]).cast("B"),
+                    np.dtype(np.float64), Op.SUM)
+
+    net.execute(1, net.agents[1].begin(call(1), 0.0))
+    while net.step():
+        pass
+    begun = net.agents[0].begin(call(0), 0.0)
+    assert any(isinstance(c, CallComplete) for c in begun)  # (completed within begin)
+    net.execute(0, begun)
+    while net.step():
+        pass
+    assert not net.failed and len(net.done) == 2
+    want = data[0] + data[1]
+    assert all(np.array_equal(b, want) for b in bufs)
+
+
 PAIR_SEEDS = [s for s in range(600) if int(np.random.default_rng([7919, s]).integers(2, 9)) == 2]
 """Seeds of ``random_plan`` whose world size is 2 (where allreduces go pairwise)."""
 
 
+@pytest.mark.parametrize("checked", [False, True])
 @pytest.mark.parametrize("seed", PAIR_SEEDS[:24])
 def test_random_fault_plans_with_every_pair_result_made_in_place(
-        monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+        monkeypatch: pytest.MonkeyPatch, seed: int, checked: bool) -> None:
     """Random fault plans at world size 2 with every pair exchange making its result in the
     retained buffer (normally only above 64 KiB): kills, resets and resumes meet results made
     aside, arrays that hold the input until the end, and results fetched from a neighbour
-    instead."""
+    instead; with payload checksums and without (as between ranks on one host), where a
+    send that carried result bytes would go unnoticed but for the results."""
     monkeypatch.setattr("rabit2.core.recovery.component.SMALL_RESULT", 0)
+    monkeypatch.setitem(KW, "checked", checked)
     run_random_plan(seed)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("checked", [False, True])
 @pytest.mark.parametrize("seed", PAIR_SEEDS[24:])
 def test_random_fault_plans_with_every_pair_result_made_in_place_soak(
-        monkeypatch: pytest.MonkeyPatch, seed: int) -> None:
+        monkeypatch: pytest.MonkeyPatch, seed: int, checked: bool) -> None:
     """The same, over the other seeds below 600 (``pytest --slow -k made_in_place_soak``)."""
     monkeypatch.setattr("rabit2.core.recovery.component.SMALL_RESULT", 0)
+    monkeypatch.setitem(KW, "checked", checked)
     run_random_plan(seed)
 
 

@@ -174,7 +174,8 @@ def test_an_exit_reported_for_another_run_changes_nothing() -> None:
     (grace,) = registry.connection_ended("c5", "connection reset")
     assert isinstance(grace, Grace)
     with pytest.raises(ProtocolError, match="task_id"):
-        registry.worker_exited("x" * 300, attempt=0)
+        registry.exit_reported("x" * 300, attempt=0)
+    assert registry.exit_reported("9", attempt=0) == []  # (no such task: nothing to do)
 
 
 def test_the_process_exit_heard_before_its_connection_ended_leaves_no_grace() -> None:

@@ -138,26 +138,23 @@ class Recovery:
         self._retain(active)
 
     def _retain(self, active: ActiveCall) -> None:
-        """A ring filled its buffer as it made the result (only what a resume fetched into
-        its own segment is copied now); a broadcast receiver copied its stream while it
-        arrived; the rest is copied now."""
+        """A ring or a pair exchange filled its buffer as it made the result (only what a
+        resume fetched into the ring's own segment is copied now, or the whole result when
+        it was fetched); a broadcast receiver copied its stream while it arrived; the rest
+        is copied now."""
         plan = active.plan
         if active.mirror is not None:
             assert isinstance(plan, TreeBroadcast)
             self.mirror(active, plan.in_streams[plan.in_link].length)
             self.results.keep(active.call_id, active.desc, active.mirror)
             return
-        if (not isinstance(plan, (RingAllreduce, PairExchange)) or plan.keep is None
-                or active.has_result):
+        if not isinstance(plan, (RingAllreduce, PairExchange)) or plan.keep is None:
             self.results.add(active.call_id, active.desc, _result_pieces(active))
             return
         keep = plan.keep
-        if isinstance(plan, PairExchange):
-            blob = keep.obj
-            assert isinstance(blob, np.ndarray) and blob.nbytes == keep.nbytes
-            self.results.keep(active.call_id, active.desc, blob)
-            return
-        if plan.own_fetched:
+        if active.has_result:
+            keep[:] = active.call.buf  # (fetched into the caller's array)
+        elif isinstance(plan, RingAllreduce) and plan.own_fetched:
             lo, hi = plan.own_segment
             keep[lo:hi] = active.call.buf[lo:hi]
         # the very array the store handed out (``take(...).data``), not a new array over

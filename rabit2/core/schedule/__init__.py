@@ -115,17 +115,18 @@ class Plan:
     """Base of every schedule: streams per link plus the counters that gate them."""
 
     volatile_out = False
-    """Whether the out-streams' bytes change once the call completes (:meth:`finish`):
+    """Whether the out-streams' bytes change once the call completes (:attr:`finish`):
     their sends are then ``volatile``."""
+    finish: Callable[[], None] | None = None
+    """For a plan that makes its result elsewhere than the caller's buffer: what puts it
+    there once the call completed with it (not with a result fetched from a neighbour).
+    It travels with :class:`~rabit2.core.records.CallComplete` and runs when the I/O layer
+    executes that command, after the sends before it, which may still read the buffer."""
 
     def __init__(self) -> None:
         self.in_streams: dict[int, Stream] = {}
         self.out_streams: dict[int, Stream] = {}
         self.received: dict[int, int] = {}
-
-    def finish(self) -> None:
-        """The call completed with the result this plan made (not one fetched from a
-        neighbour): put it where the caller expects it, if it was made elsewhere."""
 
     def _set_streams(self, ins: dict[int, Stream], outs: dict[int, Stream]) -> None:
         self.in_streams = ins

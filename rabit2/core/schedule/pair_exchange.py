@@ -19,11 +19,11 @@ class PairExchange(Plan):
     Without ``keep``, the input is first copied to the link's send buffer, so that the
     reduction can overwrite ``buf`` while the copy is still being sent.  With ``keep``
     (recovery on: the buffer retained as this call's result, as long as ``buf``), the input
-    is sent from ``buf`` itself and the reduction writes ``keep``, which :meth:`finish`
-    copies into ``buf`` when the call completes: one pass over the bytes fewer, since the
-    result is retained without a further copy.  ``buf`` then holds the input until the end
-    (a resumed link is served from it), and the sends are volatile: ``buf`` changes once the
-    call completes, perhaps before the kernel took all of it.
+    is sent from ``buf`` itself and the reduction writes ``keep``, which :attr:`finish`
+    copies into ``buf`` once the call completed and every send before that was executed: one
+    pass over the bytes fewer, since the result is retained without a further copy.  ``buf``
+    then holds the input until the end (a resumed link is served from it), and the sends are
+    volatile: ``buf`` changes then, perhaps before the kernel took all of it.
     """
 
     def __init__(self, buf: memoryview, dtype: np.dtype, op: Op, rank: int, peer: int,
@@ -43,6 +43,7 @@ class PairExchange(Plan):
             self.input = buf
             self.out = keep
             self.volatile_out = True
+            self.finish = self._copy_back
         self._set_streams({peer: Stream([self.landing])}, {peer: Stream([self.input])})
         self.reduced = 0
 
@@ -59,9 +60,9 @@ class PairExchange(Plan):
         reduce_bytes_ordered(self.op, self.dtype, self.out[lo:upto], first, second)
         self.reduced = upto
 
-    def finish(self) -> None:
-        if self.keep is not None:
-            self.buf[:] = self.keep
+    def _copy_back(self) -> None:
+        assert self.keep is not None
+        self.buf[:] = self.keep
 
     def out_ready(self, peer: int) -> int:
         return len(self.input)
