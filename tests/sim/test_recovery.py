@@ -575,6 +575,33 @@ def test_a_pair_exchange_makes_its_result_in_the_retained_buffer(
         assert kept is not None and bytes(kept[1]) == expect
 
 
+def test_a_pair_plan_that_makes_its_result_aside_is_freed_by_reference_counting() -> None:
+    """Its ``finish`` refers to the caller's array and the kept buffer, not to the plan: a
+    plan in a reference cycle would keep the caller's array alive until the cyclic garbage
+    collector runs, call after call."""
+    import gc  # noqa: PLC0415
+    import weakref  # noqa: PLC0415
+
+    from rabit2.core.schedule import PairExchange  # noqa: PLC0415
+
+    def scratch(peer: int, n: int) -> memoryview:
+        return memoryview(bytearray(n))
+
+    buf = memoryview(bytearray(800))
+    plan = PairExchange(buf, np.dtype(np.float64), Op.SUM, 0, 1, scratch, scratch,
+                        keep=memoryview(bytearray(800)))
+    assert plan.finish is not None and plan.volatile_out
+    ref = weakref.ref(plan)
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del plan
+        assert ref() is None
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def test_a_small_pair_result_and_recovery_off_keep_the_input_copy() -> None:
     """Up to the small-result size (kept as bytes), and with recovery off (nothing kept),
     the pair exchange sends a copy of the input as before: its sends are not volatile."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from rabit2.core.ops import Op, reduce_bytes_ordered
@@ -43,7 +45,9 @@ class PairExchange(Plan):
             self.input = buf
             self.out = keep
             self.volatile_out = True
-            self.finish = self._copy_back
+            # (not a bound method of this plan: that would make the plan, and the caller's
+            # array it refers to, live until the cyclic garbage collector runs)
+            self.finish = functools.partial(_copy, buf, keep)
         self._set_streams({peer: Stream([self.landing])}, {peer: Stream([self.input])})
         self.reduced = 0
 
@@ -60,10 +64,6 @@ class PairExchange(Plan):
         reduce_bytes_ordered(self.op, self.dtype, self.out[lo:upto], first, second)
         self.reduced = upto
 
-    def _copy_back(self) -> None:
-        assert self.keep is not None
-        self.buf[:] = self.keep
-
     def out_ready(self, peer: int) -> int:
         return len(self.input)
 
@@ -73,3 +73,7 @@ class PairExchange(Plan):
 
     def final_from(self, peer: int) -> int:
         return len(self.input)  # the stream is this rank's input, never the result
+
+
+def _copy(dst: memoryview, src: memoryview) -> None:
+    dst[:] = src
