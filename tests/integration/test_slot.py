@@ -286,6 +286,7 @@ def test_the_slot_reports_the_exit_so_the_loss_is_known_before_the_restart(
     tracker = TrackerThread(2, host="127.0.0.1", port=0, secret=SECRET)
     tracker.start()
     marker = tmp_path / "died"
+    procs: list[subprocess.Popen[str]] = []
     try:
         env = base_env(**tracker.worker_env())
         victim = subprocess.Popen(
@@ -297,6 +298,7 @@ def test_the_slot_reports_the_exit_so_the_loss_is_known_before_the_restart(
             [sys.executable, "-c", RUN_AND_DIE_ONCE, str(marker)],
             env={**env, "DMLC_TASK_ID": "1", "RABIT2_RECOVER": "1"}, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True)
+        procs += [victim, survivor]
         wait_until(marker.exists, 60, victim, "the first run's death")
         wait_until(lambda: tracker.first_loss is not None, 10, victim, "the loss")
         declared = time.monotonic()
@@ -308,4 +310,12 @@ def test_the_slot_reports_the_exit_so_the_loss_is_known_before_the_restart(
         result = tracker.join(30)
         assert result is not None and result.success
     finally:
+        for proc in procs:  # (a failed assertion: a slot stops its worker on SIGTERM)
+            if proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.communicate(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.communicate(timeout=15)
         tracker.stop()

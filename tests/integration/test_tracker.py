@@ -302,10 +302,10 @@ async def test_restart_gets_old_rank_and_next_incarnation(
 async def test_a_supervisor_reporting_the_exit_ends_the_rejoin_grace(
     make_tracker: Callable[..., Any],
 ) -> None:
-    """A worker's connection ends (its process died) while the rejoin grace is 30 s: a
+    """A worker's connection ends (its process died) while the rejoin grace is 10 s: a
     supervisor's ``exited`` report about another run changes nothing, one about the run
     that registered makes it lost at once, and its neighbour hears of it then."""
-    tracker = await make_tracker(2, rejoin_grace=30.0)
+    tracker = await make_tracker(2, rejoin_grace=10.0)
     survivor, victim = await join_job(tracker, ["0", "1"])
     await asyncio.gather(survivor.wait_assignment(5), victim.wait_assignment(5))
     notices: list[tuple[int, int]] = []
@@ -322,6 +322,7 @@ async def test_a_supervisor_reporting_the_exit_ends_the_rejoin_grace(
     assert status["failures"] == 1  # (handled before the status was made)
     await wait_until(lambda: bool(notices), timeout=5.0)
     assert notices == [(1, 0)]
+    await survivor.close()
 
 
 @pytest.mark.asyncio
