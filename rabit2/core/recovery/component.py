@@ -95,22 +95,27 @@ class Recovery:
             return results.take(nbytes).data
         return None
 
-    def pair_keep(self, nbytes: int, call: tuple[int, int]) -> memoryview | None:
-        """The buffer a pair exchange makes its result in, to be retained; None for a result
-        kept as bytes (small ones), or not kept at all."""
+    def result_buffer(self, nbytes: int, call: tuple[int, int]) -> np.ndarray | None:
+        """A buffer of the store's own for the result of ``call``, to be made or copied in
+        as the call goes and then retained; None for a small result (kept as bytes), one
+        larger than ``rabit2_replay_mb`` or one of a version that can no longer be replayed
+        (not kept at all)."""
         results = self.results
         if nbytes > SMALL_RESULT and results.fits(nbytes) and results.wants(call):
-            return results.take(nbytes).data
+            return results.take(nbytes)
         return None
+
+    def pair_keep(self, nbytes: int, call: tuple[int, int]) -> memoryview | None:
+        """The buffer a pair exchange makes its result in, to be retained."""
+        kept = self.result_buffer(nbytes, call)
+        return None if kept is None else kept.data
 
     def start_mirror(self, active: ActiveCall, plan: TreeBroadcast) -> None:
         """A receiving rank of a broadcast of known size: take the buffer that the stream
-        is copied to as it arrives.  Small results are kept as bytes, and one larger than
-        ``rabit2_replay_mb`` is not kept at all."""
-        total = plan.in_streams[plan.in_link].length
-        # (a larger one is never kept, nor one of a version that can no longer be replayed)
-        if SMALL_RESULT < total <= self.results.limit and self.results.wants(active.call_id):
-            active.mirror = self.results.take(total)
+        is copied to as it arrives."""
+        mirror = self.result_buffer(plan.in_streams[plan.in_link].length, active.call_id)
+        if mirror is not None:
+            active.mirror = mirror
 
     @staticmethod
     def mirror(active: ActiveCall, upto: int) -> None:
