@@ -10,6 +10,14 @@ from rabit2.core.ops import Op, reduce_bytes_ordered
 from rabit2.core.schedule import Plan, ScratchFn, Stream
 
 
+REDUCE_BLOCK = 64 * 1024
+"""A pair exchange reduces whole blocks of this many bytes as they arrive, and the rest once
+all is in.  Each rank makes the result on its own, so where the reduction splits the array
+must not depend on how the bytes happened to arrive: numpy's vector loop and its scalar tail
+can keep different NaN payloads, and a split at a multiple of the widest vector (this block
+is one, and a multiple of every item size) changes nothing (``tests/sim/test_schedule.py``)."""
+
+
 class PairExchange(Plan):
     """World size 2: both ranks send their whole input and reduce what arrives.
 
@@ -53,7 +61,8 @@ class PairExchange(Plan):
 
     def on_received(self, peer: int, pos: int) -> None:
         self.received[peer] = pos
-        upto = pos - pos % self.dtype.itemsize
+        n = len(self.input)
+        upto = n if pos == n else pos - pos % REDUCE_BLOCK
         if upto <= self.reduced:
             return
         lo = self.reduced
