@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from rabit2.core import fsm
+from rabit2.core.express import Express
 from rabit2.core.failures import Failures
 from rabit2.core.framing import CollectiveKind
 from rabit2.core.fsm import TRANSITIONS, Mode, PhaseEvent
@@ -122,6 +123,7 @@ class Agent:
         self.sender = Sender(self)
         self.peers = Peers(self)
         self.failures = Failures(self)
+        self.express = Express(self)
         # present only with recovery on (docs/recovery.md)
         self.recovery = (Recovery(self, timeout=recover_timeout, retain_bytes=retain_bytes,
                                   local_replica=local_replica) if recover else None)
@@ -287,6 +289,15 @@ class Agent:
         self.go(Event.OP_COMPLETE)
         # (a fetched result is in the caller's buffer already)
         cmds.append(CallComplete(active.call_id, None if active.has_result else plan.finish))
+
+    def count_express(self, nbytes: int) -> None:
+        """An express pair call (:mod:`rabit2.core.express`) sent and received one frame of
+        ``nbytes`` and completed."""
+        self._calls_completed += 1
+        self.sender.bytes_sent += nbytes
+        self.sender.frames_sent += 1
+        self.receiver.bytes_received += nbytes
+        self.receiver.frames_received += 1
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -263,7 +263,7 @@ def reduce_into(op: Op, dst: np.ndarray, src: np.ndarray) -> None:
         raise ValueError(f"need two 1-D arrays of one length, got {dst.shape} and {src.shape}")
     if dst.dtype not in _SUPPORTED_SET:
         raise TypeError(f"unsupported dtype {dst.dtype}")
-    _ufunc(op)(dst, src, out=dst, casting="no")
+    ufunc_of(op)(dst, src, out=dst, casting="no")
 
 
 def reduce_bytes(
@@ -319,7 +319,7 @@ def reduce_bytes_ordered(
     """
     if dtype not in _SUPPORTED_SET:
         raise TypeError(f"unsupported dtype {dtype}")
-    ufunc = _ufunc(op)
+    ufunc = ufunc_of(op)
     try:
         out = np.frombuffer(dst, dtype=dtype)
         a = np.frombuffer(first, dtype=dtype)
@@ -333,7 +333,8 @@ def reduce_bytes_ordered(
     ufunc(a, b, out=out, casting="no")
 
 
-def _ufunc(op: Op) -> np.ufunc:
+def ufunc_of(op: Op) -> np.ufunc:
+    """The numpy ufunc that reduces with ``op`` (ValueError for an unknown op)."""
     ufunc = _UFUNC_BY_OP.get(op)
     if ufunc is None:
         raise ValueError(f"unknown reduction op {op!r}")

@@ -24,6 +24,7 @@ import time
 from typing import TYPE_CHECKING
 
 from rabit2.core.agent import Call
+from rabit2.io.express import ExpressIO
 from rabit2.io.waiting import SLICE, yield_cpu
 
 if TYPE_CHECKING:
@@ -43,8 +44,10 @@ the call goes to it instead)."""
 class Driver:
     """Drives calls on the caller's thread, for one engine."""
 
-    def __init__(self, engine: Engine, drive: float, spin: float) -> None:
+    def __init__(self, engine: Engine, drive: float, spin: float, express: bool = True) -> None:
         self.engine = engine
+        # pair calls made in one step where nothing else goes on (rabit2.io.express)
+        self.express = ExpressIO(self) if express else None
         self.drive = drive  # seconds; 0: off
         self.spin = spin  # seconds of polling (no sleep) before a wait blocks
         self.driven = self.handed = 0
@@ -70,7 +73,10 @@ class Driver:
             return False
         finished = False
         try:
-            engine.begin_call(call, waiter, kill_after_bytes, reset_peer, damage)
+            express = self.express
+            if (express is None or kill_after_bytes >= 0 or reset_peer >= 0 or damage
+                    or not express.run(call, waiter)):
+                engine.begin_call(call, waiter, kill_after_bytes, reset_peer, damage)
             finished = waiter.finished or self._drive(waiter)
             if not self.skip:
                 self.backoff = 16
@@ -85,19 +91,15 @@ class Driver:
     def _drive(self, waiter: Waiter) -> bool:
         """Read the links until the call finished (True), or until something only the loop
         can deal with happens or ``drive`` seconds pass (False)."""
-        epoll = self._sync()
+        epoll = self.sync()
         if epoll is None:
             return False
         clock = time.monotonic
         now = clock()
-        end = now + self.drive
-        self._spin_end = now + self.spin
-        if self.skip:
-            self.skip -= 1
-            self._spin_end = now
+        end = self.start_wait(now)
         while now < end:
             try:
-                events = self._wait(epoll, now, end)
+                events = self.wait(epoll, now, end)
             except InterruptedError:
                 events = []
             for fd, _ in events:
@@ -108,7 +110,16 @@ class Driver:
             now = clock()
         return False
 
-    def _wait(self, epoll: select.epoll, now: float, end: float) -> list[tuple[int, int]]:
+    def start_wait(self, now: float) -> float:
+        """A call's wait for its bytes starts at ``now``: when it ends (``drive`` later), and
+        until when it polls (``spin``; not while the CPU is contended)."""
+        self._spin_end = now + self.spin
+        if self.skip:
+            self.skip -= 1
+            self._spin_end = now
+        return now + self.drive
+
+    def wait(self, epoll: select.epoll, now: float, end: float) -> list[tuple[int, int]]:
         """The links with bytes to read: polled without sleeping while the bytes are due
         soon (a vCPU that sleeps takes tens of microseconds to wake when they arrive:
         docs/design.md, "Waiting"), then waited for."""
@@ -150,7 +161,7 @@ class Driver:
         link.buffer_updated(nbytes)
         return link.current and not link.write_blocked
 
-    def _sync(self) -> select.epoll | None:
+    def sync(self) -> select.epoll | None:
         """The epoll of the current links' sockets (None: a link is not in a state this
         thread can read)."""
         epoll = self._epoll

@@ -48,6 +48,7 @@ from rabit2.errors import (
 )
 from rabit2.io.connections import Connections
 from rabit2.io.driving import Driver
+from rabit2.io.express import Written
 from rabit2.io.faults import FaultInjector
 from rabit2.io.handshake import resolve_congestion
 from rabit2.io.links import LinkKeeper, PeerLink
@@ -82,7 +83,7 @@ class Engine:
         self.loop_thread.set_batch(config.spin_us > 0)
         self.loop = self.loop_thread.loop
         self._poller = Poller(config.spin_us / 1e6, self.loop_thread)
-        self.driver = Driver(self, config.drive_ms / 1e3, config.spin_us / 1e6)
+        self.driver = Driver(self, config.drive_ms / 1e3, config.spin_us / 1e6, config.express)
         self.faults = FaultInjector(self.agent)
         self.tracker: TrackerClient | None = None
         self.assignment: Assignment | None = None
@@ -142,12 +143,16 @@ class Engine:
             raise waiter.error
 
     def begin_call(self, call: Call, waiter: Waiter, kill_after_bytes: int = -1,
-                   reset_peer: int = -1, damage: bool = False) -> None:
+                   reset_peer: int = -1, damage: bool = False,
+                   written: Written | None = None) -> None:
         """Begin ``call`` on the agent; ``waiter`` hears how it ends.  On the loop thread, or
-        on a caller's thread that holds the parked loop (:mod:`rabit2.io.driving`)."""
+        on a caller's thread that holds the parked loop (:mod:`rabit2.io.driving`).
+        ``written``: what an express start of the call wrote already (:mod:`rabit2.io.express`)."""
         self.faults.arm(kill_after_bytes, reset_peer, damage)
         try:
             cmds = self.agent.begin(call, self.loop.time())
+            if written is not None:
+                cmds = written.skip(cmds)
         except Exception as exc:  # the caller must see every failure, never wait it out
             waiter.finish(exc)
             return
@@ -172,8 +177,7 @@ class Engine:
             elif isinstance(cmd, CallComplete):
                 if cmd.finish is not None:
                     cmd.finish()  # (the sends before it were written or copied)
-                if self.agent.replay_overflow >= 0 and not self._overflow_told:
-                    self._tell_overflow()
+                self.call_done()
                 if self.faults.kill_at >= 0:  # fewer bytes arrived than asked: fail at the end
                     self.faults.fire(self.links)
                 self._completed = True
@@ -214,6 +218,11 @@ class Engine:
                 transport = self.links[cmd.peer].transport
                 if transport is not None:
                     transport.abort()
+
+    def call_done(self) -> None:
+        """A call completed (the general way or express)."""
+        if self.agent.replay_overflow >= 0 and not self._overflow_told:
+            self._tell_overflow()
 
     def _tell_overflow(self) -> None:
         """Say (once per process) that the replay store lost a result of the version being

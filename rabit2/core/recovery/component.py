@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from rabit2.core import fsm
+from rabit2.core.framing import CallDescriptor
 from rabit2.core.fsm import PhaseEvent
 from rabit2.core.records import NO_CALL, RESUME_EVENTS, ActiveCall, Command, Link
 from rabit2.core.recovery.fetches import Fetches
@@ -26,7 +27,7 @@ from rabit2.core.recovery.peer_state import PeerState, call_id
 from rabit2.core.recovery.port import AgentPort
 from rabit2.core.recovery.replay import Replay
 from rabit2.core.recovery.replicas import LocalReplicas
-from rabit2.core.recovery.store import GENERATIONS, SMALL_RESULT, ResultStore
+from rabit2.core.recovery.store import GENERATIONS, SMALL_RESULT, CallId, ResultStore
 from rabit2.core.schedule import EMPTY, PairExchange, RingAllreduce, TreeBroadcast
 from rabit2.errors import PeerLostError, ProtocolError, RabitError, UnrecoverableError
 
@@ -132,15 +133,33 @@ class Recovery:
 
     def on_complete(self, active: ActiveCall, every_rank_contributes: bool) -> None:
         """Keep the finished call's result for replays."""
-        version = active.call_id[0]
-        if version > self.version_joined and every_rank_contributes:
-            # every rank contributed to this call, so every rank has taken checkpoint
-            # ``version``: a restart resumes there or later, and the results of older
+        if every_rank_contributes:
+            self._joined(active.call_id[0])
+        self._retain(active)
+
+    def on_express(self, call: CallId, desc: CallDescriptor, result: memoryview,
+                   keep: np.ndarray | None) -> None:
+        """Keep the result of an express pair call (:mod:`rabit2.core.express`), made in
+        ``keep`` (from :meth:`result_buffer`) or, without one, copied from ``result``."""
+        self._joined(call[0])
+        if keep is None:
+            self.results.add(call, desc, [result])
+        else:
+            self.results.keep(call, desc, keep)
+
+    def quiet(self) -> bool:
+        """Nothing of recovery is under way that the beginning of a call acts on (a replay,
+        a reset peer's state, a neighbour still replaying): an express call may skip it."""
+        return not (self.replay.restarted or self.pending_states or self.watch_replays)
+
+    def _joined(self, version: int) -> None:
+        if version > self.version_joined:
+            # every rank contributed to a call of ``version``, so every rank has taken that
+            # checkpoint: a restart resumes there or later, and the results of older
             # versions can go now rather than at the next checkpoint (their buffers then
             # serve this version's results: docs/recovery.md, "Versions")
             self.version_joined = version
             self.results.clear_before((version, 0))
-        self._retain(active)
 
     def _retain(self, active: ActiveCall) -> None:
         """A ring or a pair exchange filled its buffer as it made the result (only what a

@@ -82,7 +82,7 @@ class ResultStore:
 
     def add(self, call: CallId, desc: CallDescriptor, pieces: Sequence[memoryview]) -> None:
         """Keep a copy of the result, given as the pieces it is made of."""
-        size = sum(len(p) for p in pieces)
+        size = len(pieces[0]) if len(pieces) == 1 else sum(len(p) for p in pieces)
         if not self.wants(call) or not self.fits(size):
             self._make_room(call, size)  # never kept: forget what came before it, copy nothing
             return

@@ -1,0 +1,193 @@
+"""Express pair calls on the caller's thread (``docs/design.md``, "Express calls").
+
+The caller holds the parked loop (:mod:`rabit2.io.driving`).  For a call the agent may make
+express (:meth:`rabit2.core.express.Express.prepare`), this thread writes the call's one
+frame straight to the link's socket, reads the peer's one frame straight into the inbox
+(polling, then sleeping in the driver's epoll, exactly as a driven call waits), and lets
+the agent make the call from them (:meth:`~rabit2.core.express.Express.done`).
+
+Anything else — the kernel took part of the frame, the peer sent something other than its
+frame of this call, the link closed or broke, the tracker spoke, ``drive_ms`` passed — and
+the call is begun on the agent the general way: the bytes already written are skipped from
+what ``begin`` sends (they are the same bytes, checked), and those already read are handed
+to the link as if just read.  The driver then goes on with the call, or hands it to the loop.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from rabit2.core.express import ExpressCall
+from rabit2.core.framing import HEADER_SIZE
+from rabit2.core.records import Call, Command, Send
+from rabit2.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from rabit2.io.driving import Driver
+    from rabit2.io.links import PeerLink
+    from rabit2.io.waiting import Waiter
+
+
+class Written:
+    """What an express call wrote to ``peer`` before it took the general path: the first
+    ``count`` bytes of ``frame``."""
+
+    __slots__ = ("count", "frame", "peer")
+
+    def __init__(self, peer: int, count: int, frame: Sequence[bytes | memoryview]) -> None:
+        self.peer, self.count, self.frame = peer, count, frame
+
+    def skip(self, cmds: list[Command]) -> list[Command]:
+        """``cmds`` (from ``Agent.begin``) without the bytes already written; raises
+        :class:`ProtocolError` if they are not the bytes ``begin`` sends first (never
+        expected: sending anything else would corrupt the peer's stream)."""
+        left = self.count
+        dropped: list[bytes] = []
+        out: list[Command] = []
+        for cmd in cmds:
+            if left and isinstance(cmd, Send) and cmd.peer == self.peer:
+                rest: list[bytes | memoryview] = []
+                for buf in cmd.buffers:
+                    size = len(buf)
+                    if left >= size:
+                        dropped.append(bytes(buf))
+                        left -= size
+                    elif left:
+                        view = memoryview(buf)
+                        dropped.append(bytes(view[:left]))
+                        rest.append(view[left:])
+                        left = 0
+                    else:
+                        rest.append(buf)
+                if rest:
+                    out.append(Send(cmd.peer, rest, cmd.volatile))
+                continue
+            out.append(cmd)
+        expected = b"".join(bytes(part) for part in self.frame)[: self.count]
+        if left or b"".join(dropped) != expected:
+            raise ProtocolError("the general path would not send the frame an express call "
+                                "wrote: the peer's stream cannot be kept whole")
+        return out
+
+
+class ExpressIO:
+    """Express pair calls, for one driver."""
+
+    def __init__(self, driver: Driver) -> None:
+        self.driver = driver
+        self.calls = 0  # made express
+        self.fallbacks = 0  # begun express, finished the general way
+
+    def run(self, call: Call, waiter: Waiter) -> bool:
+        """Make ``call`` express if it can be; False if nothing was done (the caller begins
+        it as usual), True if it finished here (``waiter``) or was begun on the agent."""
+        driver = self.driver
+        engine = driver.engine
+        xc = engine.agent.express.prepare(call)
+        if xc is None:
+            return False
+        link = engine.links.get(xc.peer)
+        if link is None or not _idle(link):
+            return False
+        fd = link.fd
+        frame = (xc.header, call.buf)
+        try:
+            sent = os.writev(fd, frame)
+        except BlockingIOError:
+            sent = 0
+        except OSError:
+            return False  # (the general path meets the error too, and the loop acts on it)
+        if sent < HEADER_SIZE + xc.nbytes:
+            self._general(xc, call, waiter, Written(xc.peer, sent, frame), 0)
+            return True
+        got = self._receive(xc, fd)
+        if got == len(xc.inbox) and engine.agent.express.done(xc, engine.loop.time()):
+            self.calls += 1
+            engine.call_done()
+            waiter.finish(None)
+            return True
+        self._general(xc, call, waiter, Written(xc.peer, sent, frame), got)
+        return True
+
+    def _receive(self, xc: ExpressCall, fd: int) -> int:
+        """Read the peer's frame into the inbox; how many bytes were read, fewer than the
+        frame's when something else came first (another frame's header, the end of the
+        stream, an error, the tracker) or ``drive_ms`` passed."""
+        driver = self.driver
+        inbox = xc.inbox
+        want = len(inbox)
+        got = 0
+        clock = time.monotonic
+        epoll = None
+        end = 0.0
+        while True:
+            try:
+                nbytes = os.readv(fd, [inbox[got:]])
+            except BlockingIOError:
+                nbytes = -1
+            except OSError:
+                return got  # (the loop reads the error too, and hangs the link up)
+            if nbytes == 0:
+                return got  # the end of the stream: the loop hangs the link up
+            if nbytes > 0:
+                before, got = got, got + nbytes
+                if before < HEADER_SIZE <= got and not xc.check_header():
+                    return got
+                if got == want:
+                    return got
+                continue
+            now = clock()
+            if epoll is None:  # (the first wait: most frames are in already)
+                epoll = driver.sync()
+                if epoll is None:
+                    return got
+                end = driver.start_wait(now)
+            if now >= end:
+                return got
+            try:
+                events = driver.wait(epoll, now, end)
+            except InterruptedError:
+                events = []
+            for ready, _ in events:
+                if ready != fd:
+                    return got  # the tracker spoke: the loop hears it
+
+    def _general(self, xc: ExpressCall, call: Call, waiter: Waiter, written: Written,
+                 got: int) -> None:
+        """Begin ``call`` on the agent after an express start: skip what was written, hand
+        over what was read."""
+        self.fallbacks += 1
+        engine = self.driver.engine
+        engine.begin_call(call, waiter, written=written)
+        link = engine.links.get(xc.peer)
+        if got and link is not None:
+            _feed(link, xc.inbox[:got])
+
+
+def _idle(link: PeerLink) -> bool:
+    """Nothing queued on the link's socket, nothing read ahead, readable by this thread."""
+    transport = link.transport
+    return (transport is not None and link.current and link.fd >= 0
+            and not link.write_blocked and not transport.is_closing()
+            and transport.is_reading() and not transport.get_write_buffer_size())
+
+
+def _feed(link: PeerLink, data: memoryview) -> None:
+    """Hand ``data``, read from ``link``'s socket, to the link as if just read into the
+    buffers its agent names.  (It all fits before any pause: what an express call reads is
+    at most one frame's length, and the link is paused only on a frame of a later call,
+    which cannot follow a whole frame of this call within that length.)"""
+    at, size = 0, len(data)
+    while at < size:
+        transport = link.transport
+        if not link.current or transport is None or transport.is_closing():
+            return  # the link is being dropped: what it read goes with it
+        assert transport.is_reading(), "bytes left after a pause"
+        view = link.get_buffer(-1)
+        nbytes = min(len(view), size - at)
+        view[:nbytes] = data[at : at + nbytes]
+        link.buffer_updated(nbytes)
+        at += nbytes
