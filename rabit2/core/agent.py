@@ -299,6 +299,11 @@ class Agent:
         self.receiver.bytes_received += nbytes
         self.receiver.frames_received += 1
 
+    def uncount_frame(self) -> None:
+        """A header counted as received was put back, to be read again (an express call
+        took a held frame)."""
+        self.receiver.frames_received -= 1
+
     # ------------------------------------------------------------------ checkpoints
 
     def checkpoint(self, blob: bytes | Callable[[], bytes] | None = None) -> int:

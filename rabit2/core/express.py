@@ -35,7 +35,7 @@ from rabit2.core.framing import (
     pack_header,
     unpack_tail,
 )
-from rabit2.core.fsm import Mode, Phase
+from rabit2.core.fsm import LinkEvent, Mode, Phase
 from rabit2.core.ops import ufunc_of
 from rabit2.core.planning import Planner
 from rabit2.core.records import Call, Link
@@ -61,19 +61,23 @@ class Owner(Protocol):
 
     def go(self, event: fsm.Event) -> None: ...
     def count_express(self, nbytes: int) -> None: ...
+    def uncount_frame(self) -> None: ...
 
 
 class ExpressCall:
     """One pair call made express: the frame this rank sends (``header``, then the caller's
     bytes) and where the peer's frame lands (``inbox``: its header, then its payload)."""
 
-    __slots__ = ("call", "crc", "desc", "header", "inbox", "nbytes", "peer", "valid")
+    __slots__ = ("call", "crc", "desc", "header", "held", "inbox", "nbytes", "peer", "valid")
 
     def __init__(self, call: Call, desc: CallDescriptor, peer: int, header: bytes,
-                 inbox: memoryview) -> None:
+                 inbox: memoryview, held: bool) -> None:
         self.call, self.desc, self.peer, self.header = call, desc, peer, header
         self.nbytes = len(call.buf)
         self.inbox = inbox
+        # the link is paused on a header read ahead (the loop read it between calls):
+        # it and what followed it in the stage are the inbox's first bytes (take_held)
+        self.held = held
         self.crc = 0  # the payload CRC32C the peer's header names
         self.valid = False  # the peer's header passed check_header
 
@@ -114,8 +118,15 @@ class Express:
             return None
         peer = 1 - agent.rank
         link = agent.links.get(peer)
-        if (link is None or link.phase is not Phase.UP or link.mode is not Mode.HEADER
-                or link.end or link.pending_needs):
+        if link is None or link.phase is not Phase.UP or link.pending_needs:
+            return None
+        held = link.mode is Mode.HELD
+        if held:
+            # the peer's frame came while this rank computed: taken if nothing follows it
+            # in the stage (its header is checked like any other)
+            if link.end - link.start > nbytes or link.start < HEADER_SIZE:
+                return None
+        elif link.mode is not Mode.HEADER or link.end:
             return None
         recovery = agent.recovery
         if recovery is not None and not recovery.quiet():
@@ -128,7 +139,23 @@ class Express:
         if len(self._inbox) < size:
             self._inbox = memoryview(bytearray(max(size, 2 * len(self._inbox))))
             self._views.clear()
-        return ExpressCall(call, desc, peer, header, self._inbox[:size])
+        return ExpressCall(call, desc, peer, header, self._inbox[:size], held)
+
+    def take_held(self, xc: ExpressCall) -> int:
+        """Move the held header and the payload bytes staged after it to the inbox, and
+        leave the link as if nothing had been read (the I/O layer reads on); how many bytes
+        the inbox holds now.  From here the call is made express or the general way with
+        those bytes handed over, as if just read."""
+        link = self.agent.links[xc.peer]
+        first, end = link.start - HEADER_SIZE, link.end
+        taken = end - first
+        xc.inbox[:taken] = link.stage[first:end]
+        link.go(LinkEvent.CALL_BEGAN)
+        link.start = link.end = 0
+        link.frame = None
+        link.remaining = 0
+        self.agent.uncount_frame()  # (it is counted again as it is handed over or made)
+        return taken
 
     def done(self, xc: ExpressCall, now: float) -> bool:
         """The peer's frame is in the inbox, whole: make the call (True), or leave everything

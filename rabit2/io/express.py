@@ -80,6 +80,7 @@ class ExpressIO:
         self.driver = driver
         self.calls = 0  # made express
         self.fallbacks = 0  # begun express, finished the general way
+        self.held = 0  # begun express with the peer's frame read ahead by the loop
 
     def run(self, call: Call, waiter: Waiter) -> bool:
         """Make ``call`` express if it can be; False if nothing was done (the caller begins
@@ -90,8 +91,17 @@ class ExpressIO:
         if xc is None:
             return False
         link = engine.links.get(xc.peer)
-        if link is None or not _idle(link):
+        transport = None if link is None else link.transport
+        if (link is None or transport is None or not link.current or link.fd < 0
+                or link.write_blocked or transport.is_closing()
+                or transport.get_write_buffer_size()
+                or transport.is_reading() == xc.held):  # (a held link's is paused)
             return False
+        got = 0
+        if xc.held:
+            self.held += 1
+            got = engine.agent.express.take_held(xc)
+            transport.resume_reading()
         fd = link.fd
         frame = (xc.header, call.buf)
         try:
@@ -99,11 +109,12 @@ class ExpressIO:
         except BlockingIOError:
             sent = 0
         except OSError:
-            return False  # (the general path meets the error too, and the loop acts on it)
+            sent = -1
         if sent < HEADER_SIZE + xc.nbytes:
-            self._general(xc, call, waiter, Written(xc.peer, sent, frame), 0)
+            # (a broken socket: the general path meets the error too, and the loop acts on it)
+            self._general(xc, call, waiter, Written(xc.peer, max(sent, 0), frame), got)
             return True
-        got = self._receive(xc, fd)
+        got = self._receive(xc, fd, got)
         if got == len(xc.inbox) and engine.agent.express.done(xc, engine.loop.time()):
             self.calls += 1
             engine.call_done()
@@ -112,14 +123,15 @@ class ExpressIO:
         self._general(xc, call, waiter, Written(xc.peer, sent, frame), got)
         return True
 
-    def _receive(self, xc: ExpressCall, fd: int) -> int:
+    def _receive(self, xc: ExpressCall, fd: int, got: int) -> int:
         """Read the peer's frame into the inbox; how many bytes were read, fewer than the
         frame's when something else came first (another frame's header, the end of the
         stream, an error, the tracker) or ``drive_ms`` passed."""
         driver = self.driver
         inbox = xc.inbox
         want = len(inbox)
-        got = 0
+        if got >= HEADER_SIZE and (not xc.check_header() or got == want):
+            return got  # (a held frame, whole or not the one expected)
         clock = time.monotonic
         epoll = None
         end = 0.0
@@ -165,14 +177,6 @@ class ExpressIO:
         link = engine.links.get(xc.peer)
         if got and link is not None:
             _feed(link, xc.inbox[:got])
-
-
-def _idle(link: PeerLink) -> bool:
-    """Nothing queued on the link's socket, nothing read ahead, readable by this thread."""
-    transport = link.transport
-    return (transport is not None and link.current and link.fd >= 0
-            and not link.write_blocked and not transport.is_closing()
-            and transport.is_reading() and not transport.get_write_buffer_size())
 
 
 def _feed(link: PeerLink, data: memoryview) -> None:

@@ -148,6 +148,32 @@ def test_a_late_peer_turns_an_express_start_into_the_general_path() -> None:
     finish(tracker, engines)
 
 
+@pytest.mark.parametrize("size", [24, 20_000, 400_000])
+def test_a_frame_the_loop_read_while_this_rank_computed_is_taken(size: int) -> None:
+    """Rank 1 computes longer than the loop lingers: its loop reads rank 0's frame header (and
+    what fits the stage after it) and holds it.  Rank 1's call takes it from there."""
+    tracker, engines = start_job(2, "uvloop", RABIT2_RECOVER="1")
+
+    def work(rank: int, engine: Engine) -> tuple[bytes, int, int]:
+        out = b""
+        for i in range(6):
+            if rank == 1:
+                time.sleep(0.06)
+            a = np.arange(size // 4, dtype=np.float32) * (rank + 1) + i
+            engine.run_call(allreduce_call(a, engine))
+            assert (a == np.arange(size // 4, dtype=np.float32) * 3 + 2 * i).all(), (rank, i)
+            out += a.tobytes()
+        xio = engine.driver.express
+        assert xio is not None
+        return out, xio.held, engine.agent.statistics().bytes_received
+
+    results = on_all(engines, work)
+    assert results[0][0] == results[1][0]
+    assert results[1][1] >= 3, results  # (the loop read ahead before most of rank 1's calls)
+    assert results[0][2] == results[1][2] == 6 * (size // 4 * 4), results  # each byte once
+    finish(tracker, engines)
+
+
 def test_a_partial_write_is_finished_by_the_general_path() -> None:
     """With small socket buffers the kernel takes only part of a 512 KiB frame: the rest is
     sent the general way, after exactly the bytes written, and the results hold."""

@@ -9,7 +9,6 @@ import numpy as np
 from rabit2.core.ops import Op, reduce_bytes_ordered
 from rabit2.core.schedule import Plan, ScratchFn, Stream
 
-
 REDUCE_BLOCK = 64 * 1024
 """A pair exchange reduces whole blocks of this many bytes as they arrive, and the rest once
 all is in.  Each rank makes the result on its own, so where the reduction splits the array
