@@ -883,6 +883,47 @@ def _random_real_plan(seed: int) -> tuple[int, tuple[str, ...], list[str], bool]
     return world, args, mocks, close
 
 
+def _random_pair_plan(seed: int) -> tuple[tuple[str, ...], list[str]]:
+    """World size 2, where the small calls are express pair calls (docs/design.md, "Express
+    calls"): one kill (between calls or at a byte offset inside one) or one link reset."""
+    rng = random.Random(1000 + seed)
+    calls = "".join(rng.sample("tsrbo", rng.randint(3, 5)))
+    iters = rng.randint(2, 4)
+    args = (f"--calls={calls}", f"--iters={iters}", f"--tree-count={rng.choice([3, 8000, 60000])}",
+            "--ring-count=200000", "--bcast-count=50000")
+    rank, version, seqno = rng.randrange(2), rng.randrange(iters), rng.randrange(len(calls))
+    if rng.random() < 0.7:
+        after = rng.choice(["", "", f",{rng.randint(0, 200_000)}"])
+        return args, [f"mock={rank},{version},{seqno},0{after}"]
+    return args, [f"mock={rank},{version},{seqno},0,{rng.randint(0, 200_000)},{1 - rank}"]
+
+
+def _check_pair_plan(seed: int) -> None:
+    args, mocks = _random_pair_plan(seed)
+    job = run_job(2, *args, *mocks, timeout=90)
+    assert job.returncode == 0, (mocks, job.tail())
+    assert sorted(job.digests()) == [0, 1], (mocks, job.tail())
+    assert set(job.digests().values()) == {baseline(2, args)}, mocks
+    assert not job.leftovers()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("seed", range(3))
+def test_world_two_fault_plans(seed: int) -> None:
+    """At world size 2 a survivor meets a kill or a reset inside an express call or between
+    two: it falls back to the general path, waits for the lost input, and every rank ends
+    with the no-fault digest."""
+    _check_pair_plan(seed)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", range(3, 40))
+def test_world_two_fault_plans_soak(seed: int) -> None:
+    """More of :func:`test_world_two_fault_plans` (``pytest --slow -k world_two``)."""
+    _check_pair_plan(seed)
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", range(60))
