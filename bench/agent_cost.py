@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 from rabit2.core.agent import Agent, Call, CallComplete, Command, Send
-from rabit2.core.framing import HEADER_SIZE, CollectiveKind
+from rabit2.core.framing import CollectiveKind
 from rabit2.core.ops import Op
 
 
@@ -79,12 +79,10 @@ class Pair:
             xcs.append(xc)
         for rank in range(2):
             mine, theirs = xcs[rank], xcs[1 - rank]
-            inbox = theirs.inbox
-            inbox[:HEADER_SIZE] = mine.header
-            inbox[HEADER_SIZE:] = mine.call.buf
+            theirs.inbox[:] = b"".join(mine.parts())
         for rank in range(2):
-            ok = xcs[rank].check_header() and self.agents[rank].express.done(xcs[rank], 0.0)
-            assert ok
+            xc = xcs[rank]
+            assert xc.check_headers(len(xc.inbox)) and self.agents[rank].express.done(xc, 0.0)
 
 
 def main() -> None:

@@ -2,17 +2,18 @@
 else is going on (``docs/design.md``, "Express calls").
 
 In the steady state of a training loop, a pair call is always the same exchange: this rank
-sends one DATA frame holding its whole input, and the peer's one DATA frame arrives.  The
-general path plans the call, builds its records, and moves every byte through the receive
-side's framing; that Python costs more than the exchange itself.  Here the agent only says
-whether the call may be made express (:meth:`Express.prepare`: the frame to send, where
-the peer's frame lands), and once the I/O layer wrote that frame and read the peer's frame
-whole, :meth:`Express.done` checks the peer's frame and applies the call to the agent's
-records in one step, the same records the general path leaves behind.
+sends its whole input as DATA frames (one, or one per ``CHECKED_FRAME`` bytes on a link that
+checks), and the peer's frames arrive.  The general path plans the call, builds its
+records, and moves every byte through the receive side's framing; for a small call that
+Python costs more than the exchange itself.  Here the agent only says whether the call may
+be made express (:meth:`Express.prepare`: the frames to send, where the peer's land), and
+once the I/O layer wrote those frames and read the peer's whole, :meth:`Express.done` checks
+them and applies the call to the agent's records in one step, the same records the general
+path leaves behind.
 
 Anything else, and the I/O layer begins the call on the agent the general way, with what
-it wrote and read so far: the frame written is the very frame ``begin`` makes (its bytes
-are skipped), and the bytes read are handed to the receive side as if just read.  So the
+it wrote and read so far: the frames written are the very frames ``begin`` makes (their
+bytes are skipped), and the bytes read are handed to the receive side as if just read.  So the
 peer sees the same bytes on the wire either way, and either rank may take either path.
 """
 
@@ -60,40 +61,72 @@ class Owner(Protocol):
     last_progress: float
 
     def go(self, event: fsm.Event) -> None: ...
-    def count_express(self, nbytes: int) -> None: ...
+    def count_express(self, nbytes: int, frames: int) -> None: ...
     def uncount_frame(self) -> None: ...
 
 
+MAX_BYTES = 4 << 20
+"""The largest pair call made express (its inbox is as large)."""
+
+
 class ExpressCall:
-    """One pair call made express: the frame this rank sends (``header``, then the caller's
-    bytes) and where the peer's frame lands (``inbox``: its header, then its payload)."""
+    """One pair call made express: the frames this rank sends (``headers``, each followed by
+    its piece of the caller's bytes: the very frames ``Agent.begin`` would send) and where
+    the peer's frames land (``inbox``: each header, then its payload, back to back)."""
 
-    __slots__ = ("call", "crc", "desc", "header", "held", "inbox", "nbytes", "peer", "valid")
+    __slots__ = ("call", "crcs", "desc", "frames", "headers", "held", "inbox", "nbytes",
+                 "peer", "starts", "valid")
 
-    def __init__(self, call: Call, desc: CallDescriptor, peer: int, header: bytes,
-                 inbox: memoryview, held: bool) -> None:
-        self.call, self.desc, self.peer, self.header = call, desc, peer, header
+    def __init__(self, call: Call, desc: CallDescriptor, peer: int,
+                 frames: list[tuple[int, int]], headers: list[bytes], inbox: memoryview,
+                 held: bool) -> None:
+        self.call, self.desc, self.peer = call, desc, peer
         self.nbytes = len(call.buf)
-        self.inbox = inbox
+        self.frames, self.headers, self.inbox = frames, headers, inbox
+        # where each of the peer's headers starts in the inbox
+        self.starts = ([0] if len(frames) == 1 else
+                       [offset + i * HEADER_SIZE for i, (offset, _) in enumerate(frames)])
         # the link is paused on a header read ahead (the loop read it between calls):
         # it and what followed it in the stage are the inbox's first bytes (take_held)
         self.held = held
-        self.crc = 0  # the payload CRC32C the peer's header names
-        self.valid = False  # the peer's header passed check_header
+        self.crcs: list[int] = []  # the payload CRC32Cs the peer's headers name, so far
+        self.valid = False  # every one of the peer's headers passed check_headers
 
-    def check_header(self) -> bool:
-        """The peer's header (the first bytes of the inbox) is that of its one DATA frame of
-        this call, as this rank's own frame is: the same call and descriptor, offset 0, the
-        same length, its own checksum holding."""
-        inbox = self.inbox
-        if inbox[:CALL_PREFIX_SIZE] != self.header[:CALL_PREFIX_SIZE]:
-            return False
-        try:
-            offset, length, self.crc = unpack_tail(inbox, 0)
-        except FrameCorruptError:
-            return False  # (the general path resets the link for it)
-        self.valid = offset == 0 and length == self.nbytes
-        return self.valid
+    def parts(self) -> list[bytes | memoryview]:
+        """What this rank writes: each header, then its piece of the caller's bytes."""
+        buf = self.call.buf
+        if len(self.frames) == 1:
+            return [self.headers[0], buf]
+        out: list[bytes | memoryview] = []
+        for header, (offset, length) in zip(self.headers, self.frames, strict=True):
+            out += (header, buf[offset : offset + length])
+        return out
+
+    def check_headers(self, got: int) -> bool:
+        """Check each of the peer's headers that the first ``got`` bytes of the inbox hold
+        whole and that was not checked yet: the same call and descriptor as this rank's
+        frame, the same offset and length, its own checksum holding.  False at the first
+        that fails (the general path must read them)."""
+        inbox, crcs, frames = self.inbox, self.crcs, self.frames
+        while len(crcs) < len(frames) and self.starts[len(crcs)] + HEADER_SIZE <= got:
+            i = len(crcs)
+            at = self.starts[i]
+            if inbox[at : at + CALL_PREFIX_SIZE] != self.headers[i][:CALL_PREFIX_SIZE]:
+                return False
+            try:
+                offset, length, crc = unpack_tail(inbox, at)
+            except FrameCorruptError:
+                return False  # (the general path resets the link for it)
+            if (offset, length) != frames[i]:
+                return False
+            crcs.append(crc)
+        self.valid = len(crcs) == len(frames)
+        return True
+
+    def payload(self, i: int) -> memoryview:
+        """The payload of the peer's frame ``i`` in the inbox."""
+        at = self.starts[i] + HEADER_SIZE
+        return self.inbox[at : at + self.frames[i][1]]
 
 
 class Express:
@@ -113,18 +146,23 @@ class Express:
         with something under way that a call's beginning acts on."""
         agent = self.agent
         nbytes = len(call.buf)
-        if (call.kind is not CollectiveKind.ALLREDUCE_PAIR or not 0 < nbytes <= CHECKED_FRAME
+        if (call.kind is not CollectiveKind.ALLREDUCE_PAIR or not 0 < nbytes <= MAX_BYTES
                 or agent.state is not State.READY or agent.dead_links):
             return None
         peer = 1 - agent.rank
         link = agent.links.get(peer)
         if link is None or link.phase is not Phase.UP or link.pending_needs:
             return None
+        # the frames the send side makes of the input: at most CHECKED_FRAME bytes each on a
+        # link that checks, else one
+        step = CHECKED_FRAME if link.checked else nbytes
+        frames = ([(0, nbytes)] if nbytes <= step else
+                  [(offset, min(step, nbytes - offset)) for offset in range(0, nbytes, step)])
         held = link.mode is Mode.HELD
         if held:
-            # the peer's frame came while this rank computed: taken if nothing follows it
-            # in the stage (its header is checked like any other)
-            if link.end - link.start > nbytes or link.start < HEADER_SIZE:
+            # the peer's first frame came while this rank computed: taken if nothing
+            # follows it in the stage (its header is checked like any other)
+            if link.end - link.start > frames[0][1] or link.start < HEADER_SIZE:
                 return None
         elif link.mode is not Mode.HEADER or link.end:
             return None
@@ -132,14 +170,19 @@ class Express:
         if recovery is not None and not recovery.quiet():
             return None
         desc = agent.planner.descriptor(call)
-        crc = checksum(call.buf) if link.checked else None
-        header = pack_header(FrameKind.DATA, desc, agent.version, agent.seqno, 0, nbytes, 0,
-                             crc)
-        size = HEADER_SIZE + nbytes
+        buf, version, seqno = call.buf, agent.version, agent.seqno
+        if len(frames) == 1:
+            headers = [pack_header(FrameKind.DATA, desc, version, seqno, 0, nbytes, 0,
+                                   checksum(buf) if link.checked else None)]
+        else:
+            headers = [pack_header(FrameKind.DATA, desc, version, seqno, offset, length, 0,
+                                   checksum(buf[offset : offset + length]))
+                       for offset, length in frames]
+        size = len(frames) * HEADER_SIZE + nbytes
         if len(self._inbox) < size:
             self._inbox = memoryview(bytearray(max(size, 2 * len(self._inbox))))
             self._views.clear()
-        return ExpressCall(call, desc, peer, header, self._inbox[:size], held)
+        return ExpressCall(call, desc, peer, frames, headers, self._inbox[:size], held)
 
     def take_held(self, xc: ExpressCall) -> int:
         """Move the held header and the payload bytes staged after it to the inbox, and
@@ -158,57 +201,78 @@ class Express:
         return taken
 
     def done(self, xc: ExpressCall, now: float) -> bool:
-        """The peer's frame is in the inbox, whole: make the call (True), or leave everything
-        as it was (False: its header did not pass :meth:`ExpressCall.check_header`, or its
-        payload fails its checksum, and the general path must read it)."""
+        """The peer's frames are in the inbox, whole: make the call (True), or leave
+        everything as it was (False: a header did not pass
+        :meth:`ExpressCall.check_headers`, or a payload fails its checksum, and the general
+        path must read them)."""
         agent = self.agent
         link = agent.links[xc.peer]
         nbytes = xc.nbytes
-        if not xc.valid or (link.checked and checksum(xc.inbox[HEADER_SIZE:]) != xc.crc):
+        if not xc.valid:
             return False
+        if link.checked:
+            for i, crc in enumerate(xc.crcs):
+                if checksum(xc.payload(i)) != crc:
+                    return False
         call = xc.call
         dtype = call.dtype
         assert dtype is not None and call.op is not None
-        agent.go(Event.CALL_ALLREDUCE)
         call_id = (agent.version, agent.seqno)
+        # the pair plan's reduction: operands in rank order, into a buffer that aliases
+        # neither (which NaN payload survives can depend on both); frame by frame, at
+        # offsets that are multiples of the plan's REDUCE_BLOCK.  (What may fail, taking
+        # memory, comes before any record changes.)
+        recovery = agent.recovery
+        keep = None if recovery is None else recovery.result_buffer(nbytes, call_id)
+        ufunc = ufunc_of(call.op)
+        lower = agent.rank < xc.peer
+        if len(xc.frames) == 1:
+            views = self._views.get((dtype, nbytes))
+            if views is None:
+                views = self._typed(dtype, nbytes)
+            landing, out = views
+            if keep is not None:
+                out = np.frombuffer(keep, dtype)
+            mine = np.frombuffer(call.buf, dtype)
+            ufunc(*((mine, landing) if lower else (landing, mine)), out=out, casting="no")
+        else:
+            out = (keep if keep is not None else self._scratch(nbytes)).view(dtype)
+            size = dtype.itemsize
+            for i, (offset, length) in enumerate(xc.frames):
+                lo, hi = offset // size, (offset + length) // size
+                mine = np.frombuffer(call.buf[offset : offset + length], dtype)
+                theirs = np.frombuffer(xc.payload(i), dtype)
+                ufunc(*((mine, theirs) if lower else (theirs, mine)), out=out[lo:hi],
+                      casting="no")
+        agent.go(Event.CALL_ALLREDUCE)
         agent.seqno += 1
-        # what the general path leaves on the link after the one frame of a pair call
+        # what the general path leaves on the link after the frames of a pair call
         link.pos = nbytes
         link.remaining = 0
         link.seen_version = call_id[0]
         if link.checked:
             link.corrupt_streak = 0
-        # the pair plan's reduction: operands in rank order, into a buffer that aliases
-        # neither (which NaN payload survives can depend on both)
-        recovery = agent.recovery
-        keep = None if recovery is None else recovery.result_buffer(nbytes, call_id)
-        key = (dtype, nbytes)
-        views = self._views.get(key)
-        if views is None:
-            views = self._typed(dtype, nbytes)
-        landing, out = views
-        if keep is not None:
-            out = np.frombuffer(keep, dtype)
-        mine = np.frombuffer(call.buf, dtype)
-        first, second = (mine, landing) if agent.rank < xc.peer else (landing, mine)
-        ufunc_of(call.op)(first, second, out=out, casting="no")
         call.buf[:] = out.data.cast("B")
         agent.last_progress = now
-        agent.count_express(nbytes)
+        agent.count_express(nbytes, len(xc.frames))
         if recovery is not None:
             recovery.on_express(call_id, xc.desc, call.buf, keep)
         agent.go(Event.OP_COMPLETE)
         return True
 
-    def _typed(self, dtype: np.dtype, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
-        """The peer's payload in the inbox, and a scratch for the result, as ``dtype``."""
+    def _scratch(self, nbytes: int) -> np.ndarray:
         if self._out.nbytes < nbytes:
             self._out = np.empty(nbytes, dtype=np.uint8)
             self._views.clear()
+        return self._out[:nbytes]
+
+    def _typed(self, dtype: np.dtype, nbytes: int) -> tuple[np.ndarray, np.ndarray]:
+        """The peer's payload in the inbox, and a scratch for the result, as ``dtype`` (a
+        call of one frame)."""
+        out = self._scratch(nbytes).view(dtype)
         if len(self._views) >= 16:
             self._views.clear()
         count = nbytes // dtype.itemsize
-        views = (np.frombuffer(self._inbox, dtype, count, HEADER_SIZE),
-                 self._out[:nbytes].view(dtype))
+        views = (np.frombuffer(self._inbox, dtype, count, HEADER_SIZE), out)
         self._views[(dtype, nbytes)] = views
         return views

@@ -54,6 +54,7 @@ class Driver:
         self.skip = 0  # calls left that wait without polling (the CPU was contended)
         self.backoff = 16
         self._spin_end = 0.0
+        self._end = 0.0  # when the call in progress goes to the loop (0: its wait not begun)
         self._epoll: select.epoll | None = None
         self._watched: dict[int, PeerLink] = {}  # fd -> the link it was registered for
         self._muted: set[int] = set()  # fds of links paused for a later call's frames
@@ -72,6 +73,7 @@ class Driver:
         if not loop_thread.hold(HOLD_WAIT):
             return False
         finished = False
+        self._end = 0.0
         try:
             express = self.express
             if (express is None or kill_after_bytes >= 0 or reset_peer >= 0 or damage
@@ -111,13 +113,17 @@ class Driver:
         return False
 
     def start_wait(self, now: float) -> float:
-        """A call's wait for its bytes starts at ``now``: when it ends (``drive`` later), and
-        until when it polls (``spin``; not while the CPU is contended)."""
+        """A call's wait for its bytes starts at ``now`` (unless it began already: an express
+        start waited first): when it ends (``drive`` later), and until when it polls
+        (``spin``; not while the CPU is contended)."""
+        if self._end:
+            return self._end
         self._spin_end = now + self.spin
         if self.skip:
             self.skip -= 1
             self._spin_end = now
-        return now + self.drive
+        self._end = now + self.drive
+        return self._end
 
     def wait(self, epoll: select.epoll, now: float, end: float) -> list[tuple[int, int]]:
         """The links with bytes to read: polled without sleeping while the bytes are due

@@ -42,6 +42,7 @@ from rabit2.core.planning import choose_allreduce
 from rabit2.errors import (
     CollectiveTimeoutError,
     JobAbortedError,
+    ProtocolError,
     RabitError,
     TrackerError,
     UnrecoverableError,
@@ -104,6 +105,7 @@ class Engine:
         self._ckpt_waiter: Waiter | None = None
         self._ckpt_loaded: tuple[int, bytes | None, bytes | None] = (0, None, None)
         self.closing = False
+        self.holding = False  # in finalize, holding until every rank has finalized
         self.failed = asyncio.Event()  # set when the tracker aborts the job
 
     # ------------------------------------------------------------------ bootstrap
@@ -154,7 +156,15 @@ class Engine:
             if written is not None:
                 cmds = written.skip(cmds)
         except Exception as exc:  # the caller must see every failure, never wait it out
-            waiter.finish(exc)
+            if written is not None and written.count and self.agent.error is None:
+                # bytes of this call are on the wire: the peer's stream cannot be kept whole,
+                # so the link closes and every rank hears a typed error
+                failed: list[Command] = []
+                self.agent.fail(ProtocolError(f"rank {self.agent.rank}: a call begun express "
+                                              f"could not go on the general way: {exc}"),
+                                failed, close=written.peer)
+                self.execute(failed)
+            waiter.finish(self.agent.error or exc)
             return
         self._pending = waiter
         self._completed = False
@@ -413,6 +423,7 @@ class Engine:
             self.tracker.signal_error(f"{type(error).__name__}: {error}")
         if self.agent.state is not State.TASK_COMPLETE:
             self.execute(self.agent.shutdown())
+        self.holding = hold
         try:
             if self.tracker is not None:
                 await self.tracker.shutdown(wait, hold=hold,
@@ -422,6 +433,8 @@ class Engine:
                 raise
         except RabitError as exc:
             logger.warning("tracker shutdown: %s", exc)
+        finally:
+            self.holding = False
         stats = self.agent.statistics()
         logger.info("left the job after %d calls (%d B sent, %d B received)",
                     stats.calls_completed, stats.bytes_sent, stats.bytes_received)

@@ -1,13 +1,13 @@
 """Express pair calls on the caller's thread (``docs/design.md``, "Express calls").
 
 The caller holds the parked loop (:mod:`rabit2.io.driving`).  For a call the agent may make
-express (:meth:`rabit2.core.express.Express.prepare`), this thread writes the call's one
-frame straight to the link's socket, reads the peer's one frame straight into the inbox
+express (:meth:`rabit2.core.express.Express.prepare`), this thread writes the call's frames
+straight to the link's socket with one ``writev``, reads the peer's straight into the inbox
 (polling, then sleeping in the driver's epoll, exactly as a driven call waits), and lets
 the agent make the call from them (:meth:`~rabit2.core.express.Express.done`).
 
-Anything else — the kernel took part of the frame, the peer sent something other than its
-frame of this call, the link closed or broke, the tracker spoke, ``drive_ms`` passed — and
+Anything else — the kernel took part of the frames, the peer sent something other than its
+frames of this call, the link closed or broke, the tracker spoke, ``drive_ms`` passed — and
 the call is begun on the agent the general way: the bytes already written are skipped from
 what ``begin`` sends (they are the same bytes, checked), and those already read are handed
 to the link as if just read.  The driver then goes on with the call, or hands it to the loop.
@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rabit2.core.express import ExpressCall
-from rabit2.core.framing import HEADER_SIZE
 from rabit2.core.records import Call, Command, Send
 from rabit2.errors import ProtocolError
 
@@ -97,20 +96,21 @@ class ExpressIO:
                 or transport.get_write_buffer_size()
                 or transport.is_reading() == xc.held):  # (a held link's is paused)
             return False
+        engine.faults.arm(-1, -1, False)  # (as begin_call does for a call without a fault)
         got = 0
         if xc.held:
             self.held += 1
             got = engine.agent.express.take_held(xc)
             transport.resume_reading()
         fd = link.fd
-        frame = (xc.header, call.buf)
+        frame = xc.parts()
         try:
             sent = os.writev(fd, frame)
         except BlockingIOError:
             sent = 0
         except OSError:
             sent = -1
-        if sent < HEADER_SIZE + xc.nbytes:
+        if sent < len(xc.inbox):  # (what this rank sends is as long as what it receives)
             # (a broken socket: the general path meets the error too, and the loop acts on it)
             self._general(xc, call, waiter, Written(xc.peer, max(sent, 0), frame), got)
             return True
@@ -130,7 +130,7 @@ class ExpressIO:
         driver = self.driver
         inbox = xc.inbox
         want = len(inbox)
-        if got >= HEADER_SIZE and (not xc.check_header() or got == want):
+        if got and (not xc.check_headers(got) or got == want):
             return got  # (a held frame, whole or not the one expected)
         clock = time.monotonic
         epoll = None
@@ -145,8 +145,8 @@ class ExpressIO:
             if nbytes == 0:
                 return got  # the end of the stream: the loop hangs the link up
             if nbytes > 0:
-                before, got = got, got + nbytes
-                if before < HEADER_SIZE <= got and not xc.check_header():
+                got += nbytes
+                if not xc.check_headers(got):
                     return got
                 if got == want:
                     return got
@@ -182,8 +182,8 @@ class ExpressIO:
 def _feed(link: PeerLink, data: memoryview) -> None:
     """Hand ``data``, read from ``link``'s socket, to the link as if just read into the
     buffers its agent names.  (It all fits before any pause: what an express call reads is
-    at most one frame's length, and the link is paused only on a frame of a later call,
-    which cannot follow a whole frame of this call within that length.)"""
+    at most as long as the peer's frames of this call, and the link is paused only on a frame
+    of a later call, which cannot follow all of them within that length.)"""
     at, size = 0, len(data)
     while at < size:
         transport = link.transport

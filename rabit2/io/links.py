@@ -131,11 +131,13 @@ class LinkKeeper:
         self.engine.execute(self.engine.agent.on_hangup(peer, reason, self.engine.loop.time()))
         assignment = self.engine.assignment
         if (self.engine.config.recover and assignment is not None and peer < assignment.rank
-                and self.engine.agent.error is None and not self.engine.agent.ended):
+                and self.engine.agent.error is None
+                and (not self.engine.agent.ended or self.engine.holding)):
             # the higher rank of a broken link dials again: the same process if it lives
             # (a reset), or its replacement once the tracker says where (peer_recovered).
-            # A rank that holds in finalize waits for peer_recovered: links also close when
-            # the ranks leave after bye.
+            # So does a rank that holds in finalize: its neighbour may still be in a call
+            # that needs it (a dial to a neighbour that left after its bye fails until this
+            # rank's own bye ends the hold, and with it the dialing).
             self.schedule_redial(peer, self._incarnation_of(peer), assignment.peers[peer])
         if self.engine.config.recover and peer not in self.partition_checks:
             self.partition_checks[peer] = self.engine.loop.call_later(

@@ -473,6 +473,37 @@ def test_close_leaves_no_redial_behind(loop_kind: str) -> None:
     silent.close()
 
 
+def test_a_link_reset_while_the_higher_rank_holds_in_finalize_is_dialed_again(
+        loop_kind: str) -> None:
+    """The higher rank of a link dials it again after a reset even when it has finalized and
+    holds for the others: the lower rank may still be in a call that needs what it kept
+    (before, the link stayed down and that call waited out the recovery deadline)."""
+    tracker, engines = start_job(2, loop_kind, RABIT2_RECOVER="1")
+    on_all(engines, lambda r, e: e.run_call(allreduce_call(np.ones(8), e)))
+    holder = threading.Thread(target=engines[1].finalize)
+    holder.start()
+    deadline = time.monotonic() + 10
+    while not engines[1].holding and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert engines[1].holding
+    low = engines[0]
+    before = low.agent.recovery_statistics()["links_up"]
+    transport = low.links[1].transport
+    assert transport is not None
+    low.loop.call_soon_threadsafe(transport.abort)  # the lower rank's end resets the link
+    deadline = time.monotonic() + 10
+    while (low.agent.recovery_statistics()["links_up"] == before
+           and time.monotonic() < deadline):
+        time.sleep(0.02)
+    assert low.agent.recovery_statistics()["links_up"] > before, "the link was not dialed again"
+    low.finalize()
+    holder.join(30)
+    assert not holder.is_alive()
+    result = tracker.join(10)
+    tracker.stop()
+    assert result is not None and result.success, result
+
+
 def test_an_abort_ends_a_bootstrap_wait_even_where_a_cancellation_is_lost() -> None:
     """Python 3.11's ``asyncio.wait_for`` swallows a cancellation that arrives as its inner
     future completes; a restarted worker's dial loop (retrying a dead neighbour) then went

@@ -14,7 +14,9 @@ import pytest
 from rabit2.core.agent import Call
 from rabit2.core.framing import CollectiveKind
 from rabit2.core.ops import Op
+from rabit2.errors import ProtocolError, RabitError
 from rabit2.io.engine import Engine
+from rabit2.io.express import Written
 from tests.integration.test_engine import allreduce_call, finish, on_all, start_job
 
 # (dtype, op, count): float NaN payloads that differ between the ranks, integers, every op
@@ -27,7 +29,9 @@ CASES = [
     (np.int32, Op.BITOR, 5000),
     (np.uint8, Op.BITXOR, 777),
     (np.float16, Op.SUM, 100),
-    (np.float64, Op.SUM, 65_536),  # 512 KiB: the largest pair call
+    (np.float64, Op.SUM, 65_536),  # 512 KiB: one checked frame
+    (np.float32, Op.MAX, 300_001),  # three checked frames (a pair call asked for by name)
+    (np.float64, Op.SUM, 262_147),  # five
 ]
 
 
@@ -60,7 +64,10 @@ def _run_cases(rank: int, engine: Engine, rounds: int = 2) -> list[bytes]:
     for _ in range(rounds):
         for i, (dtype, op, count) in enumerate(CASES):
             a = _input(rank, dtype, count, i)
-            engine.run_call(allreduce_call(a, engine, op))
+            # (the pair exchange also above the ring threshold, as rabit_reduce_ring_mincount
+            # can make it)
+            engine.run_call(Call(CollectiveKind.ALLREDUCE_PAIR, memoryview(a).cast("B"),
+                                 a.dtype, op))
             got.append(a.tobytes())
     return got
 
@@ -148,7 +155,7 @@ def test_a_late_peer_turns_an_express_start_into_the_general_path() -> None:
     finish(tracker, engines)
 
 
-@pytest.mark.parametrize("size", [24, 20_000, 400_000])
+@pytest.mark.parametrize("size", [24, 20_000, 400_000, 1_500_000])
 def test_a_frame_the_loop_read_while_this_rank_computed_is_taken(size: int) -> None:
     """Rank 1 computes longer than the loop lingers: its loop reads rank 0's frame header (and
     what fits the stage after it) and holds it.  Rank 1's call takes it from there."""
@@ -160,7 +167,8 @@ def test_a_frame_the_loop_read_while_this_rank_computed_is_taken(size: int) -> N
             if rank == 1:
                 time.sleep(0.06)
             a = np.arange(size // 4, dtype=np.float32) * (rank + 1) + i
-            engine.run_call(allreduce_call(a, engine))
+            engine.run_call(Call(CollectiveKind.ALLREDUCE_PAIR, memoryview(a).cast("B"),
+                                 a.dtype, Op.SUM))
             assert (a == np.arange(size // 4, dtype=np.float32) * 3 + 2 * i).all(), (rank, i)
             out += a.tobytes()
         xio = engine.driver.express
@@ -172,6 +180,69 @@ def test_a_frame_the_loop_read_while_this_rank_computed_is_taken(size: int) -> N
     assert results[1][1] >= 3, results  # (the loop read ahead before most of rank 1's calls)
     assert results[0][2] == results[1][2] == 6 * (size // 4 * 4), results  # each byte once
     finish(tracker, engines)
+
+
+def test_a_late_peer_holds_the_loop_for_drive_ms_once() -> None:
+    """An express start that waits ``drive_ms`` for a late peer hands the call to the loop
+    then, not after a second ``drive_ms`` of the general path's own."""
+    tracker, engines = start_job(2, "uvloop", RABIT2_RECOVER="1", RABIT2_DRIVE_MS="100")
+    held: list[float] = []
+    driver = engines[0].driver
+    run = driver.run
+
+    def timed(*args: object) -> bool:
+        start = time.monotonic()
+        try:
+            return run(*args)  # type: ignore[arg-type]
+        finally:
+            held.append(time.monotonic() - start)
+
+    driver.run = timed  # type: ignore[method-assign]
+
+    def work(rank: int, engine: Engine) -> None:
+        for i in range(3):
+            if rank == 1:
+                time.sleep(0.4)
+            a = np.full(100, float(rank + i), dtype=np.float32)
+            engine.run_call(allreduce_call(a, engine))
+            assert (a == 2 * i + 1).all()
+
+    assert on_all(engines, work) == [None, None]
+    assert len(held) == 3 and max(held) < 0.17, held  # (0.2 s and more: waited twice)
+    finish(tracker, engines)
+
+
+def test_a_fallback_that_cannot_skip_what_was_written_fails_typed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Never expected: the general path would not send what an express start wrote.  The
+    call then fails with a typed error and the link closes (the stream cannot be kept
+    whole); the peer hears it through the job's abort, never waits out a deadline."""
+
+    def refuse(self: Written, cmds: list[object]) -> list[object]:
+        raise ProtocolError("the frames differ (injected)")
+
+    monkeypatch.setattr(Written, "skip", refuse)
+    tracker, engines = start_job(2, "uvloop", RABIT2_RECOVER="1", RABIT2_DRIVE_MS="5")
+    started = time.monotonic()
+
+    def work(rank: int, engine: Engine) -> type[BaseException] | None:
+        if rank == 1:
+            time.sleep(0.2)  # rank 0's express start waits 5 ms, then falls back
+        a = np.ones(1000, dtype=np.float32)
+        try:
+            engine.run_call(allreduce_call(a, engine))
+        except RabitError as exc:
+            if rank == 0:
+                engine.finalize()  # (a failed worker's finalize aborts the job)
+            return type(exc)
+        return None
+
+    results = on_all(engines, work)
+    assert results[0] is ProtocolError, results
+    assert isinstance(results[1], type) and issubclass(results[1], RabitError), results
+    assert time.monotonic() - started < 30
+    on_all(engines, lambda r, e: e.close())
+    tracker.stop()
 
 
 def test_a_partial_write_is_finished_by_the_general_path() -> None:
