@@ -42,19 +42,26 @@ AUTO_RING_MIN_BYTES = 512 * 1024
 """The default tree/ring threshold: the ring's 2(n - 1) dependent steps cost more than the
 tree's extra bytes at the root (or, at world size 2, than the pair exchange's copy) up to
 about here; measured in ``docs/performance.md`` ("Tree or ring")."""
+PAIR_MAX_BYTES = 1 << 20
+"""The default threshold at world size 2: the pair exchange up to here, the ring above.  The
+pair moves the same bytes in one step instead of two and reduces twice as many; made express
+(``docs/design.md``, "Express calls") it was 1.2-1.4x faster than the ring at 768 KiB-1 MiB,
+and 1.06-1.2x slower at 2-4 MiB (``docs/performance.md``, "Tree or ring")."""
 SCRATCH_RESERVE_FROM = 1 << 20
 """A link scratch this large or larger is allocated at the landing ring's size at least."""
 
 
 def choose_allreduce(nbytes: int, itemsize: int, world: int,
                      ring_mincount: int | None) -> CollectiveKind:
-    """Tree for small calls, ring above ``AUTO_RING_MIN_BYTES``, or above ``ring_mincount``
-    elements where that is set (rabit's ``rabit_reduce_ring_mincount``).
+    """Tree for small calls, ring above ``AUTO_RING_MIN_BYTES`` (``PAIR_MAX_BYTES`` at world
+    size 2), or above ``ring_mincount`` elements where that is set (rabit's
+    ``rabit_reduce_ring_mincount``).
 
     At world size 2 the tree degenerates into a relay through rank 0; a direct exchange
     does the same work in one hop instead of two.
     """
-    if world > 1 and (nbytes > AUTO_RING_MIN_BYTES if ring_mincount is None
+    threshold = PAIR_MAX_BYTES if world == 2 else AUTO_RING_MIN_BYTES
+    if world > 1 and (nbytes > threshold if ring_mincount is None
                       else nbytes // itemsize > ring_mincount):
         return CollectiveKind.ALLREDUCE_RING
     if world == 2:

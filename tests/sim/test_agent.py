@@ -35,7 +35,7 @@ from rabit2.core.framing import (
 )
 from rabit2.core.fsm import InvalidTransition, State
 from rabit2.core.ops import Op, dtype_code
-from rabit2.core.planning import AUTO_RING_MIN_BYTES
+from rabit2.core.planning import AUTO_RING_MIN_BYTES, PAIR_MAX_BYTES
 from rabit2.core.topology import topology
 from rabit2.errors import (
     CollectiveTimeoutError,
@@ -618,10 +618,11 @@ def test_pair_is_chosen_only_at_world_two() -> None:
 @pytest.mark.parametrize("world", [2, 3, 4, 9])
 def test_default_threshold_is_in_bytes_and_a_set_mincount_counts_elements(world: int) -> None:
     small = PAIR if world == 2 else TREE
+    threshold = PAIR_MAX_BYTES if world == 2 else AUTO_RING_MIN_BYTES
     agent = ready_agent(0, world)
-    assert agent.choose_allreduce(AUTO_RING_MIN_BYTES, 8) is small
-    assert agent.choose_allreduce(AUTO_RING_MIN_BYTES + 8, 8) is RING
-    assert agent.choose_allreduce(AUTO_RING_MIN_BYTES + 1, 1) is RING
+    assert agent.choose_allreduce(threshold, 8) is small
+    assert agent.choose_allreduce(threshold + 8, 8) is RING
+    assert agent.choose_allreduce(threshold + 1, 1) is RING
     # rabit's rule where the option is given: more than that many elements, whatever size
     rabit_rule = ready_agent(0, world, ring_mincount=32768)
     assert rabit_rule.choose_allreduce(32768 * 8, 8) is small
