@@ -124,9 +124,10 @@ class ExpressIO:
         return True
 
     def _receive(self, xc: ExpressCall, fd: int, got: int) -> int:
-        """Read the peer's frame into the inbox; how many bytes were read, fewer than the
-        frame's when something else came first (another frame's header, the end of the
-        stream, an error, the tracker) or ``drive_ms`` passed."""
+        """Read the peer's frames into the inbox, after the ``got`` bytes there; how many
+        bytes it holds then, fewer than the frames' when something else came first (another
+        frame's header, the end of the stream, an error, the tracker) or ``drive_ms``
+        passed."""
         driver = self.driver
         inbox = xc.inbox
         want = len(inbox)
