@@ -140,10 +140,11 @@ class Express:
         self._views: dict[tuple[np.dtype, int], tuple[np.ndarray, np.ndarray]] = {}
 
     def prepare(self, call: Call) -> ExpressCall | None:
-        """The frame to send for ``call`` if it may be made express; None if it must take
-        the general path: not a pair allreduce, no single checked frame, an agent that is
-        not between calls, a link that is not plainly up with nothing staged, or recovery
-        with something under way that a call's beginning acts on."""
+        """The frames to send for ``call`` if it may be made express; None if it must take
+        the general path: not a pair allreduce of 1 B to ``MAX_BYTES``, an agent that is
+        not between calls, a link that is not plainly up with nothing staged (but the
+        peer's first frame read ahead), or recovery with something under way that a call's
+        beginning acts on."""
         agent = self.agent
         nbytes = len(call.buf)
         if (call.kind is not CollectiveKind.ALLREDUCE_PAIR or not 0 < nbytes <= MAX_BYTES
