@@ -78,8 +78,11 @@ def _records(engine: Engine) -> tuple[object, ...]:
     link = agent.links[1 - agent.rank]
     kept: list[tuple[object, ...]] = []
     if agent.recovery is not None:
-        for call, (desc, blob) in agent.recovery.results._results.items():
-            kept.append((call, desc, bytes(memoryview(blob).cast("B"))))
+        store = agent.recovery.results
+        for call in store._results:
+            got = store.get(call)
+            assert got is not None
+            kept.append((call, got[0], bytes(got[1].cast("B"))))
     return (agent.version, agent.seqno, agent.state, stats.calls_completed, stats.bytes_sent,
             stats.bytes_received, stats.frames_sent, stats.frames_received, link.pos,
             link.seen_version, link.mode, link.phase, tuple(kept))

@@ -860,7 +860,7 @@ def test_recycled_ring_buffers_do_not_chain(checkpoint: bool) -> None:
     for agent in net.agents.values():
         store = agent.recovery.results
         arrays = [a for spares in store._spare.values() for a in spares]
-        arrays += [blob for _, blob in store._results.values() if isinstance(blob, np.ndarray)]
+        arrays += [blob for _, blob, _ in store._results.values() if isinstance(blob, np.ndarray)]
         assert arrays and max(depth(a) for a in arrays) <= 2, [depth(a) for a in arrays]
 
 

@@ -1,5 +1,6 @@
 """What a rank retains for a restarted neighbour: the results of finished calls (bounded by
-``rabit2_replay_mb``), in buffers that are recycled call after call.
+``rabit2_replay_mb``), in memory that is recycled call after call: small results back to
+back in slabs, larger ones in buffers of their own.
 
 Nothing here touches a socket or a clock.
 """
@@ -18,7 +19,12 @@ CallId = tuple[int, int]
 
 DEFAULT_RETAIN_BYTES = 256 << 20
 """Bound on the results a rank keeps for replay (``rabit2_replay_mb``)."""
-SMALL_RESULT = 64 << 10  # results up to this size are kept as bytes objects, not buffers
+SMALL_RESULT = 64 << 10  # results up to this size are kept in slabs, not buffers of their own
+SLAB_BYTES = 4 << 20
+"""Size of a slab of small results (at most a sixteenth of the bound)."""
+POPULATE_STEP = 256 << 10
+"""Bytes of a slab whose pages are made at once, ahead of the copies that need them."""
+MADV_POPULATE_WRITE = 23  # Linux 5.14 (the mmap module names it from Python 3.13 on)
 GENERATIONS = 2
 """Checkpoint versions (and the results of calls made in them) kept on every rank: the
 current one and the one before, so that a neighbour that checkpointed just before a peer
@@ -47,6 +53,58 @@ def fresh_buffer(size: int) -> np.ndarray:
     return np.frombuffer(region, dtype=np.uint8)  # the array keeps the mapping alive
 
 
+class Slab:
+    """Anonymous memory that small results are kept in, back to back, in the order of the
+    calls; used again from its start once every result in it has gone.
+
+    A result copied to fresh memory pays for its pages as the copy first touches them: 1.4-1.7
+    us a page on the virtual machine measured, some 25 us for a 64 KiB result, several times
+    the copy.  A slab makes its pages ``POPULATE_STEP`` bytes at a time in one system call
+    (``MADV_POPULATE_WRITE``: 1 us a page there), and once a training loop checkpoints its
+    results go into pages made already (``docs/performance.md``, "Slabs for small
+    results")."""
+
+    __slots__ = ("_map", "data", "live", "pos", "ready")
+    populate = hasattr(mmap, "MAP_PRIVATE")  # False once the kernel refused (before 5.14)
+
+    def __init__(self, size: int) -> None:
+        self._map = (mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                     if hasattr(mmap, "MAP_PRIVATE") else None)
+        self.data = memoryview(self._map if self._map is not None else bytearray(size))
+        self.pos = 0  # where the next result goes
+        self.live = 0  # results kept here and not dropped yet
+        self.ready = 0  # bytes whose pages were made
+
+    def put(self, pieces: Sequence[memoryview], size: int) -> memoryview:
+        """Copy a result, given as the pieces it is made of, after the last; where it is
+        kept (the caller checked that ``size`` bytes fit)."""
+        at = self.pos
+        end = at + size
+        if end > self.ready:
+            self._make_pages(end)
+        data = self.data
+        for piece in pieces:
+            flat = piece if piece.format == "B" and piece.ndim == 1 else piece.cast("B")
+            n = len(flat)
+            data[at : at + n] = flat
+            at += n
+        kept = data[self.pos : end]
+        self.pos = end
+        self.live += 1
+        return kept
+
+    def _make_pages(self, end: int) -> None:
+        """Make the pages of bytes ``[ready, end)`` and of the step after them."""
+        upto = min(len(self.data), max(end, self.ready + POPULATE_STEP))
+        upto = min(len(self.data), -(-upto // mmap.PAGESIZE) * mmap.PAGESIZE)
+        if Slab.populate and self._map is not None:
+            try:
+                self._map.madvise(MADV_POPULATE_WRITE, self.ready, upto - self.ready)
+            except (OSError, ValueError):
+                Slab.populate = False  # (the copies touch the pages instead)
+        self.ready = upto
+
+
 class ResultStore:
     """Results of finished calls, kept for a restarted neighbour's replay.
 
@@ -55,13 +113,21 @@ class ResultStore:
     retained calls stay one contiguous run ``[oldest, newest]``, which is what ``state``
     advertises.  Dropped buffers are reused for later results of the same size, so that a
     steady stream of calls copies into memory that is already mapped (a fresh 64 MiB
-    allocation costs several times the copy itself in page faults).
+    allocation costs several times the copy itself in page faults).  Results of up to
+    ``SMALL_RESULT`` bytes share slabs (:class:`Slab`); the slabs in use may hold up to two
+    slabs more than the bound (a partly filled one at each end), and at most two emptied
+    ones are kept for reuse.
     """
 
     def __init__(self, limit: int = DEFAULT_RETAIN_BYTES) -> None:
         self.limit = limit
         self._results: collections.OrderedDict[
-            CallId, tuple[CallDescriptor, np.ndarray | bytes]] = collections.OrderedDict()
+            CallId, tuple[CallDescriptor, np.ndarray | memoryview, Slab | None]
+        ] = collections.OrderedDict()
+        self._slab_size = -(-max(SMALL_RESULT, min(SLAB_BYTES, limit // 16))
+                            // mmap.PAGESIZE) * mmap.PAGESIZE
+        self._slab: Slab | None = None  # the slab new small results go to
+        self._empty_slabs: list[Slab] = []
         self._spare: dict[int, list[np.ndarray]] = {}
         self._spare_bytes = 0
         self.nbytes = 0
@@ -82,14 +148,14 @@ class ResultStore:
 
     def add(self, call: CallId, desc: CallDescriptor, pieces: Sequence[memoryview]) -> None:
         """Keep a copy of the result, given as the pieces it is made of."""
-        size = len(pieces[0]) if len(pieces) == 1 else sum(len(p) for p in pieces)
+        size = pieces[0].nbytes if len(pieces) == 1 else sum(p.nbytes for p in pieces)
         if not self.wants(call) or not self.fits(size):
             self._make_room(call, size)  # never kept: forget what came before it, copy nothing
             return
         if size <= SMALL_RESULT:
-            # a small result: one bytes object, cheaper to make than a numpy buffer
             if self._make_room(call, size):
-                self._results[call] = (desc, b"".join(pieces))
+                slab = self._slab_for(size)
+                self._results[call] = (desc, slab.put(pieces, size), slab)
                 self.nbytes += size
             return
         blob = self.take(size)
@@ -113,7 +179,7 @@ class ResultStore:
         """Keep ``blob`` (from :meth:`take`, filled with the result) without copying it; if
         the result cannot be kept, the buffer goes back to the spares (within the bound)."""
         if self._make_room(call, blob.nbytes):
-            self._results[call] = (desc, blob)
+            self._results[call] = (desc, blob, None)
             self.nbytes += blob.nbytes
         elif self.nbytes + self._spare_bytes + blob.nbytes <= self.limit:
             self._to_spares(blob)
@@ -127,8 +193,8 @@ class ResultStore:
             self.overflowed = max(self.overflowed, call[0])
             return False
         while self._results and self.nbytes + size > self.limit:
-            old, (_, blob) = self._results.popitem(last=False)
-            self._release(blob)
+            old, (_, blob, slab) = self._results.popitem(last=False)
+            self._release(blob, slab)
             self._dropped_upto = (old[0], old[1] + 1)
             if old[0] == call[0]:
                 self.overflowed = max(self.overflowed, call[0])
@@ -137,14 +203,33 @@ class ResultStore:
             return False
         return True
 
-    def _release(self, blob: np.ndarray | bytes) -> None:
+    def _slab_for(self, size: int) -> Slab:
+        """The slab a small result of ``size`` bytes goes to: the current one while it has
+        room, then an emptied one, then a new one."""
+        slab = self._slab
+        if slab is not None and slab.pos + size <= len(slab.data):
+            return slab
+        slab = self._slab = (self._empty_slabs.pop() if self._empty_slabs
+                             else Slab(self._slab_size))
+        slab.pos = 0
+        return slab
+
+    def _release(self, blob: np.ndarray | memoryview, slab: Slab | None) -> None:
         """Keep a dropped buffer for the next result of its size (within the same bound:
-        retained and spare bytes together stay under ``limit``)."""
-        if isinstance(blob, bytes):
-            self.nbytes -= len(blob)
-            return
+        retained and spare bytes together stay under ``limit``), or its slab once every
+        result in it has gone."""
         self.nbytes -= blob.nbytes
-        self._to_spares(blob)
+        if slab is None:
+            assert isinstance(blob, np.ndarray)
+            self._to_spares(blob)
+            return
+        slab.live -= 1
+        if slab.live:
+            return
+        if slab is self._slab:
+            slab.pos = 0  # (its first pages were made already)
+        elif len(self._empty_slabs) < 2:
+            self._empty_slabs.append(slab)
 
     def _to_spares(self, blob: np.ndarray) -> None:
         self._spare.setdefault(blob.nbytes, []).append(blob)
@@ -164,8 +249,13 @@ class ResultStore:
         got = self._results.get(call)
         if got is None:
             return None
-        blob = got[1]
-        return got[0], memoryview(blob) if isinstance(blob, bytes) else blob.data
+        desc, blob, slab = got
+        if slab is not None:
+            # a copy: the slab's bytes are used again once the result is dropped, perhaps
+            # while a send of them still waits for the kernel
+            return desc, memoryview(blob.tobytes())
+        assert isinstance(blob, np.ndarray)
+        return desc, blob.data
 
     def on_checkpoint(self, version: int, keep_from: int | None = None) -> None:
         """``version`` was just taken: keep the calls of ``version - 1`` on (of ``keep_from``
@@ -177,7 +267,8 @@ class ResultStore:
 
     def clear_before(self, call: CallId) -> None:
         for key in [k for k in self._results if k < call]:
-            self._release(self._results.pop(key)[1])
+            _, blob, slab = self._results.pop(key)
+            self._release(blob, slab)
         self._dropped_upto = max(self._dropped_upto, call)
 
     @property

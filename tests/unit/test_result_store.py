@@ -1,0 +1,78 @@
+"""The replay store's slabs: small results kept back to back, their memory used again."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from rabit2.core.framing import CallDescriptor, CollectiveKind
+from rabit2.core.recovery import store as store_mod
+from rabit2.core.recovery.store import SMALL_RESULT, ResultStore, Slab
+
+DESC = CallDescriptor(CollectiveKind.ALLREDUCE_PAIR, 0, 0, 0, 0)
+
+
+def _result(seed: int, size: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def test_small_results_come_back_whole_and_as_copies() -> None:
+    """Each result comes back byte for byte, whatever the format and number of its pieces,
+    and what ``get`` hands out does not change when the slab is used again."""
+    store = ResultStore(limit=1 << 20)
+    floats = np.arange(1000, dtype=np.float32)
+    store.add((0, 0), DESC, [memoryview(floats)])  # a typed view, not bytes
+    parts = _result(1, 3000)
+    store.add((0, 1), DESC, [memoryview(parts[:1000]), memoryview(parts[1000:])])
+    got0, got1 = store.get((0, 0)), store.get((0, 1))
+    assert got0 is not None and got1 is not None
+    assert bytes(got0[1]) == floats.tobytes() and bytes(got1[1]) == parts.tobytes()
+    store.clear_before((1, 0))  # both dropped: the slab starts over
+    store.add((1, 0), DESC, [memoryview(np.zeros(4000, np.uint8))])
+    assert bytes(got0[1]) == floats.tobytes()  # (a copy, not the slab's bytes)
+    assert store.nbytes == 4000
+
+
+def test_an_emptied_slab_is_used_again_not_fresh_memory() -> None:
+    """Results fill slabs in call order; once every result of a slab is dropped, later
+    results go to the same memory."""
+    store = ResultStore(limit=64 << 20)
+    size = SMALL_RESULT
+    per_slab = len(Slab(store._slab_size).data) // size
+    for seqno in range(per_slab + 1):  # the last one opens a second slab
+        store.add((0, seqno), DESC, [memoryview(_result(seqno, size))])
+    first = store._results[(0, 0)][2]
+    second = store._results[(0, per_slab)][2]
+    assert first is not None and second is not None and first is not second
+    store.on_checkpoint(2)  # drops version 0: both slabs empty
+    assert store.nbytes == 0 and store._empty_slabs == [first] and second.pos == 0
+    for seqno in range(per_slab + 1):
+        store.add((2, seqno), DESC, [memoryview(_result(100 + seqno, size))])
+    assert store._results[(2, 0)][2] is second and store._results[(2, per_slab)][2] is first
+    for seqno in (0, per_slab // 2, per_slab):
+        got = store.get((2, seqno))
+        assert got is not None and bytes(got[1]) == _result(100 + seqno, size).tobytes()
+
+
+def test_the_bound_still_drops_the_oldest_results(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Slabs do not change what is kept: the oldest results go once the results exceed the
+    bound.  (Also where the kernel cannot make pages ahead: the copies touch them.)"""
+    monkeypatch.setattr(Slab, "populate", False)
+    store = ResultStore(limit=10_000)
+    for seqno in range(3):
+        store.add((0, seqno), DESC, [memoryview(_result(seqno, 3000))])
+    store.on_checkpoint(1)  # (version 0 is kept: a neighbour may still resume there)
+    store.add((1, 0), DESC, [memoryview(_result(3, 3000))])
+    assert store.nbytes == 9000 and store.oldest == (0, 1) and store.overflowed == -1
+    assert store.get((0, 0)) is None
+    got = store.get((1, 0))
+    assert got is not None and bytes(got[1]) == _result(3, 3000).tobytes()
+
+
+def test_pages_are_made_ahead_of_the_copies() -> None:
+    """A slab makes the pages of a step at once, then none until a result goes past them."""
+    slab = Slab(1 << 20)
+    slab.put([memoryview(bytes(100))], 100)
+    assert slab.ready == min(store_mod.POPULATE_STEP, 1 << 20)
+    slab.put([memoryview(bytes(slab.ready))], slab.ready)
+    assert slab.ready >= slab.pos and slab.live == 2
