@@ -224,7 +224,7 @@ class Express:
         # offsets that are multiples of the plan's REDUCE_BLOCK.  (What may fail, taking
         # memory, comes before any record changes.)
         recovery = agent.recovery
-        keep = None if recovery is None else recovery.result_buffer(nbytes, call_id)
+        keep = None if recovery is None else recovery.express_keep(nbytes, call_id)
         ufunc = ufunc_of(call.op)
         lower = agent.rank < xc.peer
         if len(xc.frames) == 1:
@@ -233,7 +233,7 @@ class Express:
                 views = self._typed(dtype, nbytes)
             landing, out = views
             if keep is not None:
-                out = np.frombuffer(keep, dtype)
+                out = keep.view(dtype)
             mine = np.frombuffer(call.buf, dtype)
             ufunc(*((mine, landing) if lower else (landing, mine)), out=out, casting="no")
         else:

@@ -76,3 +76,29 @@ def test_pages_are_made_ahead_of_the_copies() -> None:
     assert slab.ready == min(store_mod.POPULATE_STEP, 1 << 20)
     slab.put([memoryview(bytes(slab.ready))], slab.ready)
     assert slab.ready >= slab.pos and slab.live == 2
+
+
+def test_a_result_made_in_reserved_room_is_kept_without_a_copy() -> None:
+    """``take`` of a small size reserves room in a slab; ``keep`` of that very buffer keeps
+    it there.  Room taken and never kept is given up at the next ``take``, and a result
+    that is not to be kept gives its room back."""
+    store = ResultStore(limit=1 << 20)
+    room = store.take(4096)
+    room[:] = _result(7, 4096)
+    store.keep((0, 0), DESC, room)
+    got = store.get((0, 0))
+    assert got is not None and bytes(got[1]) == _result(7, 4096).tobytes()
+    slab = store._results[(0, 0)][2]
+    assert slab is not None and slab.live == 1
+    store.take(4096)  # never kept ...
+    assert slab.live == 2
+    room = store.take(2048)  # ... given up here
+    assert slab.live == 2
+    store.keep((0, 1), DESC, room)
+    assert store.nbytes == 4096 + 2048 and slab.live == 2
+    store.on_checkpoint(2)
+    assert store.nbytes == 0 and slab.live == 0 and slab.pos == 0
+    over = ResultStore(limit=1000)
+    room = over.take(4096)  # (larger than the bound: the caller asks fits() first)
+    over.keep((0, 0), DESC, room)
+    assert over.get((0, 0)) is None and over.nbytes == 0

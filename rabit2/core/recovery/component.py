@@ -106,6 +106,14 @@ class Recovery:
             return results.take(nbytes)
         return None
 
+    def express_keep(self, nbytes: int, call: tuple[int, int]) -> np.ndarray | None:
+        """The buffer an express call makes its result in, to be retained (for a small
+        result, room in one of the store's slabs); None for a result that is not kept."""
+        results = self.results
+        if results.fits(nbytes) and results.wants(call):
+            return results.take(nbytes)
+        return None
+
     def pair_keep(self, nbytes: int, call: tuple[int, int]) -> memoryview | None:
         """The buffer a pair exchange makes its result in, to be retained."""
         kept = self.result_buffer(nbytes, call)
@@ -140,7 +148,7 @@ class Recovery:
     def on_express(self, call: CallId, desc: CallDescriptor, result: memoryview,
                    keep: np.ndarray | None) -> None:
         """Keep the result of an express pair call (:mod:`rabit2.core.express`), made in
-        ``keep`` (from :meth:`result_buffer`) or, without one, copied from ``result``."""
+        ``keep`` (from :meth:`express_keep`) or, without one, copied from ``result``."""
         self._joined(call[0])
         if keep is None:
             self.results.add(call, desc, [result])

@@ -64,15 +64,16 @@ class Slab:
     results go into pages made already (``docs/performance.md``, "Slabs for small
     results")."""
 
-    __slots__ = ("_map", "data", "live", "pos", "ready")
+    __slots__ = ("_map", "array", "data", "live", "pos", "ready")
     populate = hasattr(mmap, "MAP_PRIVATE")  # False once the kernel refused (before 5.14)
 
     def __init__(self, size: int) -> None:
         self._map = (mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
                      if hasattr(mmap, "MAP_PRIVATE") else None)
         self.data = memoryview(self._map if self._map is not None else bytearray(size))
+        self.array = np.frombuffer(self.data, dtype=np.uint8)
         self.pos = 0  # where the next result goes
-        self.live = 0  # results kept here and not dropped yet
+        self.live = 0  # results kept (or reserved) here and not dropped yet
         self.ready = 0  # bytes whose pages were made
 
     def put(self, pieces: Sequence[memoryview], size: int) -> memoryview:
@@ -92,6 +93,17 @@ class Slab:
         self.pos = end
         self.live += 1
         return kept
+
+    def reserve(self, size: int) -> np.ndarray:
+        """Room for a result of ``size`` bytes after the last, to be made there (the caller
+        checked that it fits)."""
+        at = self.pos
+        end = at + size
+        if end > self.ready:
+            self._make_pages(end)
+        self.pos = end
+        self.live += 1
+        return self.array[at:end]
 
     def _make_pages(self, end: int) -> None:
         """Make the pages of bytes ``[ready, end)`` and of the step after them."""
@@ -128,6 +140,8 @@ class ResultStore:
                             // mmap.PAGESIZE) * mmap.PAGESIZE
         self._slab: Slab | None = None  # the slab new small results go to
         self._empty_slabs: list[Slab] = []
+        # room reserved in a slab by take() and not yet handed to keep()
+        self._reserved: tuple[np.ndarray, Slab] | None = None
         self._spare: dict[int, list[np.ndarray]] = {}
         self._spare_bytes = 0
         self.nbytes = 0
@@ -166,8 +180,15 @@ class ResultStore:
         self.keep(call, desc, blob)
 
     def take(self, size: int) -> np.ndarray:
-        """A buffer for a result that is being made (a recycled one when possible); hand it
-        back with :meth:`keep`, or drop it."""
+        """A buffer for a result that is being made (a recycled one when possible, room in a
+        slab for a small one); hand it back with :meth:`keep`, or drop it.  (One at a time
+        for small results: taking another gives up the room of one not kept.)"""
+        if size <= SMALL_RESULT:
+            self._give_up_reserved()
+            slab = self._slab_for(size)
+            blob = slab.reserve(size)
+            self._reserved = (blob, slab)
+            return blob
         spare = self._spare.get(size)
         if spare:
             self._spare_bytes -= size
@@ -178,6 +199,15 @@ class ResultStore:
     def keep(self, call: CallId, desc: CallDescriptor, blob: np.ndarray) -> None:
         """Keep ``blob`` (from :meth:`take`, filled with the result) without copying it; if
         the result cannot be kept, the buffer goes back to the spares (within the bound)."""
+        reserved = self._reserved
+        if reserved is not None and reserved[0] is blob:
+            self._reserved = None
+            if self._make_room(call, blob.nbytes):
+                self._results[call] = (desc, blob, reserved[1])
+                self.nbytes += blob.nbytes
+            else:
+                self._unref(reserved[1])
+            return
         if self._make_room(call, blob.nbytes):
             self._results[call] = (desc, blob, None)
             self.nbytes += blob.nbytes
@@ -222,7 +252,15 @@ class ResultStore:
         if slab is None:
             assert isinstance(blob, np.ndarray)
             self._to_spares(blob)
-            return
+        else:
+            self._unref(slab)
+
+    def _give_up_reserved(self) -> None:
+        if self._reserved is not None:
+            self._unref(self._reserved[1])
+            self._reserved = None
+
+    def _unref(self, slab: Slab) -> None:
         slab.live -= 1
         if slab.live:
             return
