@@ -136,7 +136,16 @@ def broadcast(data: Any, root: int) -> Any:
         if not isinstance(data, np.ndarray):
             _pickle(data)  # the same TypeError alone as in a job
         return data
-    if comm.rank == root:
+    call, result = broadcast_call(data, root, comm.rank == root)
+    _run(call)
+    return result()
+
+
+def broadcast_call(data: Any, root: int, is_root: bool) -> tuple[Call, Callable[[], Any]]:
+    """The call :func:`broadcast` makes of ``data`` (``root`` checked already), and what
+    gives its result once the call is made.  Raises ``TypeError`` on the root if ``data``
+    cannot be pickled."""
+    if is_root:
         if isinstance(data, np.ndarray) and data.ndim <= MAX_NDIM and _supported(data.dtype):
             payload = _flat_bytes(np.ascontiguousarray(data))
             desc = pack_broadcast_head(HEAD_ARRAY, dtype_code(data.dtype), data.shape,
@@ -145,13 +154,13 @@ def broadcast(data: Any, root: int) -> Any:
             payload = memoryview(_pickle(data))
             desc = pack_broadcast_head(HEAD_PICKLE, 0, (), len(payload))
         # one call: the head (kind, dtype, shape, size) and the payload as one stream
-        _run(Call(CollectiveKind.BROADCAST, memoryview(b""), root=root,
-                  pieces=(memoryview(desc), payload)))
-        return data
+        return (Call(CollectiveKind.BROADCAST, memoryview(b""), root=root,
+                     pieces=(memoryview(desc), payload)), lambda: data)
     received: dict[str, Any] = {}
 
     def place(head: memoryview) -> memoryview:
-        """Called on the loop thread once the head arrived: where the payload goes."""
+        """Called once the head arrived (on the thread that drives the call): where the
+        payload goes."""
         kind, code, dims, nbytes = unpack_broadcast_head(head)
         if kind == HEAD_ARRAY:
             dtype = dtype_from_code(code)
@@ -170,11 +179,13 @@ def broadcast(data: Any, root: int) -> Any:
         received["pickle"] = blob
         return memoryview(blob)
 
-    _run(Call(CollectiveKind.BROADCAST, memoryview(b""), root=root, receive=place,
-              head_size=BROADCAST_HEAD.size))
-    if "array" in received:
-        return received["array"]
-    return pickle.loads(received["pickle"])
+    def result() -> Any:
+        if "array" in received:
+            return received["array"]
+        return pickle.loads(received["pickle"])
+
+    return (Call(CollectiveKind.BROADCAST, memoryview(b""), root=root, receive=place,
+                 head_size=BROADCAST_HEAD.size), result)
 
 
 def _pickle(data: Any) -> bytes:

@@ -290,14 +290,16 @@ class Agent:
         # (a fetched result is in the caller's buffer already)
         cmds.append(CallComplete(active.call_id, None if active.has_result else plan.finish))
 
-    def count_express(self, nbytes: int, frames: int) -> None:
-        """An express pair call (:mod:`rabit2.core.express`) sent and received ``frames``
-        frames of ``nbytes`` in all and completed."""
+    def count_express(self, sent: int, frames_sent: int, received: int,
+                      frames_received: int) -> None:
+        """An express call (:mod:`rabit2.core.express`) sent ``frames_sent`` frames with
+        ``sent`` payload bytes, received ``frames_received`` with ``received``, and
+        completed."""
         self._calls_completed += 1
-        self.sender.bytes_sent += nbytes
-        self.sender.frames_sent += frames
-        self.receiver.bytes_received += nbytes
-        self.receiver.frames_received += frames
+        self.sender.bytes_sent += sent
+        self.sender.frames_sent += frames_sent
+        self.receiver.bytes_received += received
+        self.receiver.frames_received += frames_received
 
     def uncount_frame(self) -> None:
         """A header counted as received was put back, to be read again (an express call

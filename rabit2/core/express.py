@@ -24,6 +24,7 @@ from typing import Protocol
 import numpy as np
 
 from rabit2.core import fsm
+from rabit2.core.express_broadcast import ExpressBroadcasts
 from rabit2.core.framing import (
     CALL_PREFIX_SIZE,
     CHECKED_FRAME,
@@ -50,6 +51,7 @@ class Owner(Protocol):
     """What the express path reads and changes of the agent that owns it."""
 
     rank: int
+    world: int
     version: int
     seqno: int
     state: fsm.State
@@ -61,7 +63,8 @@ class Owner(Protocol):
     last_progress: float
 
     def go(self, event: fsm.Event) -> None: ...
-    def count_express(self, nbytes: int, frames: int) -> None: ...
+    def count_express(self, sent: int, frames_sent: int, received: int,
+                      frames_received: int) -> None: ...
     def uncount_frame(self) -> None: ...
 
 
@@ -138,6 +141,17 @@ class Express:
         self._out = np.empty(0, dtype=np.uint8)
         # per (dtype, size): the inbox's payload and the scratch result as arrays of it
         self._views: dict[tuple[np.dtype, int], tuple[np.ndarray, np.ndarray]] = {}
+        self.broadcasts = ExpressBroadcasts(agent, self)
+
+    def inbox(self, size: int) -> memoryview:
+        """The first ``size`` bytes of the inbox, grown if need be (keeping what it holds:
+        an express broadcast grows it once the root's first header is in)."""
+        if len(self._inbox) < size:
+            grown = memoryview(bytearray(max(size, 2 * len(self._inbox))))
+            grown[: len(self._inbox)] = self._inbox
+            self._inbox = grown
+            self._views.clear()
+        return self._inbox[:size]
 
     def prepare(self, call: Call) -> ExpressCall | None:
         """The frames to send for ``call`` if it may be made express; None if it must take
@@ -179,11 +193,8 @@ class Express:
             headers = [pack_header(FrameKind.DATA, desc, version, seqno, offset, length, 0,
                                    checksum(buf[offset : offset + length]))
                        for offset, length in frames]
-        size = len(frames) * HEADER_SIZE + nbytes
-        if len(self._inbox) < size:
-            self._inbox = memoryview(bytearray(max(size, 2 * len(self._inbox))))
-            self._views.clear()
-        return ExpressCall(call, desc, peer, frames, headers, self._inbox[:size], held)
+        inbox = self.inbox(len(frames) * HEADER_SIZE + nbytes)
+        return ExpressCall(call, desc, peer, frames, headers, inbox, held)
 
     def take_held(self, xc: ExpressCall) -> int:
         """Move the held header and the payload bytes staged after it to the inbox, and
@@ -255,7 +266,7 @@ class Express:
             link.corrupt_streak = 0
         call.buf[:] = out.data.cast("B")
         agent.last_progress = now
-        agent.count_express(nbytes, len(xc.frames))
+        agent.count_express(nbytes, len(xc.frames), nbytes, len(xc.frames))
         if recovery is not None:
             recovery.on_express(call_id, xc.desc, call.buf, keep)
         agent.go(Event.OP_COMPLETE)

@@ -155,11 +155,11 @@ class Planner:
 
     def size_broadcast(self, plan: TreeBroadcast, frame: FrameHeader, active: ActiveCall) -> None:
         """The first frame from the root's side says how large the broadcast is."""
+        if frame.call.root != active.desc.root or frame.call.kind is not active.desc.kind:
+            return  # the descriptor check reports the mismatch (ranks that name other roots)
         total = frame.call.total_bytes
         if total == UNKNOWN_TOTAL or total > MAX_BROADCAST:
             raise ProtocolError(f"broadcast size {total} from the wire is out of bounds")
-        if frame.call.root != active.desc.root or frame.call.kind is not active.desc.kind:
-            return  # the descriptor check reports the mismatch
         self.size_to(plan, total, active)
 
     def size_to(self, plan: TreeBroadcast, total: int, active: ActiveCall) -> None:

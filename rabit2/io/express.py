@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from rabit2.core.express import ExpressCall
+from rabit2.core.express_broadcast import ExpressBroadcast
+from rabit2.core.framing import HEADER_SIZE, CollectiveKind
 from rabit2.core.records import Call, Command, Send
 from rabit2.errors import ProtocolError
 
@@ -84,46 +86,82 @@ class ExpressIO:
     def run(self, call: Call, waiter: Waiter) -> bool:
         """Make ``call`` express if it can be; False if nothing was done (the caller begins
         it as usual), True if it finished here (``waiter``) or was begun on the agent."""
+        if call.kind is CollectiveKind.BROADCAST:
+            return self._broadcast(call, waiter)
         driver = self.driver
         engine = driver.engine
         xc = engine.agent.express.prepare(call)
         if xc is None:
             return False
-        link = engine.links.get(xc.peer)
-        transport = None if link is None else link.transport
-        if (link is None or transport is None or not link.current or link.fd < 0
-                or link.write_blocked or transport.is_closing()
-                or transport.get_write_buffer_size()
-                or transport.is_reading() == xc.held):  # (a held link's is paused)
+        link = self._idle_link(xc.peer, xc.held)
+        if link is None:
             return False
         engine.faults.arm(-1, -1, False)  # (as begin_call does for a call without a fault)
         got = 0
         if xc.held:
             self.held += 1
             got = engine.agent.express.take_held(xc)
-            transport.resume_reading()
+            assert link.transport is not None
+            link.transport.resume_reading()
         fd = link.fd
         frame = xc.parts()
-        try:
-            sent = os.writev(fd, frame)
-        except BlockingIOError:
-            sent = 0
-        except OSError:
-            sent = -1
+        sent = _write(fd, frame)
         if sent < len(xc.inbox):  # (what this rank sends is as long as what it receives)
             # (a broken socket: the general path meets the error too, and the loop acts on it)
             self._general(xc, call, waiter, Written(xc.peer, max(sent, 0), frame), got)
             return True
         got = self._receive(xc, fd, got)
         if got == len(xc.inbox) and engine.agent.express.done(xc, engine.loop.time()):
-            self.calls += 1
-            engine.call_done()
-            waiter.finish(None)
+            self._finished(waiter)
             return True
         self._general(xc, call, waiter, Written(xc.peer, sent, frame), got)
         return True
 
-    def _receive(self, xc: ExpressCall, fd: int, got: int) -> int:
+    def _broadcast(self, call: Call, waiter: Waiter) -> bool:
+        """An express broadcast (:mod:`rabit2.core.express_broadcast`): the root writes its
+        frames and reads the announce; the receiver writes its announce, reads the root's
+        first header, then the rest it lays out."""
+        engine = self.driver.engine
+        broadcasts = engine.agent.express.broadcasts
+        xb = broadcasts.prepare(call)
+        if xb is None:
+            return False
+        link = self._idle_link(xb.peer, False)
+        if link is None:
+            return False
+        engine.faults.arm(-1, -1, False)
+        fd = link.fd
+        frame = xb.parts
+        sent = _write(fd, frame)
+        if sent < xb.sent_bytes():
+            self._general(xb, call, waiter, Written(xb.peer, max(sent, 0), frame), 0)
+            return True
+        got = self._receive(xb, fd, 0)
+        if not xb.is_root and got == HEADER_SIZE and broadcasts.lay_out(xb):
+            got = self._receive(xb, fd, got)
+        if got == len(xb.inbox) and broadcasts.done(xb, engine.loop.time()):
+            self._finished(waiter)
+            return True
+        self._general(xb, call, waiter, Written(xb.peer, sent, frame), got)
+        return True
+
+    def _idle_link(self, peer: int, held: bool) -> PeerLink | None:
+        """``peer``'s link if this thread may write to and read from its socket now: current,
+        nothing queued, reading (paused: ``held``, on a frame read ahead)."""
+        link = self.driver.engine.links.get(peer)
+        transport = None if link is None else link.transport
+        if (link is None or transport is None or not link.current or link.fd < 0
+                or link.write_blocked or transport.is_closing()
+                or transport.get_write_buffer_size() or transport.is_reading() == held):
+            return None
+        return link
+
+    def _finished(self, waiter: Waiter) -> None:
+        self.calls += 1
+        self.driver.engine.call_done()
+        waiter.finish(None)
+
+    def _receive(self, xc: ExpressCall | ExpressBroadcast, fd: int, got: int) -> int:
         """Read the peer's frames into the inbox, after the ``got`` bytes there; how many
         bytes it holds then, fewer than the frames' when something else came first (another
         frame's header, the end of the stream, an error, the tracker) or ``drive_ms``
@@ -168,8 +206,8 @@ class ExpressIO:
                 if ready != fd:
                     return got  # the tracker spoke: the loop hears it
 
-    def _general(self, xc: ExpressCall, call: Call, waiter: Waiter, written: Written,
-                 got: int) -> None:
+    def _general(self, xc: ExpressCall | ExpressBroadcast, call: Call, waiter: Waiter,
+                 written: Written, got: int) -> None:
         """Begin ``call`` on the agent after an express start: skip what was written, hand
         over what was read."""
         self.fallbacks += 1
@@ -178,6 +216,16 @@ class ExpressIO:
         link = engine.links.get(xc.peer)
         if got and link is not None:
             _feed(link, xc.inbox[:got])
+
+
+def _write(fd: int, parts: Sequence[bytes | memoryview]) -> int:
+    """What the kernel took of ``parts`` (-1: the socket is broken)."""
+    try:
+        return os.writev(fd, parts)
+    except BlockingIOError:
+        return 0
+    except OSError:
+        return -1
 
 
 def _feed(link: PeerLink, data: memoryview) -> None:

@@ -1,0 +1,272 @@
+"""Express broadcasts: a broadcast of world size 2 made in one step when nothing else is
+going on (``docs/design.md``, "Express calls").
+
+In the general path the root sends its stream (the head, then the payload) as DATA frames
+and the other rank, which learns the size from the root's first frame, sends an empty DATA
+frame towards the root (its announce, so that two ranks that disagree about the root meet
+a frame they do not expect).  Here the I/O layer writes this rank's frames (the very frames
+``Agent.begin`` sends) and reads the peer's exactly: the root reads the 48-byte announce; the
+receiver reads the root's first header, lays out the rest from it (:meth:`ExpressBroadcasts.
+lay_out`), and reads that.  :meth:`ExpressBroadcasts.done` then checks what came, hands the
+payload to the caller's ``receive`` and applies the call to the agent's records in one step,
+as the general path leaves them.
+
+Anything else, and the call is begun the general way with what was written skipped and
+what was read handed over, as for express pair calls (:mod:`rabit2.core.express`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from rabit2.core.framing import (
+    CALL_PREFIX_SIZE,
+    CHECKED_FRAME,
+    HEADER_SIZE,
+    NONE_U8,
+    UNKNOWN_TOTAL,
+    CallDescriptor,
+    CollectiveKind,
+    FrameCorruptError,
+    FrameKind,
+    checksum,
+    data_prefix,
+    pack_header,
+    unpack_tail,
+)
+from rabit2.core.fsm import Event, Mode, Phase, State
+from rabit2.core.records import Call
+
+if TYPE_CHECKING:
+    from rabit2.core.express import Express, Owner
+
+MAX_BYTES = 4 << 20
+"""The largest broadcast stream (head and payload) made express."""
+
+
+def frames_of(pieces: list[int], checked: bool) -> list[tuple[int, int]]:
+    """``(offset, length)`` of each DATA frame a root sends of a stream made of pieces of
+    these sizes: one frame on a link that does not check, else one piece at most and
+    ``CHECKED_FRAME`` bytes at most each (``Sender.pump``)."""
+    total = sum(pieces)
+    if not checked:
+        return [(0, total)]
+    out: list[tuple[int, int]] = []
+    at = 0
+    for size in pieces:
+        end = at + size
+        while at < end:
+            length = min(CHECKED_FRAME, end - at)
+            out.append((at, length))
+            at += length
+    return out
+
+
+class ExpressBroadcast:
+    """One broadcast made express.  ``parts``: what this rank writes; ``inbox``: where the
+    peer's frames land, back to back (the root: the 48-byte announce; the receiver: the
+    root's frames, laid out once the first header is in)."""
+
+    __slots__ = ("announce", "call", "checked", "crcs", "desc", "frames", "inbox", "is_root",
+                 "parts", "peer", "prefix", "starts", "total", "valid")
+
+    def __init__(self, call: Call, desc: CallDescriptor, peer: int, is_root: bool,
+                 announce: bytes, checked: bool) -> None:
+        self.call, self.desc, self.peer, self.is_root = call, desc, peer, is_root
+        self.announce = announce  # the receiver's empty DATA frame of this call
+        self.checked = checked
+        self.parts: list[bytes | memoryview] = []
+        self.inbox = memoryview(b"")
+        self.frames: list[tuple[int, int]] = []  # the root's frames: (offset, length)
+        self.starts: list[int] = []  # where each of the root's headers starts in the inbox
+        self.crcs: list[int] = []
+        self.prefix = b""  # the first bytes of each of the root's headers
+        self.total = 0  # the root's stream, head and payload
+        self.valid = False  # every header of the peer's frames passed check_headers
+
+    def sent_bytes(self) -> int:
+        return sum(len(p) for p in self.parts)
+
+    def check_headers(self, got: int) -> bool:
+        """Check what of the peer's frames the first ``got`` bytes of the inbox hold whole
+        and was not checked yet; False at the first surprise (the general path must read
+        it)."""
+        if self.is_root:
+            if got < HEADER_SIZE:
+                return True
+            self.valid = self.inbox[:HEADER_SIZE] == self.announce
+            return self.valid
+        inbox, crcs, frames = self.inbox, self.crcs, self.frames
+        if not frames:
+            return True  # (the first header, read before the rest is laid out: lay_out)
+        while len(crcs) < len(frames) and self.starts[len(crcs)] + HEADER_SIZE <= got:
+            i = len(crcs)
+            at = self.starts[i]
+            if inbox[at : at + CALL_PREFIX_SIZE] != self.prefix:
+                return False
+            try:
+                offset, length, crc = unpack_tail(inbox, at)
+            except FrameCorruptError:
+                return False
+            if (offset, length) != frames[i]:
+                return False
+            crcs.append(crc)
+        self.valid = len(crcs) == len(frames)
+        return True
+
+    def payload(self, i: int) -> memoryview:
+        at = self.starts[i] + HEADER_SIZE
+        return self.inbox[at : at + self.frames[i][1]]
+
+
+class ExpressBroadcasts:
+    """Express broadcasts, for one agent."""
+
+    def __init__(self, agent: Owner, express: Express) -> None:
+        self.agent = agent
+        self.express = express
+
+    def prepare(self, call: Call) -> ExpressBroadcast | None:
+        """What to write for ``call`` if it may be made express: a broadcast of world size
+        2 whose root sends 1 B to ``MAX_BYTES`` as a head and a payload, or whose receiver
+        learns the size from the root; None otherwise, or when the agent or the link is not
+        plainly idle (as :meth:`Express.prepare`; a frame read ahead is not taken here)."""
+        agent = self.agent
+        if (call.kind is not CollectiveKind.BROADCAST or agent.world != 2
+                or agent.state is not State.READY or agent.dead_links):
+            return None
+        is_root = call.root == agent.rank
+        if is_root:
+            if len(call.pieces) != 2 or not 0 < sum(len(p) for p in call.pieces) <= MAX_BYTES:
+                return None
+        elif call.receive is None or call.head_size <= 0:
+            return None
+        peer = 1 - agent.rank
+        link = agent.links.get(peer)
+        if (link is None or link.phase is not Phase.UP or link.pending_needs
+                or link.mode is not Mode.HEADER or link.end):
+            return None
+        recovery = agent.recovery
+        if recovery is not None and not recovery.quiet():
+            return None
+        version, seqno = agent.version, agent.seqno
+        desc = agent.planner.descriptor(call)
+        if not is_root:
+            # its announce: an empty DATA frame, sent before it knows the size (Sender.pump)
+            announce = pack_header(FrameKind.DATA, desc, version, seqno, 0, 0)
+            xb = ExpressBroadcast(call, desc, peer, False, announce, link.checked)
+            xb.parts = [announce]
+            xb.inbox = self.express.inbox(HEADER_SIZE)
+            return xb
+        # the announce the receiver sends, as the API makes its call (no dtype, no size)
+        announce = pack_header(FrameKind.DATA, CallDescriptor(
+            CollectiveKind.BROADCAST, NONE_U8, NONE_U8, call.root, UNKNOWN_TOTAL),
+            version, seqno, 0, 0)
+        xb = ExpressBroadcast(call, desc, peer, True, announce, link.checked)
+        pieces = call.pieces
+        xb.total = desc.total_bytes
+        xb.frames = frames_of([len(p) for p in pieces], link.checked)
+        if len(xb.frames) == 1:
+            header = pack_header(FrameKind.DATA, desc, version, seqno, 0, xb.total, 0,
+                                 checksum(pieces[1], checksum(pieces[0]))
+                                 if link.checked else None)
+            xb.parts = [header, *pieces]
+        else:
+            for offset, length in xb.frames:
+                view = _view(pieces, offset, length)
+                xb.parts += (pack_header(FrameKind.DATA, desc, version, seqno, offset, length,
+                                         0, checksum(view)), view)
+        xb.inbox = self.express.inbox(HEADER_SIZE)
+        return xb
+
+    def lay_out(self, xb: ExpressBroadcast) -> bool:
+        """The receiver read the root's first header: lay out the root's frames from it (the
+        inbox grows to hold them all); False if it is not the first frame of this call as
+        this rank expects it (the general path reads it)."""
+        agent = self.agent
+        inbox = xb.inbox
+        call = xb.call
+        expected = data_prefix(CallDescriptor(CollectiveKind.BROADCAST, NONE_U8, NONE_U8,
+                                              call.root, 0),
+                               agent.version, agent.seqno, xb.checked)
+        # the same call, root and checking as expected, any size (the rest follows it); its
+        # own checksum holding, before the size is believed
+        if inbox[: CALL_PREFIX_SIZE - 8] != expected[: CALL_PREFIX_SIZE - 8]:
+            return False
+        try:
+            unpack_tail(inbox, 0)
+        except FrameCorruptError:
+            return False
+        total = int.from_bytes(inbox[CALL_PREFIX_SIZE - 8 : CALL_PREFIX_SIZE], "little")
+        head_size = call.head_size
+        if not head_size <= total <= MAX_BYTES:
+            return False
+        xb.total = total
+        xb.frames = frames_of([head_size, total - head_size], xb.checked)
+        xb.starts = [offset + i * HEADER_SIZE for i, (offset, _) in enumerate(xb.frames)]
+        xb.desc = CallDescriptor(CollectiveKind.BROADCAST, NONE_U8, NONE_U8, call.root, total)
+        xb.prefix = bytes(inbox[:CALL_PREFIX_SIZE])
+        size = len(xb.frames) * HEADER_SIZE + total
+        xb.inbox = self.express.inbox(size)  # (the header read so far stays where it is)
+        return xb.check_headers(HEADER_SIZE)
+
+    def done(self, xb: ExpressBroadcast, now: float) -> bool:
+        """The peer's frames are in the inbox, whole: make the call (True), or leave
+        everything as it was (False: a checksum fails, or the caller's ``receive`` refuses
+        the head; the general path then reads the same bytes and fails the same way)."""
+        agent = self.agent
+        link = agent.links[xb.peer]
+        call = xb.call
+        version, seqno = agent.version, agent.seqno
+        if not xb.valid:
+            return False
+        if xb.is_root:
+            pieces = list(call.pieces)
+        else:
+            if xb.checked:
+                for i, crc in enumerate(xb.crcs):
+                    if checksum(xb.payload(i)) != crc:
+                        return False
+            head_size = call.head_size
+            head = memoryview(bytearray(xb.payload(0)[:head_size]))  # (the head is in frame 0)
+            assert call.receive is not None
+            try:
+                dest = call.receive(head)
+            except (ValueError, TypeError, MemoryError):
+                return False
+            if len(dest) != xb.total - head_size:
+                return False
+            at = head_size
+            for i, (offset, length) in enumerate(xb.frames):
+                data = xb.payload(i)
+                lo = max(offset, head_size)
+                if lo < offset + length:
+                    dest[lo - at : offset + length - at] = data[lo - offset :]
+            pieces = [head, dest]
+        agent.go(Event.CALL_BROADCAST)
+        agent.seqno += 1
+        link.pos = 0 if xb.is_root else xb.total
+        link.remaining = 0
+        link.seen_version = version
+        if xb.checked and not xb.is_root:
+            link.corrupt_streak = 0
+        agent.last_progress = now
+        if xb.is_root:
+            agent.count_express(xb.total, len(xb.frames), 0, 1)
+        else:
+            agent.count_express(0, 1, xb.total, len(xb.frames))
+        recovery = agent.recovery
+        if recovery is not None:
+            recovery.results.add((version, seqno), xb.desc, pieces)
+        agent.go(Event.OP_COMPLETE)
+        return True
+
+
+def _view(pieces: tuple[memoryview, ...], offset: int, length: int) -> memoryview:
+    """Bytes ``[offset, offset + length)`` of the stream, within one piece."""
+    at = 0
+    for piece in pieces:
+        if offset < at + len(piece):
+            return piece[offset - at : offset - at + length]
+        at += len(piece)
+    raise ValueError(f"no piece holds offset {offset}")
