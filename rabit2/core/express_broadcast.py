@@ -22,6 +22,9 @@ from typing import TYPE_CHECKING
 from rabit2.core.framing import (
     CALL_PREFIX_SIZE,
     CHECKED_FRAME,
+    FLAG_CHECKED,
+    FRAME_MAGIC,
+    HEADER,
     HEADER_SIZE,
     NONE_U8,
     UNKNOWN_TOTAL,
@@ -30,7 +33,6 @@ from rabit2.core.framing import (
     FrameCorruptError,
     FrameKind,
     checksum,
-    data_prefix,
     pack_header,
     unpack_tail,
 )
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
 
 MAX_BYTES = 4 << 20
 """The largest broadcast stream (head and payload) made express."""
+_DATA_CHECKED = FrameKind.DATA | FLAG_CHECKED
 
 
 def frames_of(pieces: list[int], checked: bool) -> list[tuple[int, int]]:
@@ -68,7 +71,7 @@ class ExpressBroadcast:
     root's frames, laid out once the first header is in)."""
 
     __slots__ = ("announce", "call", "checked", "crcs", "desc", "frames", "inbox", "is_root",
-                 "parts", "peer", "prefix", "starts", "total", "valid")
+                 "nsent", "parts", "peer", "prefix", "starts", "total", "valid")
 
     def __init__(self, call: Call, desc: CallDescriptor, peer: int, is_root: bool,
                  announce: bytes, checked: bool) -> None:
@@ -76,6 +79,7 @@ class ExpressBroadcast:
         self.announce = announce  # the receiver's empty DATA frame of this call
         self.checked = checked
         self.parts: list[bytes | memoryview] = []
+        self.nsent = 0  # the bytes of parts
         self.inbox = memoryview(b"")
         self.frames: list[tuple[int, int]] = []  # the root's frames: (offset, length)
         self.starts: list[int] = []  # where each of the root's headers starts in the inbox
@@ -84,8 +88,6 @@ class ExpressBroadcast:
         self.total = 0  # the root's stream, head and payload
         self.valid = False  # every header of the peer's frames passed check_headers
 
-    def sent_bytes(self) -> int:
-        return sum(len(p) for p in self.parts)
 
     def check_headers(self, got: int) -> bool:
         """Check what of the peer's frames the first ``got`` bytes of the inbox hold whole
@@ -125,6 +127,7 @@ class ExpressBroadcasts:
     def __init__(self, agent: Owner, express: Express) -> None:
         self.agent = agent
         self.express = express
+        self._unsized: dict[int, CallDescriptor] = {}  # per root: a receiver's descriptor
 
     def prepare(self, call: Call) -> ExpressBroadcast | None:
         """What to write for ``call`` if it may be made express: a broadcast of world size
@@ -156,12 +159,15 @@ class ExpressBroadcasts:
             announce = pack_header(FrameKind.DATA, desc, version, seqno, 0, 0)
             xb = ExpressBroadcast(call, desc, peer, False, announce, link.checked)
             xb.parts = [announce]
+            xb.nsent = HEADER_SIZE
             xb.inbox = self.express.inbox(HEADER_SIZE)
             return xb
         # the announce the receiver sends, as the API makes its call (no dtype, no size)
-        announce = pack_header(FrameKind.DATA, CallDescriptor(
-            CollectiveKind.BROADCAST, NONE_U8, NONE_U8, call.root, UNKNOWN_TOTAL),
-            version, seqno, 0, 0)
+        unsized = self._unsized.get(call.root)
+        if unsized is None:
+            unsized = self._unsized[call.root] = CallDescriptor(
+                CollectiveKind.BROADCAST, NONE_U8, NONE_U8, call.root, UNKNOWN_TOTAL)
+        announce = pack_header(FrameKind.DATA, unsized, version, seqno, 0, 0)
         xb = ExpressBroadcast(call, desc, peer, True, announce, link.checked)
         pieces = call.pieces
         xb.total = desc.total_bytes
@@ -176,6 +182,7 @@ class ExpressBroadcasts:
                 view = _view(pieces, offset, length)
                 xb.parts += (pack_header(FrameKind.DATA, desc, version, seqno, offset, length,
                                          0, checksum(view)), view)
+        xb.nsent = len(xb.frames) * HEADER_SIZE + xb.total
         xb.inbox = self.express.inbox(HEADER_SIZE)
         return xb
 
@@ -186,18 +193,19 @@ class ExpressBroadcasts:
         agent = self.agent
         inbox = xb.inbox
         call = xb.call
-        expected = data_prefix(CallDescriptor(CollectiveKind.BROADCAST, NONE_U8, NONE_U8,
-                                              call.root, 0),
-                               agent.version, agent.seqno, xb.checked)
         # the same call, root and checking as expected, any size (the rest follows it); its
         # own checksum holding, before the size is believed
-        if inbox[: CALL_PREFIX_SIZE - 8] != expected[: CALL_PREFIX_SIZE - 8]:
+        (magic, kind, call_kind, dtype, op, root, version, seqno, total, offset, _, incarnation,
+         _) = HEADER.unpack_from(inbox)
+        if (magic != FRAME_MAGIC or kind != (_DATA_CHECKED if xb.checked else FrameKind.DATA)
+                or call_kind != CollectiveKind.BROADCAST or dtype != NONE_U8 or op != NONE_U8
+                or root != call.root or version != agent.version or seqno != agent.seqno
+                or offset or incarnation):
             return False
         try:
             unpack_tail(inbox, 0)
         except FrameCorruptError:
             return False
-        total = int.from_bytes(inbox[CALL_PREFIX_SIZE - 8 : CALL_PREFIX_SIZE], "little")
         head_size = call.head_size
         if not head_size <= total <= MAX_BYTES:
             return False

@@ -133,7 +133,7 @@ class ExpressIO:
         fd = link.fd
         frame = xb.parts
         sent = _write(fd, frame)
-        if sent < xb.sent_bytes():
+        if sent < xb.nsent:
             self._general(xb, call, waiter, Written(xb.peer, max(sent, 0), frame), 0)
             return True
         got = self._receive(xb, fd, 0)

@@ -24,8 +24,9 @@ CASES = [
     (np.float32, Op.SUM, 1),
     (np.float32, Op.SUM, 1024),
     (np.float64, Op.MAX, 3000),
-    (np.float32, Op.MIN, 16_384),  # 64 KiB: the largest result kept as bytes
-    (np.float32, Op.SUM, 16_385),  # made in the replay store's own buffer
+    (np.float32, Op.MIN, 16_384),
+    (np.float32, Op.SUM, 32_768),  # 128 KiB: the largest result kept in a slab
+    (np.float32, Op.SUM, 32_769),  # made in a buffer of the replay store's own
     (np.int32, Op.BITOR, 5000),
     (np.uint8, Op.BITXOR, 777),
     (np.float16, Op.SUM, 100),

@@ -22,8 +22,9 @@ from tests.integration.test_express import _records
 CASES: list[Any] = [
     np.arange(1, dtype=np.float32),
     np.arange(1024, dtype=np.float32),
-    np.arange(16_384, dtype=np.float32),  # 64 KiB: the largest result kept in a slab
-    np.arange(16_385, dtype=np.float32),
+    np.arange(16_384, dtype=np.float32),
+    np.arange(32_768, dtype=np.float32),  # 128 KiB and its head: a buffer of its own
+    np.arange(32_748, dtype=np.float32),  # ... and with it, the largest kept in a slab
     np.arange(200_000, dtype=np.float64).reshape(1000, 200),  # 1.6 MB: four checked frames
     np.arange(600_000, dtype=np.float64),  # 4.8 MB: the general path
     np.zeros(0, dtype=np.int8),

@@ -386,23 +386,23 @@ def test_a_version_that_lost_a_result_keeps_nothing_more_until_the_next_checkpoi
     results are neither copied nor kept (a job that never checkpoints stops paying for the
     store once it outgrew it), a buffer taken for one goes back to the spares, and the
     next version is kept again."""
-    store = ResultStore(limit=300_000)
-    desc = CallDescriptor(CollectiveKind.ALLREDUCE_RING, 0, 0, 0, 100_000)
-    big = memoryview(bytes(100_000))
+    store = ResultStore(limit=600_000)
+    desc = CallDescriptor(CollectiveKind.ALLREDUCE_RING, 0, 0, 0, 200_000)
+    big = memoryview(bytes(200_000))
     for seqno in range(4):  # the fourth drops (0, 0): version 0 overflowed
         store.add((0, seqno), desc, [big])
     assert store.overflowed == 0 and store.nbytes == 0 and store.oldest == (0, 4)
     assert not store.wants((0, 4)) and store.wants((1, 0))
     store.add((0, 4), desc, [big])
     assert store.get((0, 4)) is None and store.nbytes == 0 and store.oldest == (0, 5)
-    staged = store.take(100_000)  # (a world-2 ring stages its allgather in one regardless)
+    staged = store.take(200_000)  # (a world-2 ring stages its allgather in one regardless)
     store.keep((0, 5), desc, staged)
     assert store.get((0, 5)) is None and store.oldest == (0, 6)
-    assert store.take(100_000) is staged  # the same (warm) buffer, not fresh memory
+    assert store.take(200_000) is staged  # the same (warm) buffer, not fresh memory
     store.on_checkpoint(1)
     store.add((1, 0), desc, [big])
     got = store.get((1, 0))
-    assert got is not None and got[1].nbytes == 100_000 and store.oldest == (0, 6)
+    assert got is not None and got[1].nbytes == 200_000 and store.oldest == (0, 6)
 
 
 # -- found by the randomized fault soak (test_random_fault_plans below) ----------------------
@@ -758,7 +758,7 @@ def test_older_results_go_once_every_rank_has_joined_the_new_version() -> None:
     net = SimNet(world, seed=4, recover=True, ring_mincount=0)
 
     def ring(i: int) -> dict[int, Call]:
-        bufs = [np.full(30_000, r + i, dtype=np.float32) for r in range(world)]
+        bufs = [np.full(40_000, r + i, dtype=np.float32) for r in range(world)]
         return {r: Call(CollectiveKind.ALLREDUCE_RING, memoryview(bufs[r]).cast("B"),
                         np.dtype(np.float32), Op.SUM) for r in range(world)}
 

@@ -19,7 +19,9 @@ CallId = tuple[int, int]
 
 DEFAULT_RETAIN_BYTES = 256 << 20
 """Bound on the results a rank keeps for replay (``rabit2_replay_mb``)."""
-SMALL_RESULT = 64 << 10  # results up to this size are kept in slabs, not buffers of their own
+SMALL_RESULT = 128 << 10
+"""Results up to this size are kept in slabs, not buffers of their own (a 64 KiB broadcast
+with its head among them)."""
 SLAB_BYTES = 4 << 20
 """Size of a slab of small results (at most a sixteenth of the bound)."""
 POPULATE_STEP = 256 << 10
