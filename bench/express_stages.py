@@ -1,10 +1,12 @@
-"""Where an express pair call's time goes (``docs/design.md``, "Express calls"): two workers
-under ``rabit2-submit --cluster local`` make back-to-back float32 SUM allreduces at N=2, with
-a clock read around each stage of the call (each stage's function wrapped once; the wrappers
-add a few tenths of a microsecond per stage to the whole call).  Prints, per rank, the median
-of the whole call and of each stage; what the stages leave out is the API's own work.
+"""Where an express call's time goes (``docs/design.md``, "Express calls"): two workers under
+``rabit2-submit --cluster local`` make back-to-back float32 SUM allreduces (or broadcasts from
+rank 0: ``--op broadcast``) at N=2, with a clock read around each stage of the call (each
+stage's function wrapped once; the wrappers add a few tenths of a microsecond per stage to
+the whole call).  Prints, per rank, the median of the whole call and of each stage; what the
+stages leave out is the API's own work.  Back to back, a broadcast's receiver waits for the
+root in its ``receive`` stages.
 
-    python bench/express_stages.py [--size 4096] [--calls 20000] [--runs 1]
+    python bench/express_stages.py [--size 4096] [--calls 20000] [--runs 1] [--op allreduce]
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-STAGES = ("hold", "prepare", "write", "receive", "done", "release")
+STAGES = ("hold", "prepare", "write", "receive", "lay_out", "done", "release")
 
 
 def _timed(owner: Any, name: str, stage: str, spent: dict[str, list[int]]) -> None:
@@ -52,11 +54,12 @@ class _Os:
             self._spent.append(time.perf_counter_ns() - start)
 
 
-def worker(size: int, calls: int) -> None:
+def worker(size: int, calls: int, op: str) -> None:
     import numpy as np  # noqa: PLC0415
 
     import rabit2  # noqa: PLC0415
     from rabit2.core.express import Express  # noqa: PLC0415
+    from rabit2.core.express_broadcast import ExpressBroadcasts  # noqa: PLC0415
     from rabit2.io import express as express_io  # noqa: PLC0415
     from rabit2.io.express import ExpressIO  # noqa: PLC0415
     from rabit2.io.loop_thread import LoopThread  # noqa: PLC0415
@@ -69,18 +72,24 @@ def worker(size: int, calls: int) -> None:
         a[:] = 1
     _timed(LoopThread, "hold", "hold", spent)
     _timed(LoopThread, "release", "release", spent)
-    _timed(Express, "prepare", "prepare", spent)
-    _timed(Express, "done", "done", spent)
+    staged = ExpressBroadcasts if op == "broadcast" else Express
+    _timed(staged, "prepare", "prepare", spent)
+    _timed(staged, "done", "done", spent)
+    _timed(ExpressBroadcasts, "lay_out", "lay_out", spent)
     _timed(ExpressIO, "_receive", "receive", spent)
     express_io.os = _Os(spent)  # type: ignore[assignment]
     whole = []
     clock = time.perf_counter_ns
-    for _ in range(calls):
-        a[:] = 1
+    rank = rabit2.get_rank()
+    for i in range(calls):
+        a[:] = 1 if op == "allreduce" else (i % 7 if rank == 0 else -1)
         start = clock()
-        rabit2.allreduce(a, rabit2.Op.SUM)
+        if op == "allreduce":
+            rabit2.allreduce(a, rabit2.Op.SUM)
+        else:
+            rabit2.broadcast(a, 0)
         whole.append(clock() - start)
-    assert (a == 2).all()
+    assert (a == (2 if op == "allreduce" else (calls - 1) % 7)).all()
     parts = [f"call {statistics.median(whole) / 1e3:.1f}"]
     parts += [f"{stage} {statistics.median(v) / 1e3:.1f}" if v else f"{stage} -"
               for stage, v in spent.items()]
@@ -93,15 +102,17 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=4096, help="bytes per call")
     parser.add_argument("--calls", type=int, default=20000)
     parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--op", choices=("allreduce", "broadcast"), default="allreduce")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(args.size, args.calls)
+        worker(args.size, args.calls, args.op)
         return
     for _ in range(args.runs):
         out = subprocess.run(
             ["rabit2-submit", "--cluster", "local", "-n", "2", "--", sys.executable, __file__,
-             "--worker", "--size", str(args.size), "--calls", str(args.calls)],
+             "--worker", "--size", str(args.size), "--calls", str(args.calls),
+             "--op", args.op],
             capture_output=True, text=True, check=False, timeout=600)
         lines = [line for line in (out.stdout + out.stderr).splitlines() if " B, us " in line]
         print("\n".join(lines) if lines else out.stdout + out.stderr, flush=True)

@@ -25,17 +25,15 @@ import numpy as np
 
 from rabit2.core import fsm
 from rabit2.core.express_broadcast import ExpressBroadcasts
+from rabit2.core.express_inbox import PeerFrames
 from rabit2.core.framing import (
-    CALL_PREFIX_SIZE,
     CHECKED_FRAME,
     HEADER_SIZE,
     CallDescriptor,
     CollectiveKind,
-    FrameCorruptError,
     FrameKind,
     checksum,
     pack_header,
-    unpack_tail,
 )
 from rabit2.core.fsm import LinkEvent, Mode, Phase
 from rabit2.core.ops import ufunc_of
@@ -72,28 +70,24 @@ MAX_BYTES = 4 << 20
 """The largest pair call made express (its inbox is as large)."""
 
 
-class ExpressCall:
+class ExpressCall(PeerFrames):
     """One pair call made express: the frames this rank sends (``headers``, each followed by
     its piece of the caller's bytes: the very frames ``Agent.begin`` would send) and where
-    the peer's frames land (``inbox``: each header, then its payload, back to back)."""
+    the peer's frames land (the ``inbox``: each header, then its payload, back to back)."""
 
-    __slots__ = ("call", "crcs", "desc", "frames", "headers", "held", "inbox", "nbytes",
-                 "peer", "starts", "valid")
+    __slots__ = ("call", "desc", "headers", "held", "nbytes", "peer")
 
     def __init__(self, call: Call, desc: CallDescriptor, peer: int,
                  frames: list[tuple[int, int]], headers: list[bytes], inbox: memoryview,
                  held: bool) -> None:
+        super().__init__()
         self.call, self.desc, self.peer = call, desc, peer
         self.nbytes = len(call.buf)
-        self.frames, self.headers, self.inbox = frames, headers, inbox
-        # where each of the peer's headers starts in the inbox
-        self.starts = ([0] if len(frames) == 1 else
-                       [offset + i * HEADER_SIZE for i, (offset, _) in enumerate(frames)])
+        self.headers, self.inbox = headers, inbox
+        self.lay(frames, headers[0])  # (the peer's headers start as this rank's)
         # the link is paused on a header read ahead (the loop read it between calls):
         # it and what followed it in the stage are the inbox's first bytes (take_held)
         self.held = held
-        self.crcs: list[int] = []  # the payload CRC32Cs the peer's headers name, so far
-        self.valid = False  # every one of the peer's headers passed check_headers
 
     def parts(self) -> list[bytes | memoryview]:
         """What this rank writes: each header, then its piece of the caller's bytes."""
@@ -106,30 +100,9 @@ class ExpressCall:
         return out
 
     def check_headers(self, got: int) -> bool:
-        """Check each of the peer's headers that the first ``got`` bytes of the inbox hold
-        whole and that was not checked yet: the same call and descriptor as this rank's
-        frame, the same offset and length, its own checksum holding.  False at the first
-        that fails (the general path must read them)."""
-        inbox, crcs, frames = self.inbox, self.crcs, self.frames
-        while len(crcs) < len(frames) and self.starts[len(crcs)] + HEADER_SIZE <= got:
-            i = len(crcs)
-            at = self.starts[i]
-            if inbox[at : at + CALL_PREFIX_SIZE] != self.headers[i][:CALL_PREFIX_SIZE]:
-                return False
-            try:
-                offset, length, crc = unpack_tail(inbox, at)
-            except FrameCorruptError:
-                return False  # (the general path resets the link for it)
-            if (offset, length) != frames[i]:
-                return False
-            crcs.append(crc)
-        self.valid = len(crcs) == len(frames)
-        return True
-
-    def payload(self, i: int) -> memoryview:
-        """The payload of the peer's frame ``i`` in the inbox."""
-        at = self.starts[i] + HEADER_SIZE
-        return self.inbox[at : at + self.frames[i][1]]
+        """:meth:`PeerFrames.check_frames`: the peer's headers are this rank's, but for the
+        offset, length and checksums."""
+        return self.check_frames(got)
 
 
 class Express:

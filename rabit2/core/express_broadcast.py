@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from rabit2.core.express_inbox import PeerFrames
 from rabit2.core.framing import (
-    CALL_PREFIX_SIZE,
     CHECKED_FRAME,
     FLAG_CHECKED,
     FRAME_MAGIC,
@@ -65,29 +65,23 @@ def frames_of(pieces: list[int], checked: bool) -> list[tuple[int, int]]:
     return out
 
 
-class ExpressBroadcast:
-    """One broadcast made express.  ``parts``: what this rank writes; ``inbox``: where the
+class ExpressBroadcast(PeerFrames):
+    """One broadcast made express.  ``parts``: what this rank writes; the inbox: where the
     peer's frames land, back to back (the root: the 48-byte announce; the receiver: the
     root's frames, laid out once the first header is in)."""
 
-    __slots__ = ("announce", "call", "checked", "crcs", "desc", "frames", "inbox", "is_root",
-                 "nsent", "parts", "peer", "prefix", "starts", "total", "valid")
+    __slots__ = ("announce", "call", "checked", "desc", "is_root", "nsent", "parts", "peer",
+                 "total")
 
     def __init__(self, call: Call, desc: CallDescriptor, peer: int, is_root: bool,
                  announce: bytes, checked: bool) -> None:
+        super().__init__()
         self.call, self.desc, self.peer, self.is_root = call, desc, peer, is_root
         self.announce = announce  # the receiver's empty DATA frame of this call
         self.checked = checked
         self.parts: list[bytes | memoryview] = []
         self.nsent = 0  # the bytes of parts
-        self.inbox = memoryview(b"")
-        self.frames: list[tuple[int, int]] = []  # the root's frames: (offset, length)
-        self.starts: list[int] = []  # where each of the root's headers starts in the inbox
-        self.crcs: list[int] = []
-        self.prefix = b""  # the first bytes of each of the root's headers
         self.total = 0  # the root's stream, head and payload
-        self.valid = False  # every header of the peer's frames passed check_headers
-
 
     def check_headers(self, got: int) -> bool:
         """Check what of the peer's frames the first ``got`` bytes of the inbox hold whole
@@ -98,27 +92,9 @@ class ExpressBroadcast:
                 return True
             self.valid = self.inbox[:HEADER_SIZE] == self.announce
             return self.valid
-        inbox, crcs, frames = self.inbox, self.crcs, self.frames
-        if not frames:
+        if not self.frames:
             return True  # (the first header, read before the rest is laid out: lay_out)
-        while len(crcs) < len(frames) and self.starts[len(crcs)] + HEADER_SIZE <= got:
-            i = len(crcs)
-            at = self.starts[i]
-            if inbox[at : at + CALL_PREFIX_SIZE] != self.prefix:
-                return False
-            try:
-                offset, length, crc = unpack_tail(inbox, at)
-            except FrameCorruptError:
-                return False
-            if (offset, length) != frames[i]:
-                return False
-            crcs.append(crc)
-        self.valid = len(crcs) == len(frames)
-        return True
-
-    def payload(self, i: int) -> memoryview:
-        at = self.starts[i] + HEADER_SIZE
-        return self.inbox[at : at + self.frames[i][1]]
+        return self.check_frames(got)
 
 
 class ExpressBroadcasts:
@@ -210,10 +186,8 @@ class ExpressBroadcasts:
         if not head_size <= total <= MAX_BYTES:
             return False
         xb.total = total
-        xb.frames = frames_of([head_size, total - head_size], xb.checked)
-        xb.starts = [offset + i * HEADER_SIZE for i, (offset, _) in enumerate(xb.frames)]
+        xb.lay(frames_of([head_size, total - head_size], xb.checked), bytes(inbox[:HEADER_SIZE]))
         xb.desc = CallDescriptor(CollectiveKind.BROADCAST, NONE_U8, NONE_U8, call.root, total)
-        xb.prefix = bytes(inbox[:CALL_PREFIX_SIZE])
         size = len(xb.frames) * HEADER_SIZE + total
         xb.inbox = self.express.inbox(size)  # (the header read so far stays where it is)
         return xb.check_headers(HEADER_SIZE)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -89,25 +91,33 @@ def _records(engine: Engine) -> tuple[object, ...]:
             link.seen_version, link.mode, link.phase, tuple(kept))
 
 
-@pytest.mark.parametrize("recover", ["1", "0"])
-@pytest.mark.parametrize("checksum", ["on", "off"])
-def test_express_results_and_records_equal_the_general_path(recover: str, checksum: str) -> None:
+def express_and_general(run: Callable[[int, Engine], list[bytes]],
+                        **env: str) -> dict[str, list[Any]]:
+    """``run`` on a fresh pair of engines with express calls on ("1") and off ("0"): per
+    setting, each rank's results, records and express calls (both ranks' results equal)."""
     outcomes = {}
     for express in ("1", "0"):
-        tracker, engines = start_job(2, "uvloop", RABIT2_EXPRESS=express, RABIT2_RECOVER=recover,
-                                     RABIT2_CHECKSUM=checksum)
+        tracker, engines = start_job(2, "uvloop", RABIT2_EXPRESS=express, **env)
 
         def work(rank: int, engine: Engine) -> tuple[list[bytes], tuple[object, ...], int]:
-            got = _run_cases(rank, engine)
+            got = run(rank, engine)
             xio = engine.driver.express
             return got, _records(engine), 0 if xio is None else xio.calls
 
         outcomes[express] = on_all(engines, work)
         finish(tracker, engines)
-    for express, results in outcomes.items():
+    for results in outcomes.values():
         assert all(not isinstance(r, BaseException) for r in results), results
-        # both ranks hold the same bits, which are numpy's for the operands in rank order
         assert results[0][0] == results[1][0]
+    return outcomes
+
+
+@pytest.mark.parametrize("recover", ["1", "0"])
+@pytest.mark.parametrize("checksum", ["on", "off"])
+def test_express_results_and_records_equal_the_general_path(recover: str, checksum: str) -> None:
+    outcomes = express_and_general(_run_cases, RABIT2_RECOVER=recover, RABIT2_CHECKSUM=checksum)
+    for express, results in outcomes.items():
+        # both ranks hold the same bits, which are numpy's for the operands in rank order
         for i, (dtype, op, count) in enumerate(CASES):
             assert results[0][0][i] == _expected(dtype, op, count, i).tobytes(), (express, i)
     express_calls = [r[2] for r in outcomes["1"]]

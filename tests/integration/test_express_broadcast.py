@@ -15,7 +15,7 @@ from rabit2.calls import broadcast_call
 from rabit2.errors import MismatchError
 from rabit2.io.engine import Engine
 from tests.integration.test_engine import finish, on_all, start_job
-from tests.integration.test_express import _records
+from tests.integration.test_express import _records, express_and_general
 
 # what the root sends: arrays of one frame, of several checked frames, larger than an
 # express broadcast, empty, and a pickled object
@@ -53,21 +53,8 @@ def _run_cases(rank: int, engine: Engine, rounds: int = 2) -> list[bytes]:
 @pytest.mark.parametrize("recover", ["1", "0"])
 @pytest.mark.parametrize("checksum", ["on", "off"])
 def test_express_broadcasts_equal_the_general_path(recover: str, checksum: str) -> None:
-    outcomes = {}
-    for express in ("1", "0"):
-        tracker, engines = start_job(2, "uvloop", RABIT2_EXPRESS=express, RABIT2_RECOVER=recover,
-                                     RABIT2_CHECKSUM=checksum)
-
-        def work(rank: int, engine: Engine) -> tuple[list[bytes], tuple[object, ...], int]:
-            got = _run_cases(rank, engine)
-            xio = engine.driver.express
-            return got, _records(engine), 0 if xio is None else xio.calls
-
-        outcomes[express] = on_all(engines, work)
-        finish(tracker, engines)
+    outcomes = express_and_general(_run_cases, RABIT2_RECOVER=recover, RABIT2_CHECKSUM=checksum)
     for results in outcomes.values():
-        assert all(not isinstance(r, BaseException) for r in results), results
-        assert results[0][0] == results[1][0]
         for i, case in enumerate(CASES):
             want = _value(i, case, i % 2)
             want = want.tobytes() if isinstance(want, np.ndarray) else repr(want).encode()
