@@ -1,10 +1,13 @@
-"""Express pair calls on the caller's thread (``docs/design.md``, "Express calls").
+"""Express calls on the caller's thread (``docs/design.md``, "Express calls"): pair
+allreduces and broadcasts at world size 2.
 
 The caller holds the parked loop (:mod:`rabit2.io.driving`).  For a call the agent may make
-express (:meth:`rabit2.core.express.Express.prepare`), this thread writes the call's frames
-straight to the link's socket with one ``writev``, reads the peer's straight into the inbox
-(polling, then sleeping in the driver's epoll, exactly as a driven call waits), and lets
-the agent make the call from them (:meth:`~rabit2.core.express.Express.done`).
+express (:meth:`rabit2.core.express.Express.prepare`, or
+:meth:`rabit2.core.express_broadcast.ExpressBroadcasts.prepare`), this thread writes the
+call's frames straight to the link's socket with one ``writev``, reads the peer's straight
+into the inbox (polling, then sleeping in the driver's epoll, exactly as a driven call
+waits; a broadcast's receiver reads the root's first header, then the rest it names), and
+lets the agent make the call from them (``done``).
 
 Anything else — the kernel took part of the frames, the peer sent something other than its
 frames of this call, the link closed or broke, the tracker spoke, ``drive_ms`` passed — and
