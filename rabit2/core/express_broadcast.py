@@ -38,6 +38,7 @@ from rabit2.core.framing import (
 )
 from rabit2.core.fsm import Event, Mode, Phase, State
 from rabit2.core.records import Call
+from rabit2.core.schedule import Stream
 
 if TYPE_CHECKING:
     from rabit2.core.express import Express, Owner
@@ -154,8 +155,9 @@ class ExpressBroadcasts:
                                  if link.checked else None)
             xb.parts = [header, *pieces]
         else:
+            stream = Stream(pieces)
             for offset, length in xb.frames:
-                view = _view(pieces, offset, length)
+                view = stream.view(offset, length)  # (frames_of keeps to one piece)
                 xb.parts += (pack_header(FrameKind.DATA, desc, version, seqno, offset, length,
                                          0, checksum(view)), view)
         xb.nsent = len(xb.frames) * HEADER_SIZE + xb.total
@@ -243,12 +245,3 @@ class ExpressBroadcasts:
         agent.go(Event.OP_COMPLETE)
         return True
 
-
-def _view(pieces: tuple[memoryview, ...], offset: int, length: int) -> memoryview:
-    """Bytes ``[offset, offset + length)`` of the stream, within one piece."""
-    at = 0
-    for piece in pieces:
-        if offset < at + len(piece):
-            return piece[offset - at : offset - at + length]
-        at += len(piece)
-    raise ValueError(f"no piece holds offset {offset}")

@@ -98,13 +98,10 @@ class Recovery:
 
     def result_buffer(self, nbytes: int, call: tuple[int, int]) -> np.ndarray | None:
         """A buffer of the store's own for the result of ``call``, to be made or copied in
-        as the call goes and then retained; None for a small result (kept as bytes), one
-        larger than ``rabit2_replay_mb`` or one of a version that can no longer be replayed
-        (not kept at all)."""
-        results = self.results
-        if nbytes > SMALL_RESULT and results.fits(nbytes) and results.wants(call):
-            return results.take(nbytes)
-        return None
+        as the call goes and then retained; None for a small result (copied into a slab
+        once made), one larger than ``rabit2_replay_mb`` or one of a version that can no
+        longer be replayed (not kept at all)."""
+        return self.express_keep(nbytes, call) if nbytes > SMALL_RESULT else None
 
     def express_keep(self, nbytes: int, call: tuple[int, int]) -> np.ndarray | None:
         """The buffer an express call makes its result in, to be retained (for a small

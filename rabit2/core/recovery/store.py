@@ -81,31 +81,30 @@ class Slab:
     def put(self, pieces: Sequence[memoryview], size: int) -> memoryview:
         """Copy a result, given as the pieces it is made of, after the last; where it is
         kept (the caller checked that ``size`` bytes fit)."""
-        at = self.pos
-        end = at + size
-        if end > self.ready:
-            self._make_pages(end)
+        start = at = self._claim(size)
         data = self.data
         for piece in pieces:
             flat = piece if piece.format == "B" and piece.ndim == 1 else piece.cast("B")
             n = len(flat)
             data[at : at + n] = flat
             at += n
-        kept = data[self.pos : end]
-        self.pos = end
-        self.live += 1
-        return kept
+        return data[start : start + size]
 
     def reserve(self, size: int) -> np.ndarray:
         """Room for a result of ``size`` bytes after the last, to be made there (the caller
         checked that it fits)."""
+        at = self._claim(size)
+        return self.array[at : at + size]
+
+    def _claim(self, size: int) -> int:
+        """Where the next ``size`` bytes go, their pages made."""
         at = self.pos
         end = at + size
         if end > self.ready:
             self._make_pages(end)
         self.pos = end
         self.live += 1
-        return self.array[at:end]
+        return at
 
     def _make_pages(self, end: int) -> None:
         """Make the pages of bytes ``[ready, end)`` and of the step after them."""
