@@ -196,8 +196,12 @@ class Agent:
         """The allreduce algorithm for ``nbytes`` of ``itemsize``-byte elements."""
         return self.planner.choose_allreduce(nbytes, itemsize)
 
-    def begin(self, call: Call, now: float) -> list[Command]:
-        """Start a collective.  Raises the recorded error if the agent has failed."""
+    def begin(self, call: Call, now: float,
+              sent_ahead: Sequence[int] = ()) -> list[Command]:
+        """Start a collective.  Raises the recorded error if the agent has failed.
+
+        ``sent_ahead``: peers an express start of the call (:mod:`rabit2.core.express_tree`)
+        wrote its one frame of the whole out-stream to already; it counts as sent."""
         if self.state is State.FAILED:
             assert self.error is not None
             raise self.error
@@ -209,6 +213,11 @@ class Agent:
         self.seqno += 1
         active = ActiveCall(call, call_id, desc, plan)
         self.active = active
+        for peer in sent_ahead:
+            nbytes = plan.out_streams[peer].length
+            active.sent[peer] = nbytes
+            self.sender.bytes_sent += nbytes
+            self.sender.frames_sent += 1
         recovery = self.recovery
         if (recovery is not None and isinstance(plan, TreeBroadcast) and plan.in_link >= 0
                 and plan.sized):

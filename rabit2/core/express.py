@@ -26,6 +26,7 @@ import numpy as np
 from rabit2.core import fsm
 from rabit2.core.express_broadcast import ExpressBroadcasts
 from rabit2.core.express_inbox import PeerFrames
+from rabit2.core.express_tree import ExpressTrees
 from rabit2.core.framing import (
     CHECKED_FRAME,
     HEADER_SIZE,
@@ -115,6 +116,7 @@ class Express:
         # per (dtype, size): the inbox's payload and the scratch result as arrays of it
         self._views: dict[tuple[np.dtype, int], tuple[np.ndarray, np.ndarray]] = {}
         self.broadcasts = ExpressBroadcasts(agent, self)
+        self.trees = ExpressTrees(agent)
 
     def inbox(self, size: int) -> memoryview:
         """The first ``size`` bytes of the inbox, grown if need be (keeping what it holds:

@@ -49,7 +49,7 @@ from rabit2.errors import (
 )
 from rabit2.io.connections import Connections
 from rabit2.io.driving import Driver
-from rabit2.io.express import Written
+from rabit2.io.express import Ahead, Written
 from rabit2.io.faults import FaultInjector
 from rabit2.io.handshake import resolve_congestion
 from rabit2.io.links import LinkKeeper, PeerLink
@@ -146,28 +146,34 @@ class Engine:
 
     def begin_call(self, call: Call, waiter: Waiter, kill_after_bytes: int = -1,
                    reset_peer: int = -1, damage: bool = False,
-                   written: Written | None = None) -> None:
+                   written: Written | None = None, ahead: Ahead | None = None) -> None:
         """Begin ``call`` on the agent; ``waiter`` hears how it ends.  On the loop thread, or
         on a caller's thread that holds the parked loop (:mod:`rabit2.io.driving`).
-        ``written``: what an express start of the call wrote already (:mod:`rabit2.io.express`)."""
+        ``written``, ``ahead``: what an express start of the call wrote already
+        (:mod:`rabit2.io.express`)."""
         self.faults.arm(kill_after_bytes, reset_peer, damage)
         try:
-            cmds = self.agent.begin(call, self.loop.time())
+            cmds = self.agent.begin(call, self.loop.time(), () if ahead is None else ahead.peers)
             if written is not None:
                 cmds = written.skip(cmds)
         except Exception as exc:  # the caller must see every failure, never wait it out
-            if written is not None and written.count and self.agent.error is None:
+            on_wire = ([written.peer] if written is not None and written.count else
+                       [] if ahead is None else ahead.peers)
+            if on_wire and self.agent.error is None:
                 # bytes of this call are on the wire: the peer's stream cannot be kept whole,
                 # so the link closes and every rank hears a typed error
                 failed: list[Command] = []
-                self.agent.fail(ProtocolError(f"rank {self.agent.rank}: a call begun express "
-                                              f"could not go on the general way: {exc}"),
-                                failed, close=written.peer)
+                reason = (f"rank {self.agent.rank}: a call begun express could not go on the "
+                          f"general way: {exc}")
+                self.agent.fail(ProtocolError(reason), failed, close=on_wire[0])
+                failed += [CloseLink(peer, reason) for peer in on_wire[1:]]
                 self.execute(failed)
             waiter.finish(self.agent.error or exc)
             return
         self._pending = waiter
         self._completed = False
+        if ahead is not None:
+            ahead.queue(self.links)
         self.execute(cmds)
 
     def execute(self, cmds: list[Command]) -> None:  # noqa: C901, PLR0912

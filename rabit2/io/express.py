@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 
 from rabit2.core.express import ExpressCall
 from rabit2.core.express_broadcast import ExpressBroadcast
+from rabit2.core.express_tree import ExpressTree
 from rabit2.core.framing import HEADER_SIZE, CollectiveKind
 from rabit2.core.records import Call, Command, Send
 from rabit2.errors import ProtocolError
@@ -77,6 +78,35 @@ class Written:
         return out
 
 
+class Ahead:
+    """What an express tree call (:mod:`rabit2.core.express_tree`) wrote before it took the
+    general path: its one frame of the whole out-stream to each of ``peers``, which counts
+    as sent (``Agent.begin``); ``rest``, per peer, the tail of a frame the kernel took only
+    part of, queued on the link before anything else."""
+
+    __slots__ = ("peers", "rest")
+
+    def __init__(self) -> None:
+        self.peers: list[int] = []
+        self.rest: dict[int, bytes] = {}
+
+    def wrote(self, peer: int, count: int, frame: Sequence[bytes | memoryview]) -> None:
+        """The kernel took ``count`` bytes of ``frame`` for ``peer`` (-1: the socket broke)."""
+        if count <= 0:
+            return
+        self.peers.append(peer)
+        if count < sum(len(part) for part in frame):
+            # (a copy: the express call's buffers serve the next call)
+            self.rest[peer] = b"".join(bytes(part) for part in frame)[count:]
+
+    def queue(self, links: dict[int, PeerLink]) -> None:
+        for peer, rest in self.rest.items():
+            link = links.get(peer)
+            transport = None if link is None else link.transport
+            if transport is not None and not transport.is_closing():
+                transport.write(rest)
+
+
 class ExpressIO:
     """Express pair calls, for one driver."""
 
@@ -91,6 +121,8 @@ class ExpressIO:
         it as usual), True if it finished here (``waiter``) or was begun on the agent."""
         if call.kind is CollectiveKind.BROADCAST:
             return self._broadcast(call, waiter)
+        if call.kind is CollectiveKind.ALLREDUCE_TREE:
+            return self._tree(call, waiter)
         driver = self.driver
         engine = driver.engine
         xc = engine.agent.express.prepare(call)
@@ -146,6 +178,107 @@ class ExpressIO:
             self._finished(waiter)
             return True
         self._general(xb, call, waiter, Written(xb.peer, sent, frame), got)
+        return True
+
+    def _tree(self, call: Call, waiter: Waiter) -> bool:
+        """An express tree allreduce (:mod:`rabit2.core.express_tree`): read the children's
+        streams, reduce, write up, read the parent's stream, write down."""
+        engine = self.driver.engine
+        trees = engine.agent.express.trees
+        xt = trees.prepare(call)
+        if xt is None:
+            return False
+        fds: dict[int, int] = {}
+        for peer in xt.ins:
+            link = self._idle_link(peer, False)
+            if link is None:
+                return False
+            fds[peer] = link.fd
+        engine.faults.arm(-1, -1, False)
+        ahead = Ahead()
+        whole = HEADER_SIZE + xt.nbytes  # one frame each way on every link
+        if xt.children and not self._read_streams(xt, fds, xt.children):
+            return self._tree_general(xt, call, waiter, ahead)
+        trees.reduce(xt)
+        if xt.parent >= 0:
+            frame = xt.frame(xt.parent, xt.up)
+            sent = _write(fds[xt.parent], frame)
+            ahead.wrote(xt.parent, sent, frame)
+            if sent < whole or not self._read_streams(xt, fds, (xt.parent,)):
+                return self._tree_general(xt, call, waiter, ahead)
+            trees.take_result(xt)
+        assert xt.result is not None
+        for child in xt.children:
+            frame = xt.frame(child, xt.result)
+            sent = _write(fds[child], frame)
+            ahead.wrote(child, sent, frame)
+            if sent < whole:
+                return self._tree_general(xt, call, waiter, ahead)
+        trees.done(xt, engine.loop.time())
+        self._finished(waiter)
+        return True
+
+    def _read_streams(self, xt: ExpressTree, fds: dict[int, int],
+                      peers: Sequence[int]) -> bool:
+        """Read the streams of ``peers`` whole (True); False when something else comes first
+        (a frame that is not the next of this call, the end of a stream, an error, bytes on
+        another link or from the tracker) or ``drive_ms`` passed."""
+        driver = self.driver
+        trees = driver.engine.agent.express.trees
+        pending = [xt.ins[peer] for peer in peers]
+        clock = time.monotonic
+        epoll = None
+        end = 0.0
+        while True:
+            waiting = []
+            for stream in pending:
+                want = stream.want()
+                if stream.got + want > len(stream.inbox):
+                    trees.grow(stream)
+                try:
+                    nbytes = os.readv(fds[stream.peer], [stream.inbox[stream.got :
+                                                                      stream.got + want]])
+                except BlockingIOError:
+                    waiting.append(stream)
+                    continue
+                except OSError:
+                    return False  # (the loop reads the error too, and hangs the link up)
+                if nbytes == 0 or not stream.on_read(nbytes):
+                    return False  # (the end of the stream: the loop hangs the link up)
+                if not stream.complete():
+                    waiting.append(stream)
+            if not waiting:
+                return True
+            if len(waiting) < len(pending):
+                pending = waiting
+                continue  # (read on before waiting: most bytes are in already)
+            now = clock()
+            if epoll is None:
+                epoll = driver.sync()
+                if epoll is None:
+                    return False
+                end = driver.start_wait(now)
+            if now >= end:
+                return False
+            try:
+                events = driver.wait(epoll, now, end)
+            except InterruptedError:
+                events = []
+            for ready, _ in events:
+                if all(fds[stream.peer] != ready for stream in pending):
+                    return False  # another link, or the tracker: the general path hears it
+
+    def _tree_general(self, xt: ExpressTree, call: Call, waiter: Waiter,
+                      ahead: Ahead) -> bool:
+        """Begin ``call`` on the agent after an express start: what was written counts as
+        sent, what was read is handed over (the children's streams first)."""
+        self.fallbacks += 1
+        engine = self.driver.engine
+        engine.begin_call(call, waiter, ahead=ahead)
+        for peer, stream in xt.ins.items():
+            link = engine.links.get(peer)
+            if stream.got and link is not None:
+                _feed(link, stream.inbox[: stream.got])
         return True
 
     def _idle_link(self, peer: int, held: bool) -> PeerLink | None:

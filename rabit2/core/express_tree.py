@@ -1,0 +1,282 @@
+"""Express tree allreduces: a tree allreduce of world size 3 or more made in one pass on the
+caller's thread when nothing else is going on (``docs/design.md``, "Express calls").
+
+In the general path a tree allreduce is a plan advanced by every byte that arrives: each
+child's stream lands in a scratch, the reduced prefix goes up, the parent's result comes
+down and is forwarded.  For a small call, the Python of that machinery costs several times
+the exchange, and with more workers than cores every microsecond of it is the others'
+wait.  Here the agent only says whether the call may be made express
+(:meth:`ExpressTrees.prepare`) and the I/O layer does the rest in order: read each child's
+stream whole (:class:`InStream`), reduce (:meth:`ExpressTrees.reduce`), write one frame up,
+read the parent's stream whole, write one frame to each child; then
+:meth:`ExpressTrees.done` applies the call to the agent's records in one step, as the
+general path leaves them.
+
+The peers' frames are read exactly: a header, then at most what the frames already seen
+say is still to come, so that nothing of a later call is ever read.  Anything else, and
+the call is begun the general way: what was read is handed to the links as if just read,
+and what was written counts as sent (:class:`Ahead`: the general path does not make those
+frames again; the tail of a frame the kernel took only part of is queued first).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from rabit2.core.framing import (
+    CALL_PREFIX_SIZE,
+    CHECKED_FRAME,
+    HEADER_SIZE,
+    CallDescriptor,
+    CollectiveKind,
+    FrameCorruptError,
+    FrameKind,
+    checksum,
+    data_prefix,
+    pack_header,
+    unpack_tail,
+)
+from rabit2.core.fsm import Event, Mode, Phase, State
+from rabit2.core.ops import ufunc_of
+from rabit2.core.records import Call
+from rabit2.core.topology import topology
+
+if TYPE_CHECKING:
+    from rabit2.core.express import Owner
+
+MAX_BYTES = CHECKED_FRAME
+"""The largest tree allreduce made express: one frame each way on every link (the tree
+takes calls up to 512 KiB by default, ``AUTO_RING_MIN_BYTES``)."""
+
+
+class InStream:
+    """One peer's stream of this call as it comes off the wire: its frames, headers and
+    payloads back to back in ``inbox``, however the peer cut them."""
+
+    __slots__ = ("checked", "crcs", "frames", "got", "inbox", "nbytes", "next_at", "peer",
+                 "prefix", "upto")
+
+    def __init__(self, peer: int, nbytes: int, prefix: bytes, checked: bool,
+                 inbox: memoryview) -> None:
+        self.peer, self.nbytes, self.prefix, self.checked = peer, nbytes, prefix, checked
+        self.inbox = inbox  # grown (by the owner) when a frame shorter than the rest comes
+        self.got = 0  # wire bytes read
+        self.next_at = 0  # where the next header starts in the inbox
+        self.upto = 0  # stream bytes the headers seen so far cover
+        self.frames: list[tuple[int, int, int]] = []  # (where in the inbox, offset, length)
+        self.crcs: list[int] = []
+
+    def want(self) -> int:
+        """How many more wire bytes this stream has at least: never more than is still to
+        come of it."""
+        if self.upto == self.nbytes:
+            return self.next_at - self.got
+        return self.next_at + HEADER_SIZE + self.nbytes - self.upto - self.got
+
+    def complete(self) -> bool:
+        return self.upto == self.nbytes and self.got == self.next_at
+
+    def on_read(self, nbytes: int) -> bool:
+        """``nbytes`` more wire bytes are in: check each header now whole; False at the first
+        that is not a DATA frame of this call going on where the last one stopped (the
+        general path must read it), or at a payload that fails its checksum."""
+        self.got += nbytes
+        while self.upto < self.nbytes and self.next_at + HEADER_SIZE <= self.got:
+            at = self.next_at
+            inbox = self.inbox
+            if inbox[at : at + CALL_PREFIX_SIZE] != self.prefix:
+                return False
+            try:
+                offset, length, crc = unpack_tail(inbox, at)
+            except FrameCorruptError:
+                return False  # (the general path resets the link for it)
+            if offset != self.upto or not 0 < length <= self.nbytes - offset:
+                return False
+            self.frames.append((at, offset, length))
+            self.crcs.append(crc)
+            self.upto += length
+            self.next_at = at + HEADER_SIZE + length
+        return not self.checked or self._check_payloads()
+
+    def _check_payloads(self) -> bool:
+        """The CRCs of the payloads now whole (a checked link); each checked once."""
+        crcs = self.crcs
+        for i, (at, _, length) in enumerate(self.frames):
+            if crcs[i] < 0:
+                continue
+            if at + HEADER_SIZE + length > self.got:
+                break
+            if checksum(self.inbox[at + HEADER_SIZE : at + HEADER_SIZE + length]) != crcs[i]:
+                return False
+            crcs[i] = -1
+        return True
+
+    def payloads(self) -> list[tuple[int, memoryview]]:
+        """``(offset, payload)`` of each frame (the stream complete)."""
+        return [(offset, self.inbox[at + HEADER_SIZE : at + HEADER_SIZE + length])
+                for at, offset, length in self.frames]
+
+
+class ExpressTree:
+    """One tree allreduce made express on this rank."""
+
+    __slots__ = ("call", "call_id", "checked", "children", "desc", "ins", "keep", "nbytes",
+                 "parent", "result", "up")
+
+    def __init__(self, call: Call, call_id: tuple[int, int], desc: CallDescriptor,
+                 parent: int, children: tuple[int, ...]) -> None:
+        self.call, self.call_id, self.desc = call, call_id, desc
+        self.nbytes = len(call.buf)
+        self.parent, self.children = parent, children
+        self.ins: dict[int, InStream] = {}  # per peer, what it sends this rank
+        self.checked: dict[int, bool] = {}  # per peer, whether its link checks
+        self.up: memoryview = call.buf  # what goes to the parent (a leaf's own input)
+        self.keep: np.ndarray | None = None  # the store's buffer the result is made in
+        self.result: memoryview | None = None  # the result, once made or read
+
+    def frame(self, peer: int, data: memoryview) -> list[bytes | memoryview]:
+        """The one DATA frame of this call to ``peer`` carrying ``data`` (as
+        ``Sender.pump`` makes it)."""
+        version, seqno = self.call_id
+        crc = checksum(data) if self.checked[peer] else None
+        return [pack_header(FrameKind.DATA, self.desc, version, seqno, 0, self.nbytes, 0, crc),
+                data]
+
+
+class ExpressTrees:
+    """Express tree allreduces, for one agent."""
+
+    def __init__(self, agent: Owner) -> None:
+        self.agent = agent
+        self._inboxes: dict[int, memoryview] = {}
+        self._up = np.empty(0, dtype=np.uint8)
+        self._result = np.empty(0, dtype=np.uint8)
+
+    def prepare(self, call: Call) -> ExpressTree | None:
+        """The express call for ``call`` if it may be made express: a tree allreduce of 1 B
+        to ``MAX_BYTES``, an agent between calls, every link plainly up with nothing read
+        ahead, and recovery with nothing under way that a call's beginning acts on; None
+        otherwise (the general path)."""
+        agent = self.agent
+        nbytes = len(call.buf)
+        if (call.kind is not CollectiveKind.ALLREDUCE_TREE or not 0 < nbytes <= MAX_BYTES
+                or agent.state is not State.READY or agent.dead_links):
+            return None
+        for link in agent.links.values():
+            if (link.phase is not Phase.UP or link.pending_needs or link.mode is not Mode.HEADER
+                    or link.end):
+                return None
+        recovery = agent.recovery
+        if recovery is not None and not recovery.quiet():
+            return None
+        topo = topology(agent.rank, agent.world)
+        call_id = (agent.version, agent.seqno)
+        desc = agent.planner.descriptor(call)
+        xt = ExpressTree(call, call_id, desc, topo.parent, topo.children)
+        peers = topo.children if topo.parent < 0 else (*topo.children, topo.parent)
+        for peer in peers:
+            neighbour = agent.links.get(peer)
+            if neighbour is None:
+                return None
+            checked = neighbour.checked
+            xt.checked[peer] = checked
+            xt.ins[peer] = InStream(peer, nbytes, data_prefix(desc, *call_id, checked),
+                                    checked, self._inbox(peer, HEADER_SIZE + nbytes))
+        return xt
+
+    def grow(self, stream: InStream) -> None:
+        """Make room in ``stream``'s inbox for what :meth:`InStream.want` says is still to
+        come (a peer that cut its stream into several frames), keeping what it holds."""
+        need = stream.got + stream.want()
+        if len(stream.inbox) < need:
+            inbox = self._inbox(stream.peer, need)
+            if inbox.obj is not stream.inbox.obj:
+                inbox[: stream.got] = stream.inbox[: stream.got]
+            stream.inbox = inbox
+
+    def _inbox(self, peer: int, size: int) -> memoryview:
+        inbox = self._inboxes.get(peer)
+        if inbox is None or len(inbox) < size:
+            inbox = self._inboxes[peer] = memoryview(bytearray(
+                max(size, 0 if inbox is None else 2 * len(inbox))))
+        return inbox[:size]
+
+    def reduce(self, xt: ExpressTree) -> None:
+        """The children's streams are in: make what goes up (the root: the result), as the
+        general plan reduces, the children in order into a copy of the input."""
+        nbytes = xt.nbytes
+        call = xt.call
+        keep = None
+        if xt.parent < 0:
+            recovery = self.agent.recovery
+            keep = None if recovery is None else recovery.express_keep(nbytes, xt.call_id)
+            xt.keep = keep
+        if not xt.children:
+            return  # a leaf sends its input
+        if keep is None:
+            if self._up.nbytes < nbytes:
+                self._up = np.empty(nbytes, dtype=np.uint8)
+            keep = self._up[:nbytes]
+        dtype = call.dtype
+        assert dtype is not None and call.op is not None
+        ufunc = ufunc_of(call.op)
+        keep[:] = np.frombuffer(call.buf, np.uint8)
+        out = keep.view(dtype)
+        size = dtype.itemsize
+        for child in xt.children:
+            for offset, data in xt.ins[child].payloads():
+                lo, hi = offset // size, (offset + len(data)) // size
+                ufunc(out[lo:hi], np.frombuffer(data, dtype), out=out[lo:hi], casting="no")
+        xt.up = keep.data
+        if xt.parent < 0:
+            xt.result = xt.up
+
+    def take_result(self, xt: ExpressTree) -> None:
+        """The parent's stream is in: the result, in the store's buffer where it is kept."""
+        nbytes = xt.nbytes
+        recovery = self.agent.recovery
+        keep = None if recovery is None else recovery.express_keep(nbytes, xt.call_id)
+        xt.keep = keep
+        if keep is None:
+            if self._result.nbytes < nbytes:
+                self._result = np.empty(nbytes, dtype=np.uint8)
+            keep = self._result[:nbytes]
+        result = keep.data
+        for offset, data in xt.ins[xt.parent].payloads():
+            result[offset : offset + len(data)] = data
+        xt.result = result
+
+    def done(self, xt: ExpressTree, now: float) -> None:
+        """Every frame is in and out: the result to the caller, and the records as the
+        general path leaves them."""
+        agent = self.agent
+        nbytes = xt.nbytes
+        result = xt.result
+        assert result is not None
+        call = xt.call
+        call.buf[:] = result
+        agent.go(Event.CALL_ALLREDUCE)
+        agent.seqno += 1
+        version = xt.call_id[0]
+        ins = xt.ins
+        frames_in = 0
+        for peer, link in agent.links.items():
+            stream = ins.get(peer)
+            link.remaining = 0
+            if stream is None:
+                link.pos = 0
+                continue
+            link.pos = nbytes
+            link.seen_version = version
+            if link.checked:
+                link.corrupt_streak = 0
+            frames_in += len(stream.frames)
+        agent.last_progress = now
+        out = len(ins)  # one frame to each neighbour of the tree
+        agent.count_express(out * nbytes, out, len(ins) * nbytes, frames_in)
+        recovery = agent.recovery
+        if recovery is not None:
+            recovery.on_express(xt.call_id, xt.desc, call.buf, xt.keep)
+        agent.go(Event.OP_COMPLETE)
