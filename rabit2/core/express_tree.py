@@ -52,21 +52,33 @@ takes calls up to 512 KiB by default, ``AUTO_RING_MIN_BYTES``)."""
 
 
 class InStream:
-    """One peer's stream of this call as it comes off the wire: its frames, headers and
-    payloads back to back in ``inbox``, however the peer cut them."""
+    """One peer's stream of a call as it comes off the wire: its frames, headers and payloads
+    back to back in ``inbox``, however the peer cut them.  Reused call after call
+    (:meth:`reset`)."""
 
-    __slots__ = ("checked", "crcs", "frames", "got", "inbox", "nbytes", "next_at", "peer",
-                 "prefix", "upto")
+    __slots__ = ("checked", "crcs", "frames", "got", "inbox", "landing", "landing_of", "nbytes",
+                 "next_at", "peer", "prefix", "upto", "verified")
 
-    def __init__(self, peer: int, nbytes: int, prefix: bytes, checked: bool,
-                 inbox: memoryview) -> None:
-        self.peer, self.nbytes, self.prefix, self.checked = peer, nbytes, prefix, checked
+    def __init__(self, peer: int, nbytes: int, checked: bool, inbox: memoryview) -> None:
+        self.peer, self.nbytes, self.checked = peer, nbytes, checked
         self.inbox = inbox  # grown (by the owner) when a frame shorter than the rest comes
+        self.landing: np.ndarray | None = None  # a one-frame stream's payload, as the dtype
+        self.landing_of: memoryview | None = None  # the inbox it is a view of
+        self.prefix = b""
         self.got = 0  # wire bytes read
         self.next_at = 0  # where the next header starts in the inbox
         self.upto = 0  # stream bytes the headers seen so far cover
         self.frames: list[tuple[int, int, int]] = []  # (where in the inbox, offset, length)
-        self.crcs: list[int] = []
+        self.crcs: list[int] = []  # each frame's payload CRC32C
+        self.verified = 0  # frames whose payload CRC held (a checked link)
+
+    def reset(self, prefix: bytes) -> None:
+        """A new call, whose DATA frames start with ``prefix``."""
+        self.prefix = prefix
+        self.got = self.next_at = self.upto = self.verified = 0
+        if self.frames:
+            self.frames.clear()
+            self.crcs.clear()
 
     def want(self) -> int:
         """How many more wire bytes this stream has at least: never more than is still to
@@ -102,15 +114,15 @@ class InStream:
 
     def _check_payloads(self) -> bool:
         """The CRCs of the payloads now whole (a checked link); each checked once."""
-        crcs = self.crcs
-        for i, (at, _, length) in enumerate(self.frames):
-            if crcs[i] < 0:
-                continue
+        frames = self.frames
+        while self.verified < len(frames):
+            at, _, length = frames[self.verified]
             if at + HEADER_SIZE + length > self.got:
                 break
-            if checksum(self.inbox[at + HEADER_SIZE : at + HEADER_SIZE + length]) != crcs[i]:
+            payload = self.inbox[at + HEADER_SIZE : at + HEADER_SIZE + length]
+            if checksum(payload) != self.crcs[self.verified]:
                 return False
-            crcs[i] = -1
+            self.verified += 1
         return True
 
     def payloads(self) -> list[tuple[int, memoryview]]:
@@ -118,29 +130,50 @@ class InStream:
         return [(offset, self.inbox[at + HEADER_SIZE : at + HEADER_SIZE + length])
                 for at, offset, length in self.frames]
 
+    def whole(self, dtype: np.dtype) -> np.ndarray | None:
+        """The payload as ``dtype`` elements when the stream came as one frame."""
+        if len(self.frames) != 1:
+            return None
+        landing = self.landing
+        if landing is None or self.landing_of is not self.inbox or landing.dtype != dtype:
+            landing = self.landing = np.frombuffer(self.inbox, dtype,
+                                                   self.nbytes // dtype.itemsize, HEADER_SIZE)
+            self.landing_of = self.inbox
+        return landing
+
 
 class ExpressTree:
-    """One tree allreduce made express on this rank."""
+    """A tree allreduce of one shape (element type, operator, size) made express on this
+    rank; reused for every call of that shape (:meth:`ExpressTrees.prepare`)."""
 
-    __slots__ = ("call", "call_id", "checked", "children", "desc", "ins", "keep", "nbytes",
-                 "parent", "result", "up")
+    __slots__ = ("call", "call_id", "checked", "children", "desc", "dtype", "ins", "keep",
+                 "mine", "nbytes", "parent", "result", "ufunc", "up")
 
-    def __init__(self, call: Call, call_id: tuple[int, int], desc: CallDescriptor,
-                 parent: int, children: tuple[int, ...]) -> None:
-        self.call, self.call_id, self.desc = call, call_id, desc
+    def __init__(self, call: Call, parent: int, children: tuple[int, ...]) -> None:
+        self.call = call
+        self.call_id = (0, 0)
+        self.desc: CallDescriptor | None = None
         self.nbytes = len(call.buf)
+        assert call.dtype is not None and call.op is not None
+        self.dtype, self.ufunc = call.dtype, ufunc_of(call.op)
         self.parent, self.children = parent, children
         self.ins: dict[int, InStream] = {}  # per peer, what it sends this rank
         self.checked: dict[int, bool] = {}  # per peer, whether its link checks
         self.up: memoryview = call.buf  # what goes to the parent (a leaf's own input)
+        self.mine = np.empty(0, dtype=np.uint8)  # the caller's input (reduce)
         self.keep: np.ndarray | None = None  # the store's buffer the result is made in
         self.result: memoryview | None = None  # the result, once made or read
 
-    def frame(self, peer: int, data: memoryview) -> list[bytes | memoryview]:
+    def frame(self, peer: int, data: memoryview, crc: int | None = None
+              ) -> list[bytes | memoryview]:
         """The one DATA frame of this call to ``peer`` carrying ``data`` (as
-        ``Sender.pump`` makes it)."""
+        ``Sender.pump`` makes it; ``crc``: the CRC32C of ``data``, if known)."""
         version, seqno = self.call_id
-        crc = checksum(data) if self.checked[peer] else None
+        if not self.checked[peer]:
+            crc = None
+        elif crc is None:
+            crc = checksum(data)
+        assert self.desc is not None
         return [pack_header(FrameKind.DATA, self.desc, version, seqno, 0, self.nbytes, 0, crc),
                 data]
 
@@ -153,6 +186,8 @@ class ExpressTrees:
         self._inboxes: dict[int, memoryview] = {}
         self._up = np.empty(0, dtype=np.uint8)
         self._result = np.empty(0, dtype=np.uint8)
+        self._shapes: dict[tuple[np.dtype, int, int], ExpressTree] = {}
+        self._where = (-1, 0)  # (rank, world) the shapes were laid out for
 
     def prepare(self, call: Call) -> ExpressTree | None:
         """The express call for ``call`` if it may be made express: a tree allreduce of 1 B
@@ -164,26 +199,62 @@ class ExpressTrees:
         if (call.kind is not CollectiveKind.ALLREDUCE_TREE or not 0 < nbytes <= MAX_BYTES
                 or agent.state is not State.READY or agent.dead_links):
             return None
-        for link in agent.links.values():
+        links = agent.links
+        for link in links.values():
             if (link.phase is not Phase.UP or link.pending_needs or link.mode is not Mode.HEADER
                     or link.end):
                 return None
         recovery = agent.recovery
         if recovery is not None and not recovery.quiet():
             return None
-        topo = topology(agent.rank, agent.world)
-        call_id = (agent.version, agent.seqno)
-        desc = agent.planner.descriptor(call)
-        xt = ExpressTree(call, call_id, desc, topo.parent, topo.children)
-        peers = topo.children if topo.parent < 0 else (*topo.children, topo.parent)
-        for peer in peers:
-            neighbour = agent.links.get(peer)
+        xt = self._shape(call)
+        if xt is None:
+            return None
+        xt.call = call
+        xt.up = call.buf
+        xt.keep = xt.result = None
+        version, seqno = xt.call_id = (agent.version, agent.seqno)
+        desc = xt.desc = agent.planner.descriptor(call)
+        prefixes: dict[bool, bytes] = {}
+        checked = xt.checked
+        for peer, stream in xt.ins.items():
+            neighbour = links.get(peer)
             if neighbour is None:
                 return None
-            checked = neighbour.checked
-            xt.checked[peer] = checked
-            xt.ins[peer] = InStream(peer, nbytes, data_prefix(desc, *call_id, checked),
-                                    checked, self._inbox(peer, HEADER_SIZE + nbytes))
+            mode = checked[peer] = stream.checked = neighbour.checked
+            prefix = prefixes.get(mode)
+            if prefix is None:
+                prefix = prefixes[mode] = data_prefix(desc, version, seqno, mode)
+            stream.reset(prefix)
+        return xt
+
+    def _shape(self, call: Call) -> ExpressTree | None:
+        """The reusable express call of ``call``'s shape."""
+        agent = self.agent
+        assert call.dtype is not None and call.op is not None
+        where = (agent.rank, agent.world)
+        if where != self._where:
+            self._shapes.clear()
+            self._where = where
+        key = (call.dtype, int(call.op), len(call.buf))
+        xt = self._shapes.get(key)
+        if xt is None:
+            if len(self._shapes) >= 16:
+                self._shapes.clear()
+            topo = topology(agent.rank, agent.world)
+            xt = ExpressTree(call, topo.parent, topo.children)
+            peers = topo.children if topo.parent < 0 else (*topo.children, topo.parent)
+            for peer in peers:
+                neighbour = agent.links.get(peer)
+                if neighbour is None:
+                    return None
+                xt.ins[peer] = InStream(peer, xt.nbytes, neighbour.checked,
+                                        self._inbox(peer, HEADER_SIZE + xt.nbytes))
+            self._shapes[key] = xt
+        for stream in xt.ins.values():
+            inbox = self._inboxes[stream.peer]
+            if stream.inbox.obj is not inbox.obj:  # (grown for another shape)
+                stream.inbox = inbox[: HEADER_SIZE + xt.nbytes]
         return xt
 
     def grow(self, stream: InStream) -> None:
@@ -205,46 +276,62 @@ class ExpressTrees:
 
     def reduce(self, xt: ExpressTree) -> None:
         """The children's streams are in: make what goes up (the root: the result), as the
-        general plan reduces, the children in order into a copy of the input."""
+        general plan reduces: the children in order, into a copy of the input."""
         nbytes = xt.nbytes
-        call = xt.call
         keep = None
         if xt.parent < 0:
             recovery = self.agent.recovery
-            keep = None if recovery is None else recovery.express_keep(nbytes, xt.call_id)
-            xt.keep = keep
+            keep = xt.keep = (None if recovery is None else
+                              recovery.express_keep(nbytes, xt.call_id))
         if not xt.children:
             return  # a leaf sends its input
         if keep is None:
             if self._up.nbytes < nbytes:
                 self._up = np.empty(nbytes, dtype=np.uint8)
             keep = self._up[:nbytes]
-        dtype = call.dtype
-        assert dtype is not None and call.op is not None
-        ufunc = ufunc_of(call.op)
-        keep[:] = np.frombuffer(call.buf, np.uint8)
+        dtype, ufunc = xt.dtype, xt.ufunc
         out = keep.view(dtype)
+        np.copyto(out, np.frombuffer(xt.call.buf, dtype))
         size = dtype.itemsize
         for child in xt.children:
-            for offset, data in xt.ins[child].payloads():
+            stream = xt.ins[child]
+            theirs = stream.whole(dtype)
+            if theirs is not None:
+                ufunc(out, theirs, out=out, casting="no")
+                continue
+            for offset, data in stream.payloads():
                 lo, hi = offset // size, (offset + len(data)) // size
                 ufunc(out[lo:hi], np.frombuffer(data, dtype), out=out[lo:hi], casting="no")
         xt.up = keep.data
         if xt.parent < 0:
             xt.result = xt.up
 
+    def down(self, xt: ExpressTree) -> tuple[memoryview, int | None] | None:
+        """The parent's stream, in place, to forward to the children before anything else
+        (and its CRC32C, if its link checks); None if it came in several frames (the
+        result is then made first: :meth:`take_result`)."""
+        stream = xt.ins[xt.parent]
+        if len(stream.frames) != 1:
+            return None
+        return (stream.inbox[HEADER_SIZE : HEADER_SIZE + xt.nbytes],
+                stream.crcs[0] if stream.checked else None)
+
     def take_result(self, xt: ExpressTree) -> None:
         """The parent's stream is in: the result, in the store's buffer where it is kept."""
         nbytes = xt.nbytes
         recovery = self.agent.recovery
-        keep = None if recovery is None else recovery.express_keep(nbytes, xt.call_id)
-        xt.keep = keep
+        keep = xt.keep = (None if recovery is None else
+                          recovery.express_keep(nbytes, xt.call_id))
+        stream = xt.ins[xt.parent]
+        if keep is None and len(stream.frames) == 1:
+            xt.result = stream.inbox[HEADER_SIZE : HEADER_SIZE + nbytes]  # (read in place)
+            return
         if keep is None:
             if self._result.nbytes < nbytes:
                 self._result = np.empty(nbytes, dtype=np.uint8)
             keep = self._result[:nbytes]
         result = keep.data
-        for offset, data in xt.ins[xt.parent].payloads():
+        for offset, data in stream.payloads():
             result[offset : offset + len(data)] = data
         xt.result = result
 
@@ -254,7 +341,7 @@ class ExpressTrees:
         agent = self.agent
         nbytes = xt.nbytes
         result = xt.result
-        assert result is not None
+        assert result is not None and xt.desc is not None
         call = xt.call
         call.buf[:] = result
         agent.go(Event.CALL_ALLREDUCE)
@@ -270,12 +357,12 @@ class ExpressTrees:
                 continue
             link.pos = nbytes
             link.seen_version = version
-            if link.checked:
+            if stream.checked:
                 link.corrupt_streak = 0
             frames_in += len(stream.frames)
         agent.last_progress = now
         out = len(ins)  # one frame to each neighbour of the tree
-        agent.count_express(out * nbytes, out, len(ins) * nbytes, frames_in)
+        agent.count_express(out * nbytes, out, out * nbytes, frames_in)
         recovery = agent.recovery
         if recovery is not None:
             recovery.on_express(xt.call_id, xt.desc, call.buf, xt.keep)

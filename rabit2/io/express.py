@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from rabit2.core.express import ExpressCall
 from rabit2.core.express_broadcast import ExpressBroadcast
-from rabit2.core.express_tree import ExpressTree
+from rabit2.core.express_tree import ExpressTree, InStream
 from rabit2.core.framing import HEADER_SIZE, CollectiveKind
 from rabit2.core.records import Call, Command, Send
 from rabit2.errors import ProtocolError
@@ -200,58 +200,52 @@ class ExpressIO:
         if xt.children and not self._read_streams(xt, fds, xt.children):
             return self._tree_general(xt, call, waiter, ahead)
         trees.reduce(xt)
+        down = None
         if xt.parent >= 0:
             frame = xt.frame(xt.parent, xt.up)
             sent = _write(fds[xt.parent], frame)
             ahead.wrote(xt.parent, sent, frame)
-            if sent < whole or not self._read_streams(xt, fds, (xt.parent,)):
+            if sent < whole or not self._read_streams(xt, fds, (xt.parent,), False):
                 return self._tree_general(xt, call, waiter, ahead)
-            trees.take_result(xt)
-        assert xt.result is not None
+            # (the children wait for it: forwarded as it came, before anything else)
+            down = trees.down(xt) if xt.children else None
+            if down is None:
+                trees.take_result(xt)
+        if down is None:
+            assert xt.result is not None
+            down = (xt.result, None)
         for child in xt.children:
-            frame = xt.frame(child, xt.result)
+            frame = xt.frame(child, *down)
             sent = _write(fds[child], frame)
             ahead.wrote(child, sent, frame)
             if sent < whole:
                 return self._tree_general(xt, call, waiter, ahead)
+        if xt.result is None:
+            trees.take_result(xt)
         trees.done(xt, engine.loop.time())
         self._finished(waiter)
         return True
 
-    def _read_streams(self, xt: ExpressTree, fds: dict[int, int],
-                      peers: Sequence[int]) -> bool:
+    def _read_streams(self, xt: ExpressTree, fds: dict[int, int], peers: Sequence[int],
+                      read_first: bool = True) -> bool:
         """Read the streams of ``peers`` whole (True); False when something else comes first
         (a frame that is not the next of this call, the end of a stream, an error, bytes on
-        another link or from the tracker) or ``drive_ms`` passed."""
+        another link or from the tracker) or ``drive_ms`` passed.  ``read_first``: some
+        bytes may be in already (else wait before the first read)."""
         driver = self.driver
-        trees = driver.engine.agent.express.trees
         pending = [xt.ins[peer] for peer in peers]
         clock = time.monotonic
         epoll = None
         end = 0.0
         while True:
-            waiting = []
-            for stream in pending:
-                want = stream.want()
-                if stream.got + want > len(stream.inbox):
-                    trees.grow(stream)
-                try:
-                    nbytes = os.readv(fds[stream.peer], [stream.inbox[stream.got :
-                                                                      stream.got + want]])
-                except BlockingIOError:
-                    waiting.append(stream)
-                    continue
-                except OSError:
-                    return False  # (the loop reads the error too, and hangs the link up)
-                if nbytes == 0 or not stream.on_read(nbytes):
-                    return False  # (the end of the stream: the loop hangs the link up)
-                if not stream.complete():
-                    waiting.append(stream)
-            if not waiting:
-                return True
-            if len(waiting) < len(pending):
-                pending = waiting
-                continue  # (read on before waiting: most bytes are in already)
+            if read_first:
+                waiting = self._read_some(pending, fds)
+                if not waiting:
+                    return waiting is not None
+                if len(waiting) < len(pending):
+                    pending = waiting
+                    continue  # (read on before waiting: most bytes are in already)
+            read_first = True
             now = clock()
             if epoll is None:
                 epoll = driver.sync()
@@ -264,9 +258,31 @@ class ExpressIO:
                 events = driver.wait(epoll, now, end)
             except InterruptedError:
                 events = []
-            for ready, _ in events:
-                if all(fds[stream.peer] != ready for stream in pending):
+            for fd, _ in events:
+                if all(fds[stream.peer] != fd for stream in pending):
                     return False  # another link, or the tracker: the general path hears it
+
+    def _read_some(self, pending: list[InStream], fds: dict[int, int]) -> list[InStream] | None:
+        """One read of each stream in ``pending``: those still to complete (None: a stream
+        met something else, ended or broke)."""
+        trees = self.driver.engine.agent.express.trees
+        waiting = []
+        for stream in pending:
+            want = stream.want()
+            if stream.got + want > len(stream.inbox):
+                trees.grow(stream)
+            try:
+                nbytes = os.readv(fds[stream.peer], [stream.inbox[stream.got : stream.got + want]])
+            except BlockingIOError:
+                waiting.append(stream)
+                continue
+            except OSError:
+                return None  # (the loop reads the error too, and hangs the link up)
+            if nbytes == 0 or not stream.on_read(nbytes):
+                return None  # (the end of the stream: the loop hangs the link up)
+            if not stream.complete():
+                waiting.append(stream)
+        return waiting
 
     def _tree_general(self, xt: ExpressTree, call: Call, waiter: Waiter,
                       ahead: Ahead) -> bool:
