@@ -69,6 +69,9 @@ class Config:
     # then hands it to the loop thread; 0: every call goes to the loop thread
     # (docs/design.md, "The caller drives its call")
     drive_ms: int = 10
+    # calls that cannot be made express are driven too; off, they go to the loop thread
+    # (rabit2-submit --cluster local turns it off for workers that share a pinned CPU)
+    drive_general: bool = True
     # a pair call (world size 2) made in one step on the caller's thread where nothing else
     # goes on (docs/design.md, "Express calls"); needs drive_ms > 0
     express: bool = True
@@ -120,6 +123,7 @@ _ALIASES: dict[str, str] = {
     "rabit2_spin_us": "spin_us",
     "rabit2_drive_ms": "drive_ms",
     "rabit2_express": "express",
+    "rabit2_drive_general": "drive_general",
     "rabit2_log_level": "log_level",
     "mock": "mock",
     "rabit2_recover": "recover",
@@ -163,6 +167,7 @@ _ENV_KEYS = (
     "RABIT2_SPIN_US",
     "RABIT2_DRIVE_MS",
     "RABIT2_EXPRESS",
+    "RABIT2_DRIVE_GENERAL",
     "RABIT2_LOG_LEVEL",
     "RABIT2_RECOVER",
     "RABIT2_RECOVER_TIMEOUT_SEC",
@@ -204,7 +209,7 @@ def _convert(field: str, value: Any) -> Any:  # noqa: C901, PLR0911, PLR0912
             return bytes.fromhex(text)
         except ValueError:
             return text.encode()
-    if field in ("recover", "elastic", "express"):
+    if field in ("recover", "elastic", "express", "drive_general"):
         text = str(value).strip().lower()
         if text in ("1", "true", "yes", "on"):
             return True

@@ -44,11 +44,15 @@ the call goes to it instead)."""
 class Driver:
     """Drives calls on the caller's thread, for one engine."""
 
-    def __init__(self, engine: Engine, drive: float, spin: float, express: bool = True) -> None:
+    def __init__(self, engine: Engine, drive: float, spin: float, express: bool = True,
+                 general: bool = True) -> None:
         self.engine = engine
-        # pair calls made in one step where nothing else goes on (rabit2.io.express)
+        # calls made in one step where nothing else goes on (rabit2.io.express)
         self.express = ExpressIO(self) if express else None
         self.drive = drive  # seconds; 0: off
+        # whether a call that is not (or not wholly) made express is driven here too, or
+        # goes to the loop thread (workers pinned beside others: docs/design.md)
+        self.general = general
         self.spin = spin  # seconds of polling (no sleep) before a wait blocks
         self.driven = self.handed = 0
         self.skip = 0  # calls left that wait without polling (the CPU was contended)
@@ -69,17 +73,23 @@ class Driver:
         engine = self.engine
         if not self.drive or not hasattr(select, "epoll"):
             return False
+        express = self.express
+        injected = kill_after_bytes >= 0 or reset_peer >= 0 or damage
+        if not self.general and (express is None or injected or not express.may_take(call)):
+            return False
         loop_thread = engine.loop_thread
         if not loop_thread.hold(HOLD_WAIT):
             return False
         finished = False
+        begun = True
         self._end = 0.0
         try:
-            express = self.express
-            if (express is None or kill_after_bytes >= 0 or reset_peer >= 0 or damage
-                    or not express.run(call, waiter)):
+            if express is None or injected or not express.run(call, waiter):
+                if not self.general:
+                    begun = False
+                    return False
                 engine.begin_call(call, waiter, kill_after_bytes, reset_peer, damage)
-            finished = waiter.finished or self._drive(waiter)
+            finished = waiter.finished or (self.general and self._drive(waiter))
             if not self.skip:
                 self.backoff = 16
             if finished:
@@ -88,7 +98,7 @@ class Driver:
                 self.handed += 1
         finally:
             loop_thread.release(LINGER if finished else 0.0)
-        return True
+        return begun
 
     def _drive(self, waiter: Waiter) -> bool:
         """Read the links until the call finished (True), or until something only the loop

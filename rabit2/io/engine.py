@@ -84,7 +84,8 @@ class Engine:
         self.loop_thread.set_batch(config.spin_us > 0)
         self.loop = self.loop_thread.loop
         self._poller = Poller(config.spin_us / 1e6, self.loop_thread)
-        self.driver = Driver(self, config.drive_ms / 1e3, config.spin_us / 1e6, config.express)
+        self.driver = Driver(self, config.drive_ms / 1e3, config.spin_us / 1e6, config.express,
+                             config.drive_general)
         self.faults = FaultInjector(self.agent)
         self.tracker: TrackerClient | None = None
         self.assignment: Assignment | None = None

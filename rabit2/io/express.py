@@ -23,8 +23,10 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from rabit2.core.express import MAX_BYTES as PAIR_MAX_BYTES
 from rabit2.core.express import ExpressCall
 from rabit2.core.express_broadcast import ExpressBroadcast
+from rabit2.core.express_tree import MAX_BYTES as TREE_MAX_BYTES
 from rabit2.core.express_tree import ExpressTree, InStream
 from rabit2.core.framing import HEADER_SIZE, CollectiveKind
 from rabit2.core.records import Call, Command, Send
@@ -115,6 +117,17 @@ class ExpressIO:
         self.calls = 0  # made express
         self.fallbacks = 0  # begun express, finished the general way
         self.held = 0  # begun express with the peer's frame read ahead by the loop
+
+    def may_take(self, call: Call) -> bool:
+        """Whether ``call`` is of a kind and size made express (whether it is made so
+        depends on the agent and its links then: :meth:`run`)."""
+        world = self.driver.engine.agent.world
+        kind = call.kind
+        if kind is CollectiveKind.BROADCAST:
+            return world == 2
+        if kind is CollectiveKind.ALLREDUCE_TREE:
+            return 0 < len(call.buf) <= TREE_MAX_BYTES
+        return kind is CollectiveKind.ALLREDUCE_PAIR and 0 < len(call.buf) <= PAIR_MAX_BYTES
 
     def run(self, call: Call, waiter: Waiter) -> bool:
         """Make ``call`` express if it can be; False if nothing was done (the caller begins

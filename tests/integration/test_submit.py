@@ -287,7 +287,7 @@ def test_bind_cpus_for_groups_or_round_robin() -> None:
     assert "RABIT2_BIND_CPU" not in build_worker_env({}, {}, task_id=1, attempt=0)
 
 
-def test_workers_pinned_beside_another_hand_their_calls_to_the_loop_thread(
+def test_workers_pinned_beside_another_make_only_express_calls_themselves(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from tracker.launch import local  # noqa: PLC0415
     from tracker.launch.options import parse_args  # noqa: PLC0415
@@ -296,13 +296,13 @@ def test_workers_pinned_beside_another_hand_their_calls_to_the_loop_thread(
     assert not local.shares_cpu(2, "auto", [2, 5]) and not local.shares_cpu(4, "none", [2, 5])
     monkeypatch.setattr(local, "bind_cpus_for", lambda task, n, bind: (task % 2,))
     monkeypatch.setattr(local, "shares_cpu", lambda n, bind: n > 2)
-    monkeypatch.delenv("RABIT2_DRIVE_MS", raising=False)
+    monkeypatch.delenv("RABIT2_DRIVE_GENERAL", raising=False)
     four = parse_args(["--cluster", "local", "-n", "4", "--", "python", "w.py"])
-    assert local.local_attempt(four, {}, 0, 0).env["RABIT2_DRIVE_MS"] == "0"
+    assert local.local_attempt(four, {}, 0, 0).env["RABIT2_DRIVE_GENERAL"] == "0"
     two = parse_args(["--cluster", "local", "-n", "2", "--", "python", "w.py"])
-    assert "RABIT2_DRIVE_MS" not in local.local_attempt(two, {}, 0, 0).env
-    monkeypatch.setenv("RABIT2_DRIVE_MS", "5")  # what the user says stands
-    assert local.local_attempt(four, {}, 0, 0).env["RABIT2_DRIVE_MS"] == "5"
+    assert "RABIT2_DRIVE_GENERAL" not in local.local_attempt(two, {}, 0, 0).env
+    monkeypatch.setenv("RABIT2_DRIVE_GENERAL", "1")  # what the user says stands
+    assert local.local_attempt(four, {}, 0, 0).env["RABIT2_DRIVE_GENERAL"] == "1"
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux CPU affinity")

@@ -19,10 +19,11 @@ def local_attempt(options: LaunchOptions, job_env: Mapping[str, str], task_id: i
     env = build_worker_env(os.environ, job_env, task_id, attempt, options.env, cpus,
                            recover=options.max_attempts > 1)
     env["RABIT2_LAUNCHER_PID"] = str(os.getpid())  # (the worker dies with this process)
-    if shares_cpu(options.num_workers, options.bind) and "RABIT2_DRIVE_MS" not in env:
-        # pinned beside another worker, a caller that drives its own call holds the CPU the
-        # other needs: calls go to the loop thread (docs/design.md, "The caller drives")
-        env["RABIT2_DRIVE_MS"] = "0"
+    if shares_cpu(options.num_workers, options.bind) and "RABIT2_DRIVE_GENERAL" not in env:
+        # pinned beside another worker, a caller that drives the general path of its call
+        # holds the CPU the other needs: only express calls are made on the caller's thread,
+        # the rest go to the loop thread (docs/design.md, "The caller drives its call")
+        env["RABIT2_DRIVE_GENERAL"] = "0"
     return Attempt(list(options.command), env, cpus=cpus)
 
 
