@@ -39,7 +39,7 @@ from rabit2.core.framing import (
     unpack_tail,
 )
 from rabit2.core.fsm import Event, Mode, Phase, State
-from rabit2.core.ops import ufunc_of
+from rabit2.core.ops import Op, ufunc_of
 from rabit2.core.records import Call
 from rabit2.core.topology import topology
 
@@ -146,8 +146,8 @@ class ExpressTree:
     """A tree allreduce of one shape (element type, operator, size) made express on this
     rank; reused for every call of that shape (:meth:`ExpressTrees.prepare`)."""
 
-    __slots__ = ("call", "call_id", "checked", "children", "desc", "dtype", "ins", "keep",
-                 "mine", "nbytes", "parent", "result", "ufunc", "up")
+    __slots__ = ("call", "call_id", "children", "desc", "dtype", "ins", "keep", "nbytes",
+                 "parent", "result", "ufunc", "up")
 
     def __init__(self, call: Call, parent: int, children: tuple[int, ...]) -> None:
         self.call = call
@@ -158,9 +158,7 @@ class ExpressTree:
         self.dtype, self.ufunc = call.dtype, ufunc_of(call.op)
         self.parent, self.children = parent, children
         self.ins: dict[int, InStream] = {}  # per peer, what it sends this rank
-        self.checked: dict[int, bool] = {}  # per peer, whether its link checks
         self.up: memoryview = call.buf  # what goes to the parent (a leaf's own input)
-        self.mine = np.empty(0, dtype=np.uint8)  # the caller's input (reduce)
         self.keep: np.ndarray | None = None  # the store's buffer the result is made in
         self.result: memoryview | None = None  # the result, once made or read
 
@@ -169,7 +167,7 @@ class ExpressTree:
         """The one DATA frame of this call to ``peer`` carrying ``data`` (as
         ``Sender.pump`` makes it; ``crc``: the CRC32C of ``data``, if known)."""
         version, seqno = self.call_id
-        if not self.checked[peer]:
+        if not self.ins[peer].checked:
             crc = None
         elif crc is None:
             crc = checksum(data)
@@ -186,7 +184,7 @@ class ExpressTrees:
         self._inboxes: dict[int, memoryview] = {}
         self._up = np.empty(0, dtype=np.uint8)
         self._result = np.empty(0, dtype=np.uint8)
-        self._shapes: dict[tuple[np.dtype, int, int], ExpressTree] = {}
+        self._shapes: dict[tuple[np.dtype, Op, int], ExpressTree] = {}
         self._where = (-1, 0)  # (rank, world) the shapes were laid out for
 
     def prepare(self, call: Call) -> ExpressTree | None:
@@ -195,8 +193,7 @@ class ExpressTrees:
         ahead, and recovery with nothing under way that a call's beginning acts on; None
         otherwise (the general path)."""
         agent = self.agent
-        nbytes = len(call.buf)
-        if (call.kind is not CollectiveKind.ALLREDUCE_TREE or not 0 < nbytes <= MAX_BYTES
+        if (call.kind is not CollectiveKind.ALLREDUCE_TREE or not 0 < len(call.buf) <= MAX_BYTES
                 or agent.state is not State.READY or agent.dead_links):
             return None
         links = agent.links
@@ -214,18 +211,19 @@ class ExpressTrees:
         xt.up = call.buf
         xt.keep = xt.result = None
         version, seqno = xt.call_id = (agent.version, agent.seqno)
-        desc = xt.desc = agent.planner.descriptor(call)
-        prefixes: dict[bool, bytes] = {}
-        checked = xt.checked
+        desc = xt.desc
+        assert desc is not None
+        prefix = checked_prefix = b""
         for peer, stream in xt.ins.items():
-            neighbour = links.get(peer)
-            if neighbour is None:
-                return None
-            mode = checked[peer] = stream.checked = neighbour.checked
-            prefix = prefixes.get(mode)
-            if prefix is None:
-                prefix = prefixes[mode] = data_prefix(desc, version, seqno, mode)
-            stream.reset(prefix)
+            checked = stream.checked = links[peer].checked
+            if checked:
+                if not checked_prefix:
+                    checked_prefix = data_prefix(desc, version, seqno, True)
+                stream.reset(checked_prefix)
+            else:
+                if not prefix:
+                    prefix = data_prefix(desc, version, seqno, False)
+                stream.reset(prefix)
         return xt
 
     def _shape(self, call: Call) -> ExpressTree | None:
@@ -236,13 +234,14 @@ class ExpressTrees:
         if where != self._where:
             self._shapes.clear()
             self._where = where
-        key = (call.dtype, int(call.op), len(call.buf))
+        key = (call.dtype, call.op, len(call.buf))
         xt = self._shapes.get(key)
         if xt is None:
             if len(self._shapes) >= 16:
                 self._shapes.clear()
             topo = topology(agent.rank, agent.world)
             xt = ExpressTree(call, topo.parent, topo.children)
+            xt.desc = agent.planner.descriptor(call)
             peers = topo.children if topo.parent < 0 else (*topo.children, topo.parent)
             for peer in peers:
                 neighbour = agent.links.get(peer)
@@ -331,8 +330,11 @@ class ExpressTrees:
                 self._result = np.empty(nbytes, dtype=np.uint8)
             keep = self._result[:nbytes]
         result = keep.data
-        for offset, data in stream.payloads():
-            result[offset : offset + len(data)] = data
+        if len(stream.frames) == 1:
+            result[:] = stream.inbox[HEADER_SIZE : HEADER_SIZE + nbytes]
+        else:
+            for offset, data in stream.payloads():
+                result[offset : offset + len(data)] = data
         xt.result = result
 
     def done(self, xt: ExpressTree, now: float) -> None:

@@ -151,11 +151,16 @@ CALL_PREFIX_SIZE = 24  # magic .. total_bytes: identical in every DATA frame of 
 _TAIL = struct.Struct("<QIIII")  # offset, length, incarnation, payload crc, header crc
 
 
+_PREFIX = struct.Struct("<HBBBBHIIQ")  # HEADER's first CALL_PREFIX_SIZE bytes
+_DATA = int(FrameKind.DATA)
+
+
 def data_prefix(call: CallDescriptor, version: int, seqno: int, checked: bool) -> bytes:
     """The first 24 bytes of every DATA frame of this call, to recognise them in one compare
     (``checked``: as a sender that checksums its payloads writes them)."""
-    return pack_header(FrameKind.DATA, call, version, seqno, 0, 0, 0,
-                       0 if checked else None)[:CALL_PREFIX_SIZE]
+    return _PREFIX.pack(FRAME_MAGIC, _DATA | FLAG_CHECKED if checked else _DATA, call.kind,
+                        call.dtype_code, call.op_code, call.root, version, seqno,
+                        call.total_bytes)
 
 
 def checksum(data: bytes | bytearray | memoryview, value: int = 0) -> int:

@@ -63,7 +63,7 @@ class Driver:
         self._watched: dict[int, PeerLink] = {}  # fd -> the link it was registered for
         self._muted: set[int] = set()  # fds of links paused for a later call's frames
         self._tracker_fd = -1  # watched too: what the tracker says is the loop's to hear
-        self._tracker_key = (-1, 0)  # (fd, connection number) registered
+        self._tracker_key = (0, -1)  # (tracker client, connection number) registered
 
     def run(self, call: Call, waiter: Waiter, kill_after_bytes: int, reset_peer: int,
             damage: bool) -> bool:
@@ -205,15 +205,20 @@ class Driver:
                     epoll.modify(fd, select.EPOLLIN)
                     self._muted.discard(fd)
         tracker = self.engine.tracker
-        key = (-1, 0) if tracker is None else (tracker.fileno(), tracker.connections)
+        # (its descriptor, looked up once per connection: a connection that closes leaves
+        # the epoll by itself, and the next one has another number)
+        key = (id(tracker), 0 if tracker is None else tracker.connections)
         if key != self._tracker_key:
             if self._tracker_fd >= 0:
                 with contextlib.suppress(OSError):
                     epoll.unregister(self._tracker_fd)
             self._tracker_fd, self._tracker_key = -1, key
-            if key[0] >= 0 and key[0] not in watched:
-                epoll.register(key[0], select.EPOLLIN)
-                self._tracker_fd = key[0]
+            fd = -1 if tracker is None else tracker.fileno()
+            if fd < 0:
+                self._tracker_key = (0, -1)  # (none now: looked up again next time)
+            elif fd not in watched:
+                epoll.register(fd, select.EPOLLIN)
+                self._tracker_fd = fd
         for link in links.values():
             if link.write_blocked:
                 return None

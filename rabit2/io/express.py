@@ -31,6 +31,7 @@ from rabit2.core.express_tree import ExpressTree, InStream
 from rabit2.core.framing import HEADER_SIZE, CollectiveKind
 from rabit2.core.records import Call, Command, Send
 from rabit2.errors import ProtocolError
+from rabit2.io.waiting import yield_cpu
 
 if TYPE_CHECKING:
     from rabit2.io.driving import Driver
@@ -218,6 +219,7 @@ class ExpressIO:
             frame = xt.frame(xt.parent, xt.up)
             sent = _write(fds[xt.parent], frame)
             ahead.wrote(xt.parent, sent, frame)
+            yield_cpu()  # (a parent that shares this CPU reads it now: nothing to do but wait)
             if sent < whole or not self._read_streams(xt, fds, (xt.parent,), False):
                 return self._tree_general(xt, call, waiter, ahead)
             # (the children wait for it: forwarded as it came, before anything else)
@@ -233,6 +235,8 @@ class ExpressIO:
             ahead.wrote(child, sent, frame)
             if sent < whole:
                 return self._tree_general(xt, call, waiter, ahead)
+        if xt.children:
+            yield_cpu()  # (a child that shares this CPU goes on now: what is left can wait)
         if xt.result is None:
             trees.take_result(xt)
         trees.done(xt, engine.loop.time())
