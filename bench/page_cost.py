@@ -1,7 +1,8 @@
 """What a fresh page of anonymous memory costs in this process: made by the first write that
 touches it, against made ahead in one system call (``MADV_POPULATE_WRITE``, Linux 5.14; or
 ``MAP_POPULATE`` when the mapping is made), as the replay store's slabs do
-(``rabit2.core.recovery.store.Slab``).  Prints microseconds per 4 KiB page, medians.
+(``rabit2.core.recovery.store.Slab``), with or without transparent huge pages asked for.
+Prints microseconds per 4 KiB page, medians.
 
     python bench/page_cost.py [--mib 4] [--runs 20]
 """
@@ -33,9 +34,12 @@ def populated_at_map(size: int, keep: list[mmap.mmap]) -> None:
     keep.append(_fresh(size, mmap.MAP_POPULATE))
 
 
-def populated_in_steps(size: int, keep: list[mmap.mmap], step: int = 256 << 10) -> None:
+def populated_in_steps(size: int, keep: list[mmap.mmap], step: int = 256 << 10,
+                       huge: bool = False) -> None:
     region = _fresh(size)
     keep.append(region)
+    if huge:
+        region.madvise(mmap.MADV_HUGEPAGE)
     for at in range(0, size, step):
         region.madvise(MADV_POPULATE_WRITE, at, min(step, size - at))
 
@@ -52,6 +56,9 @@ def main() -> None:
         "MAP_POPULATE": populated_at_map,
         "MADV_POPULATE_WRITE, 256 KiB steps": populated_in_steps,
     }
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # (2 MiB pages, where the system makes them)
+        ways["the same after MADV_HUGEPAGE"] = (
+            lambda size, keep: populated_in_steps(size, keep, huge=True))
     spent: dict[str, list[float]] = {name: [] for name in ways}
     keep: list[mmap.mmap] = []  # (kept mapped: unmapped pages would come back warm)
     for _ in range(ns.runs):
