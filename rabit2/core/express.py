@@ -27,6 +27,7 @@ from rabit2.core import fsm
 from rabit2.core.express_broadcast import ExpressBroadcasts
 from rabit2.core.express_inbox import PeerFrames
 from rabit2.core.express_tree import ExpressTrees
+from rabit2.core.express_tree_broadcast import ExpressTreeBroadcasts
 from rabit2.core.framing import (
     CHECKED_FRAME,
     HEADER_SIZE,
@@ -117,6 +118,7 @@ class Express:
         self._views: dict[tuple[np.dtype, int], tuple[np.ndarray, np.ndarray]] = {}
         self.broadcasts = ExpressBroadcasts(agent, self)
         self.trees = ExpressTrees(agent)
+        self.tree_broadcasts = ExpressTreeBroadcasts(agent, self)
 
     def inbox(self, size: int) -> memoryview:
         """The first ``size`` bytes of the inbox, grown if need be (keeping what it holds:

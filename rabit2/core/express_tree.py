@@ -21,7 +21,7 @@ frames again; the tail of a frame the kernel took only part of is queued first).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -49,6 +49,19 @@ if TYPE_CHECKING:
 MAX_BYTES = CHECKED_FRAME
 """The largest tree allreduce made express: one frame each way on every link (the tree
 takes calls up to 512 KiB by default, ``AUTO_RING_MIN_BYTES``)."""
+
+
+class Reader(Protocol):
+    """What the I/O layer reads into: ``want`` more bytes at ``inbox[got:]``, then
+    ``on_read`` (False: not what was expected), until ``complete``."""
+
+    peer: int
+    got: int
+    inbox: memoryview
+
+    def want(self) -> int: ...
+    def on_read(self, nbytes: int) -> bool: ...
+    def complete(self) -> bool: ...
 
 
 class InStream:
@@ -194,7 +207,7 @@ class ExpressTrees:
         otherwise (the general path)."""
         agent = self.agent
         if (call.kind is not CollectiveKind.ALLREDUCE_TREE or not 0 < len(call.buf) <= MAX_BYTES
-                or agent.state is not State.READY or agent.dead_links):
+                or agent.world < 2 or agent.state is not State.READY or agent.dead_links):
             return None
         links = agent.links
         for link in links.values():
@@ -248,7 +261,7 @@ class ExpressTrees:
                 if neighbour is None:
                     return None
                 xt.ins[peer] = InStream(peer, xt.nbytes, neighbour.checked,
-                                        self._inbox(peer, HEADER_SIZE + xt.nbytes))
+                                        self.inbox(peer, HEADER_SIZE + xt.nbytes))
             self._shapes[key] = xt
         for stream in xt.ins.values():
             inbox = self._inboxes[stream.peer]
@@ -261,12 +274,14 @@ class ExpressTrees:
         come (a peer that cut its stream into several frames), keeping what it holds."""
         need = stream.got + stream.want()
         if len(stream.inbox) < need:
-            inbox = self._inbox(stream.peer, need)
+            inbox = self.inbox(stream.peer, need)
             if inbox.obj is not stream.inbox.obj:
                 inbox[: stream.got] = stream.inbox[: stream.got]
             stream.inbox = inbox
 
-    def _inbox(self, peer: int, size: int) -> memoryview:
+    def inbox(self, peer: int, size: int) -> memoryview:
+        """The first ``size`` bytes of ``peer``'s inbox (grown if need be, not keeping
+        what it held)."""
         inbox = self._inboxes.get(peer)
         if inbox is None or len(inbox) < size:
             inbox = self._inboxes[peer] = memoryview(bytearray(

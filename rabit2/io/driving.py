@@ -177,6 +177,12 @@ class Driver:
         link.buffer_updated(nbytes)
         return link.current and not link.write_blocked
 
+    def mute(self, fd: int) -> None:
+        """Stop waiting for ``fd`` until the next :meth:`sync` (what it holds is for later)."""
+        if self._epoll is not None and fd in self._watched:
+            self._epoll.modify(fd, 0)
+            self._muted.add(fd)
+
     def sync(self) -> select.epoll | None:
         """The epoll of the current links' sockets (None: a link is not in a state this
         thread can read)."""

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from rabit2.config import Config
 from rabit2.core.agent import (
@@ -147,19 +147,22 @@ class Engine:
 
     def begin_call(self, call: Call, waiter: Waiter, kill_after_bytes: int = -1,
                    reset_peer: int = -1, damage: bool = False,
-                   written: Written | None = None, ahead: Ahead | None = None) -> None:
+                   written: Written | Sequence[Written] | None = None,
+                   ahead: Ahead | None = None) -> None:
         """Begin ``call`` on the agent; ``waiter`` hears how it ends.  On the loop thread, or
         on a caller's thread that holds the parked loop (:mod:`rabit2.io.driving`).
         ``written``, ``ahead``: what an express start of the call wrote already
         (:mod:`rabit2.io.express`)."""
         self.faults.arm(kill_after_bytes, reset_peer, damage)
+        skips = (() if written is None else (written,) if isinstance(written, Written)
+                 else written)
         try:
             cmds = self.agent.begin(call, self.loop.time(), () if ahead is None else ahead.peers)
-            if written is not None:
-                cmds = written.skip(cmds)
+            for skip in skips:
+                cmds = skip.skip(cmds)
         except Exception as exc:  # the caller must see every failure, never wait it out
-            on_wire = ([written.peer] if written is not None and written.count else
-                       [] if ahead is None else ahead.peers)
+            on_wire = ([skip.peer for skip in skips if skip.count]
+                       + ([] if ahead is None else ahead.peers))
             if on_wire and self.agent.error is None:
                 # bytes of this call are on the wire: the peer's stream cannot be kept whole,
                 # so the link closes and every rank hears a typed error

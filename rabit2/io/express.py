@@ -27,7 +27,8 @@ from rabit2.core.express import MAX_BYTES as PAIR_MAX_BYTES
 from rabit2.core.express import ExpressCall
 from rabit2.core.express_broadcast import ExpressBroadcast
 from rabit2.core.express_tree import MAX_BYTES as TREE_MAX_BYTES
-from rabit2.core.express_tree import ExpressTree, InStream
+from rabit2.core.express_tree import ExpressTree, InStream, Reader
+from rabit2.core.express_tree_broadcast import ExpressTreeBroadcast
 from rabit2.core.framing import HEADER_SIZE, CollectiveKind
 from rabit2.core.records import Call, Command, Send
 from rabit2.errors import ProtocolError
@@ -122,10 +123,9 @@ class ExpressIO:
     def may_take(self, call: Call) -> bool:
         """Whether ``call`` is of a kind and size made express (whether it is made so
         depends on the agent and its links then: :meth:`run`)."""
-        world = self.driver.engine.agent.world
         kind = call.kind
         if kind is CollectiveKind.BROADCAST:
-            return world == 2
+            return True
         if kind is CollectiveKind.ALLREDUCE_TREE:
             return 0 < len(call.buf) <= TREE_MAX_BYTES
         return kind is CollectiveKind.ALLREDUCE_PAIR and 0 < len(call.buf) <= PAIR_MAX_BYTES
@@ -134,6 +134,8 @@ class ExpressIO:
         """Make ``call`` express if it can be; False if nothing was done (the caller begins
         it as usual), True if it finished here (``waiter``) or was begun on the agent."""
         if call.kind is CollectiveKind.BROADCAST:
+            if self.driver.engine.agent.world > 2:
+                return self._tree_broadcast(call, waiter)
             return self._broadcast(call, waiter)
         if call.kind is CollectiveKind.ALLREDUCE_TREE:
             return self._tree(call, waiter)
@@ -243,21 +245,102 @@ class ExpressIO:
         self._finished(waiter)
         return True
 
+    def _tree_broadcast(self, call: Call, waiter: Waiter) -> bool:
+        """An express broadcast of world size 3 or more
+        (:mod:`rabit2.core.express_tree_broadcast`)."""
+        engine = self.driver.engine
+        broadcasts = engine.agent.express.tree_broadcasts
+        xb = broadcasts.prepare(call)
+        if xb is None:
+            return False
+        fds: dict[int, int] = {}
+        for peer in xb.checked:
+            link = self._idle_link(peer, False)
+            if link is None:
+                return False
+            fds[peer] = link.fd
+        engine.faults.arm(-1, -1, False)
+        written: list[Written] = []
+        if xb.is_root:
+            for child in xb.out_links:
+                parts = xb.parts[child]
+                sent = _write(fds[child], parts)
+                written.append(Written(child, max(sent, 0), parts))
+                if sent < sum(len(part) for part in parts):
+                    return self._broadcast_general(xb, call, waiter, written)
+            yield_cpu()  # (a child that shares this CPU reads it now)
+            if not self._read_all(xb.announces, fds):
+                return self._broadcast_general(xb, call, waiter, written)
+        else:
+            sent = _write(fds[xb.in_link], [xb.announce])
+            written.append(Written(xb.in_link, max(sent, 0), [xb.announce]))
+            assert xb.first is not None
+            # (the children's announces come meanwhile: read as they come)
+            if (sent < HEADER_SIZE or not self._read_all([xb.first, *xb.announces], fds, False,
+                                                         xb.first)
+                    or not broadcasts.size(xb)):
+                return self._broadcast_general(xb, call, waiter, written)
+            assert xb.stream is not None
+            if (not self._read_all([xb.stream, *xb.announces], fds)
+                    or not broadcasts.receive(xb)):
+                return self._broadcast_general(xb, call, waiter, written)
+            # from here the call is this rank's to finish: what the kernel does not take now
+            # is queued, a copy, for the loop to send
+            for child in xb.out_links:
+                parts = xb.parts[child]
+                sent = _write(fds[child], parts)
+                link = engine.links.get(child)
+                if 0 <= sent < sum(len(part) for part in parts) and link is not None:
+                    transport = link.transport
+                    if transport is not None and not transport.is_closing():
+                        transport.write(b"".join(bytes(part) for part in parts)[sent:])
+            if xb.out_links:
+                yield_cpu()
+        broadcasts.done(xb, engine.loop.time())
+        self._finished(waiter)
+        return True
+
+    def _broadcast_general(self, xb: ExpressTreeBroadcast, call: Call, waiter: Waiter,
+                           written: list[Written]) -> bool:
+        """Begin ``call`` on the agent after an express start of a broadcast: skip what was
+        written, hand over what was read (the stream first, then the announces)."""
+        self.fallbacks += 1
+        engine = self.driver.engine
+        engine.begin_call(call, waiter, written=written)
+        read: list[Reader] = []
+        if xb.stream is not None:
+            read.append(xb.stream)
+        elif xb.first is not None:
+            read.append(xb.first)
+        for reader in (*read, *xb.announces):
+            link = engine.links.get(reader.peer)
+            if reader.got and link is not None:
+                _feed(link, reader.inbox[: reader.got])
+        return True
+
     def _read_streams(self, xt: ExpressTree, fds: dict[int, int], peers: Sequence[int],
                       read_first: bool = True) -> bool:
         """Read the streams of ``peers`` whole (True); False when something else comes first
         (a frame that is not the next of this call, the end of a stream, an error, bytes on
         another link or from the tracker) or ``drive_ms`` passed.  ``read_first``: some
         bytes may be in already (else wait before the first read)."""
+        return self._read_all([xt.ins[peer] for peer in peers], fds, read_first)
+
+    def _read_all(self, readers: Sequence[Reader], fds: dict[int, int],
+                  read_first: bool = True, until: Reader | None = None) -> bool:
+        """Read what each of ``readers`` wants, whole (:meth:`_read_streams`); with
+        ``until``, only until that one is complete (the others as they come)."""
         driver = self.driver
-        pending = [xt.ins[peer] for peer in peers]
+        pending = [reader for reader in readers if not reader.complete()]
+        if not pending:
+            return True
         clock = time.monotonic
         epoll = None
         end = 0.0
         while True:
             if read_first:
                 waiting = self._read_some(pending, fds)
-                if not waiting:
+                if not waiting or (until is not None and until not in waiting):
                     return waiting is not None
                 if len(waiting) < len(pending):
                     pending = waiting
@@ -276,17 +359,22 @@ class ExpressIO:
             except InterruptedError:
                 events = []
             for fd, _ in events:
-                if all(fds[stream.peer] != fd for stream in pending):
+                if any(fds[stream.peer] == fd for stream in pending):
+                    continue
+                if fd not in fds.values():
                     return False  # another link, or the tracker: the general path hears it
+                # a later call's frames from a neighbour done with this one: read then
+                driver.mute(fd)
 
-    def _read_some(self, pending: list[InStream], fds: dict[int, int]) -> list[InStream] | None:
+    def _read_some(self, pending: Sequence[Reader], fds: dict[int, int]) -> list[Reader] | None:
         """One read of each stream in ``pending``: those still to complete (None: a stream
         met something else, ended or broke)."""
         trees = self.driver.engine.agent.express.trees
-        waiting = []
+        waiting: list[Reader] = []
         for stream in pending:
             want = stream.want()
             if stream.got + want > len(stream.inbox):
+                assert isinstance(stream, InStream)
                 trees.grow(stream)
             try:
                 nbytes = os.readv(fds[stream.peer], [stream.inbox[stream.got : stream.got + want]])

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -70,7 +71,7 @@ def _run_cases(rank: int, engine: Engine, rounds: int = 2) -> list[bytes]:
     return got
 
 
-def _records(engine: Engine) -> tuple[object, ...]:
+def records(engine: Engine) -> tuple[object, ...]:
     """What the agent, its links and the replay store hold after the calls (the frame counts
     aside: the general path forwards a result in as many frames as it arrived in)."""
     agent = engine.agent
@@ -88,15 +89,19 @@ def _records(engine: Engine) -> tuple[object, ...]:
             stats.bytes_received, links, tuple(kept))
 
 
-def _express_and_general(world: int, **env: str) -> dict[str, list[Any]]:
+def express_and_general_n(world: int, run: Callable[[int, Engine], list[bytes]],
+                          **env: str) -> dict[str, list[Any]]:
+    """``run`` on fresh engines of ``world`` ranks with express calls on ("1") and off
+    ("0"): per setting, each rank's results, records and express calls (every rank's
+    results equal)."""
     outcomes = {}
     for express in ("1", "0"):
         tracker, engines = start_job(world, "uvloop", RABIT2_EXPRESS=express, **env)
 
         def work(rank: int, engine: Engine) -> tuple[list[bytes], tuple[object, ...], int]:
-            got = _run_cases(rank, engine)
+            got = run(rank, engine)
             xio = engine.driver.express
-            return got, _records(engine), 0 if xio is None else xio.calls
+            return got, records(engine), 0 if xio is None else xio.calls
 
         outcomes[express] = on_all(engines, work)
         finish(tracker, engines)
@@ -110,7 +115,8 @@ def _express_and_general(world: int, **env: str) -> dict[str, list[Any]]:
                          [(4, "1", "on"), (4, "1", "off"), (4, "0", "on"), (3, "0", "off"),
                           (5, "1", "auto")])
 def test_express_trees_equal_the_general_path(world: int, recover: str, checksum: str) -> None:
-    outcomes = _express_and_general(world, RABIT2_RECOVER=recover, RABIT2_CHECKSUM=checksum)
+    outcomes = express_and_general_n(world, _run_cases, RABIT2_RECOVER=recover,
+                                     RABIT2_CHECKSUM=checksum)
     for express, results in outcomes.items():
         got = results[0][0]
         for i, (dtype, op, count) in enumerate(CASES):
