@@ -226,8 +226,12 @@ class LinkKeeper:
                 return
             except RabitError as exc:
                 engine = self.engine
-                if (engine.loop.time() + delay > deadline or engine.agent.error is not None
-                        or engine.closing):  # (closing cancelled us; 3.11 can lose that)
+                if engine.closing:
+                    # (closing cancelled us; 3.11 can lose that): a neighbour that left
+                    # first at the end of the job, nothing to report
+                    logger.debug("not reconnecting to rank %d: closing (%s)", rank, exc)
+                    return
+                if engine.loop.time() + delay > deadline or engine.agent.error is not None:
                     logger.warning("cannot reconnect to rank %d: %s", rank, exc)
                     return
                 await asyncio.sleep(delay)
