@@ -6,6 +6,18 @@ from __future__ import annotations
 from rabit2.core.framing import CALL_PREFIX_SIZE, HEADER_SIZE, FrameCorruptError, unpack_tail
 
 
+def header_at(inbox: memoryview, at: int, prefix: bytes) -> tuple[int, int, int] | None:
+    """``(offset, length, payload crc)`` of the header at ``inbox[at:]`` if it is a DATA
+    frame of the call that ``prefix`` starts and its own CRC holds; None if not (the
+    general path must read it: it resets the link for a header that fails its CRC)."""
+    if inbox[at : at + CALL_PREFIX_SIZE] != prefix:
+        return None
+    try:
+        return unpack_tail(inbox, at)
+    except FrameCorruptError:
+        return None
+
+
 class PeerFrames:
     """Where the peer's frames of one express call land: ``frames`` (each one's stream
     ``(offset, length)``), each header then its payload, in ``inbox``."""
@@ -32,16 +44,10 @@ class PeerFrames:
         inbox, crcs, frames = self.inbox, self.crcs, self.frames
         while len(crcs) < len(frames) and self.starts[len(crcs)] + HEADER_SIZE <= got:
             i = len(crcs)
-            at = self.starts[i]
-            if inbox[at : at + CALL_PREFIX_SIZE] != self.prefix:
+            tail = header_at(inbox, self.starts[i], self.prefix)
+            if tail is None or tail[:2] != frames[i]:
                 return False
-            try:
-                offset, length, crc = unpack_tail(inbox, at)
-            except FrameCorruptError:
-                return False  # (the general path resets the link for it)
-            if (offset, length) != frames[i]:
-                return False
-            crcs.append(crc)
+            crcs.append(tail[2])
         self.valid = len(crcs) == len(frames)
         return True
 

@@ -25,18 +25,16 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from rabit2.core.express_inbox import header_at
 from rabit2.core.framing import (
-    CALL_PREFIX_SIZE,
     CHECKED_FRAME,
     HEADER_SIZE,
     CallDescriptor,
     CollectiveKind,
-    FrameCorruptError,
     FrameKind,
     checksum,
     data_prefix,
     pack_header,
-    unpack_tail,
 )
 from rabit2.core.fsm import Event, Mode, Phase, State
 from rabit2.core.ops import Op, ufunc_of
@@ -110,13 +108,10 @@ class InStream:
         self.got += nbytes
         while self.upto < self.nbytes and self.next_at + HEADER_SIZE <= self.got:
             at = self.next_at
-            inbox = self.inbox
-            if inbox[at : at + CALL_PREFIX_SIZE] != self.prefix:
+            tail = header_at(self.inbox, at, self.prefix)
+            if tail is None:
                 return False
-            try:
-                offset, length, crc = unpack_tail(inbox, at)
-            except FrameCorruptError:
-                return False  # (the general path resets the link for it)
+            offset, length, crc = tail
             if offset != self.upto or not 0 < length <= self.nbytes - offset:
                 return False
             self.frames.append((at, offset, length))
@@ -153,6 +148,17 @@ class InStream:
                                                    self.nbytes // dtype.itemsize, HEADER_SIZE)
             self.landing_of = self.inbox
         return landing
+
+
+def all_quiet(agent: Owner) -> bool:
+    """Every link of ``agent`` plainly up with nothing read ahead or staged, and recovery with
+    nothing under way that a call's beginning acts on: a call of every link may be express."""
+    for link in agent.links.values():
+        if (link.phase is not Phase.UP or link.pending_needs or link.mode is not Mode.HEADER
+                or link.end):
+            return False
+    recovery = agent.recovery
+    return recovery is None or recovery.quiet()
 
 
 class ExpressTree:
@@ -209,14 +215,9 @@ class ExpressTrees:
         if (call.kind is not CollectiveKind.ALLREDUCE_TREE or not 0 < len(call.buf) <= MAX_BYTES
                 or agent.world < 2 or agent.state is not State.READY or agent.dead_links):
             return None
-        links = agent.links
-        for link in links.values():
-            if (link.phase is not Phase.UP or link.pending_needs or link.mode is not Mode.HEADER
-                    or link.end):
-                return None
-        recovery = agent.recovery
-        if recovery is not None and not recovery.quiet():
+        if not all_quiet(agent):
             return None
+        links = agent.links
         xt = self._shape(call)
         if xt is None:
             return None

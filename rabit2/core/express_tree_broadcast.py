@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rabit2.core.express_broadcast import MAX_BYTES, frames_of
-from rabit2.core.express_tree import InStream
+from rabit2.core.express_tree import InStream, all_quiet
 from rabit2.core.framing import (
     FLAG_CHECKED,
     FRAME_MAGIC,
@@ -42,7 +42,7 @@ from rabit2.core.framing import (
     pack_header,
     unpack_tail,
 )
-from rabit2.core.fsm import Event, Mode, Phase, State
+from rabit2.core.fsm import Event, State
 from rabit2.core.records import Call
 from rabit2.core.schedule import Stream
 from rabit2.core.topology import broadcast_route
@@ -143,14 +143,9 @@ class ExpressTreeBroadcasts:
                 return None
         elif call.receive is None or call.head_size <= 0:
             return None
-        links = agent.links
-        for link in links.values():
-            if (link.phase is not Phase.UP or link.pending_needs or link.mode is not Mode.HEADER
-                    or link.end):
-                return None
-        recovery = agent.recovery
-        if recovery is not None and not recovery.quiet():
+        if not all_quiet(agent):
             return None
+        links = agent.links
         in_link, out_links = broadcast_route(agent.rank, call.root, agent.world)
         version, seqno = agent.version, agent.seqno
         unsized = self._unsized.get(call.root)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from rabit2.core.express import MAX_BYTES as PAIR_MAX_BYTES
@@ -202,14 +202,9 @@ class ExpressIO:
         engine = self.driver.engine
         trees = engine.agent.express.trees
         xt = trees.prepare(call)
-        if xt is None:
+        fds = None if xt is None else self._idle_fds(xt.ins)
+        if xt is None or fds is None:
             return False
-        fds: dict[int, int] = {}
-        for peer in xt.ins:
-            link = self._idle_link(peer, False)
-            if link is None:
-                return False
-            fds[peer] = link.fd
         engine.faults.arm(-1, -1, False)
         ahead = Ahead()
         whole = HEADER_SIZE + xt.nbytes  # one frame each way on every link
@@ -251,14 +246,9 @@ class ExpressIO:
         engine = self.driver.engine
         broadcasts = engine.agent.express.tree_broadcasts
         xb = broadcasts.prepare(call)
-        if xb is None:
+        fds = None if xb is None else self._idle_fds(xb.checked)
+        if xb is None or fds is None:
             return False
-        fds: dict[int, int] = {}
-        for peer in xb.checked:
-            link = self._idle_link(peer, False)
-            if link is None:
-                return False
-            fds[peer] = link.fd
         engine.faults.arm(-1, -1, False)
         written: list[Written] = []
         if xb.is_root:
@@ -401,6 +391,16 @@ class ExpressIO:
             if stream.got and link is not None:
                 _feed(link, stream.inbox[: stream.got])
         return True
+
+    def _idle_fds(self, peers: Iterable[int]) -> dict[int, int] | None:
+        """Each of ``peers``' socket, if every link is idle (:meth:`_idle_link`)."""
+        fds: dict[int, int] = {}
+        for peer in peers:
+            link = self._idle_link(peer, False)
+            if link is None:
+                return None
+            fds[peer] = link.fd
+        return fds
 
     def _idle_link(self, peer: int, held: bool) -> PeerLink | None:
         """``peer``'s link if this thread may write to and read from its socket now: current,

@@ -83,6 +83,17 @@ def finish(tracker: TrackerThread, engines: list[Engine]) -> None:
     assert result is not None and result.success, result
 
 
+def small_socket_buffers(engines: list[Engine], size: int) -> None:
+    """Every link's send and receive buffers ``size`` bytes: the kernel then takes only part
+    of a larger frame."""
+    for engine in engines:
+        for link in engine.links.values():
+            assert link.transport is not None
+            sock = link.transport.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, size)
+
+
 def allreduce_call(arr: np.ndarray, engine: Engine, op: Op = Op.SUM) -> Call:
     buf = memoryview(arr.reshape(-1).view(np.uint8))
     return Call(engine.agent.choose_allreduce(len(buf), arr.itemsize), buf, arr.dtype, op)

@@ -5,7 +5,6 @@ general path with nothing lost."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +18,13 @@ from rabit2.core.ops import Op
 from rabit2.errors import ProtocolError, RabitError
 from rabit2.io.engine import Engine
 from rabit2.io.express import Written
-from tests.integration.test_engine import allreduce_call, finish, on_all, start_job
+from tests.integration.test_engine import (
+    allreduce_call,
+    finish,
+    on_all,
+    small_socket_buffers,
+    start_job,
+)
 
 # (dtype, op, count): float NaN payloads that differ between the ranks, integers, every op
 CASES = [
@@ -263,12 +268,7 @@ def test_a_partial_write_is_finished_by_the_general_path() -> None:
     """With small socket buffers the kernel takes only part of a 512 KiB frame: the rest is
     sent the general way, after exactly the bytes written, and the results hold."""
     tracker, engines = start_job(2, "uvloop", RABIT2_RECOVER="1")
-    for engine in engines:
-        for link in engine.links.values():
-            assert link.transport is not None
-            sock = link.transport.get_extra_info("socket")
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+    small_socket_buffers(engines, 16384)
 
     def work(rank: int, engine: Engine) -> tuple[bytes, int]:
         out = b""

@@ -6,7 +6,6 @@ nothing lost, or in a typed error on every rank."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,7 +18,13 @@ from rabit2.core.framing import CollectiveKind
 from rabit2.core.ops import Op
 from rabit2.errors import MismatchError, RabitError
 from rabit2.io.engine import Engine
-from tests.integration.test_engine import allreduce_call, finish, on_all, start_job
+from tests.integration.test_engine import (
+    allreduce_call,
+    finish,
+    on_all,
+    small_socket_buffers,
+    start_job,
+)
 
 # (dtype, op, count): every op, NaNs whose payloads differ between the ranks, 1 element to
 # the largest tree call made express (512 KiB, one checked frame)
@@ -171,12 +176,7 @@ def test_partial_writes_are_finished_by_the_general_path() -> None:
     queued before anything else, the general path goes on from there, and the results
     hold."""
     tracker, engines = start_job(4, "uvloop", RABIT2_RECOVER="1")
-    for engine in engines:
-        for link in engine.links.values():
-            assert link.transport is not None
-            sock = link.transport.get_extra_info("socket")
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+    small_socket_buffers(engines, 16384)
 
     def work(rank: int, engine: Engine) -> tuple[bytes, int]:
         out = b""

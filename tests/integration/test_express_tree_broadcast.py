@@ -5,7 +5,6 @@ ranks that disagree on the root) ends in the general path or in a typed error.""
 
 from __future__ import annotations
 
-import socket
 import time
 from typing import Any
 
@@ -15,7 +14,7 @@ import pytest
 from rabit2.calls import broadcast_call
 from rabit2.errors import MismatchError
 from rabit2.io.engine import Engine
-from tests.integration.test_engine import finish, on_all, start_job
+from tests.integration.test_engine import finish, on_all, small_socket_buffers, start_job
 from tests.integration.test_express_tree import express_and_general_n
 
 # what the root sends: one frame, several checked frames, larger than an express broadcast,
@@ -121,12 +120,7 @@ def test_partial_writes_are_finished() -> None:
     the loopback's 64 KiB segments: TCP's persist timer then stalls such streams for
     seconds, whatever path sends them.)"""
     tracker, engines = start_job(4, "uvloop", RABIT2_RECOVER="1")
-    for engine in engines:
-        for link in engine.links.values():
-            assert link.transport is not None
-            sock = link.transport.get_extra_info("socket")
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    small_socket_buffers(engines, 65536)
     data = np.arange(65_536, dtype=np.float64)
 
     def work(rank: int, engine: Engine) -> tuple[bytes, int]:
