@@ -36,7 +36,7 @@ from rabit2.core.framing import (
     data_prefix,
     pack_header,
 )
-from rabit2.core.fsm import Event, Mode, Phase, State
+from rabit2.core.fsm import Event, LinkEvent, Mode, Phase, State
 from rabit2.core.ops import Op, ufunc_of
 from rabit2.core.records import Call
 from rabit2.core.topology import topology
@@ -150,12 +150,19 @@ class InStream:
         return landing
 
 
-def all_quiet(agent: Owner) -> bool:
+def all_quiet(agent: Owner, held: list[int] | None = None, most: int = 0) -> bool:
     """Every link of ``agent`` plainly up with nothing read ahead or staged, and recovery with
-    nothing under way that a call's beginning acts on: a call of every link may be express."""
-    for link in agent.links.values():
-        if (link.phase is not Phase.UP or link.pending_needs or link.mode is not Mode.HEADER
-                or link.end):
+    nothing under way that a call's beginning acts on: a call of every link may be express.
+    With ``held``, a link may also be paused on a frame the loop read ahead, with at most
+    ``most`` bytes staged from its header on (its peer is appended to ``held``)."""
+    for peer, link in agent.links.items():
+        if link.phase is not Phase.UP or link.pending_needs:
+            return False
+        if link.mode is Mode.HELD and held is not None:
+            if link.start < HEADER_SIZE or link.end - link.start + HEADER_SIZE > most:
+                return False
+            held.append(peer)
+        elif link.mode is not Mode.HEADER or link.end:
             return False
     recovery = agent.recovery
     return recovery is None or recovery.quiet()
@@ -165,8 +172,8 @@ class ExpressTree:
     """A tree allreduce of one shape (element type, operator, size) made express on this
     rank; reused for every call of that shape (:meth:`ExpressTrees.prepare`)."""
 
-    __slots__ = ("call", "call_id", "children", "desc", "dtype", "ins", "keep", "nbytes",
-                 "parent", "result", "ufunc", "up")
+    __slots__ = ("call", "call_id", "children", "desc", "dtype", "held", "ins", "keep",
+                 "nbytes", "parent", "result", "ufunc", "up")
 
     def __init__(self, call: Call, parent: int, children: tuple[int, ...]) -> None:
         self.call = call
@@ -177,6 +184,7 @@ class ExpressTree:
         self.dtype, self.ufunc = call.dtype, ufunc_of(call.op)
         self.parent, self.children = parent, children
         self.ins: dict[int, InStream] = {}  # per peer, what it sends this rank
+        self.held: list[int] = []  # peers whose first frame the loop read ahead
         self.up: memoryview = call.buf  # what goes to the parent (a leaf's own input)
         self.keep: np.ndarray | None = None  # the store's buffer the result is made in
         self.result: memoryview | None = None  # the result, once made or read
@@ -215,12 +223,14 @@ class ExpressTrees:
         if (call.kind is not CollectiveKind.ALLREDUCE_TREE or not 0 < len(call.buf) <= MAX_BYTES
                 or agent.world < 2 or agent.state is not State.READY or agent.dead_links):
             return None
-        if not all_quiet(agent):
+        held: list[int] = []
+        if not all_quiet(agent, held, HEADER_SIZE + len(call.buf)):
             return None
         links = agent.links
         xt = self._shape(call)
-        if xt is None:
+        if xt is None or any(peer not in xt.ins for peer in held):
             return None
+        xt.held = held
         xt.call = call
         xt.up = call.buf
         xt.keep = xt.result = None
@@ -320,6 +330,23 @@ class ExpressTrees:
         xt.up = keep.data
         if xt.parent < 0:
             xt.result = xt.up
+
+    def take_held(self, xt: ExpressTree, peer: int) -> bool:
+        """Move the frame the loop read ahead from ``peer`` (its header and the bytes staged
+        after it, no more than the stream's first frame can hold) to the stream's inbox, and
+        leave the link as if nothing had been read (the I/O layer reads on); False if it is
+        not what the stream expects (those bytes go to the general path, as if just read)."""
+        link = self.agent.links[peer]
+        stream = xt.ins[peer]
+        first, end = link.start - HEADER_SIZE, link.end
+        taken = end - first
+        stream.inbox[:taken] = link.stage[first:end]
+        link.go(LinkEvent.CALL_BEGAN)
+        link.start = link.end = 0
+        link.frame = None
+        link.remaining = 0
+        self.agent.uncount_frame()  # (it is counted again as it is handed over or made)
+        return stream.on_read(taken)
 
     def down(self, xt: ExpressTree) -> tuple[memoryview, int | None] | None:
         """The parent's stream, in place, to forward to the children before anything else

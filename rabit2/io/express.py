@@ -202,11 +202,20 @@ class ExpressIO:
         engine = self.driver.engine
         trees = engine.agent.express.trees
         xt = trees.prepare(call)
-        fds = None if xt is None else self._idle_fds(xt.ins)
+        fds = None if xt is None else self._idle_fds(xt.ins, xt.held)
         if xt is None or fds is None:
             return False
         engine.faults.arm(-1, -1, False)
         ahead = Ahead()
+        for peer in xt.held:
+            # the loop read its first frame while this rank computed: from the stage
+            self.held += 1
+            taken = trees.take_held(xt, peer)
+            transport = engine.links[peer].transport
+            assert transport is not None
+            transport.resume_reading()
+            if not taken:
+                return self._tree_general(xt, call, waiter, ahead)
         whole = HEADER_SIZE + xt.nbytes  # one frame each way on every link
         if xt.children and not self._read_streams(xt, fds, xt.children):
             return self._tree_general(xt, call, waiter, ahead)
@@ -392,11 +401,12 @@ class ExpressIO:
                 _feed(link, stream.inbox[: stream.got])
         return True
 
-    def _idle_fds(self, peers: Iterable[int]) -> dict[int, int] | None:
-        """Each of ``peers``' socket, if every link is idle (:meth:`_idle_link`)."""
+    def _idle_fds(self, peers: Iterable[int], held: Sequence[int] = ()) -> dict[int, int] | None:
+        """Each of ``peers``' socket, if every link is idle (:meth:`_idle_link`; paused, for
+        those ``held``)."""
         fds: dict[int, int] = {}
         for peer in peers:
-            link = self._idle_link(peer, False)
+            link = self._idle_link(peer, peer in held)
             if link is None:
                 return None
             fds[peer] = link.fd

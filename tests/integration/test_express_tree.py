@@ -171,6 +171,35 @@ def test_late_ranks_turn_express_starts_into_the_general_path() -> None:
     finish(tracker, engines)
 
 
+@pytest.mark.parametrize("size", [24, 20_000, 400_000])
+def test_frames_the_loop_read_while_this_rank_computed_are_taken(size: int) -> None:
+    """The root and an inner rank compute longer than the loop lingers: their loops read the
+    children's frames (and what fits the stage after each header) and hold them.  Their
+    calls take them from there, each byte counted once."""
+    tracker, engines = start_job(4, "uvloop", RABIT2_RECOVER="1")
+
+    def work(rank: int, engine: Engine) -> tuple[bytes, int, int]:
+        out = b""
+        for i in range(6):
+            if rank in (0, 1):
+                time.sleep(0.06)
+            a = np.arange(size // 4, dtype=np.float32) * (rank + 1) + i
+            engine.run_call(allreduce_call(a, engine))
+            assert (a == np.arange(size // 4, dtype=np.float32) * 10 + 4 * i).all(), (rank, i)
+            out += a.tobytes()
+        xio = engine.driver.express
+        assert xio is not None
+        return out, xio.held, engine.agent.statistics().bytes_received
+
+    results = on_all(engines, work)
+    assert all(r[0] == results[0][0] for r in results), results
+    assert results[0][1] >= 3, [r[1] for r in results]  # (read ahead before most calls)
+    # the root: each child's stream once a call; a leaf: the result once a call
+    assert results[0][2] == 6 * 2 * (size // 4 * 4), results[0][2]
+    assert results[3][2] == 6 * (size // 4 * 4), results[3][2]
+    finish(tracker, engines)
+
+
 def test_partial_writes_are_finished_by_the_general_path() -> None:
     """With small socket buffers the kernel takes only part of a 512 KiB frame: the rest is
     queued before anything else, the general path goes on from there, and the results
