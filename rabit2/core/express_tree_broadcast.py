@@ -42,7 +42,7 @@ from rabit2.core.framing import (
     pack_header,
     unpack_tail,
 )
-from rabit2.core.fsm import Event, State
+from rabit2.core.fsm import Event, LinkEvent, State
 from rabit2.core.records import Call
 from rabit2.core.schedule import Stream
 from rabit2.core.topology import broadcast_route
@@ -78,9 +78,9 @@ class Exact:
 class ExpressTreeBroadcast:
     """One broadcast of world size 3 or more made express on this rank."""
 
-    __slots__ = ("announce", "announces", "call", "call_id", "checked", "desc", "first",
-                 "in_link", "is_root", "nframes", "out_links", "parts", "pieces", "stream",
-                 "total")
+    __slots__ = ("announce", "announces", "call", "call_id", "checked", "desc", "first", "held",
+                 "held_rest", "in_link", "is_root", "nframes", "out_links", "parts", "pieces",
+                 "stream", "total")
 
     def __init__(self, call: Call, call_id: tuple[int, int], desc: CallDescriptor,
                  in_link: int, out_links: tuple[int, ...], announce: bytes) -> None:
@@ -91,6 +91,8 @@ class ExpressTreeBroadcast:
         self.checked: dict[int, bool] = {}
         self.announces: list[Exact] = []  # the children's, read exactly
         self.first: Exact | None = None  # the parent's first header (a non-root)
+        self.held: list[int] = []  # peers whose frame the loop read ahead
+        self.held_rest = b""  # what was staged after the parent's first header, if held
         self.stream: InStream | None = None  # the parent's stream, once sized
         self.parts: dict[int, list[bytes | memoryview]] = {}  # per child, what goes to it
         self.nframes = 0  # the frames in them
@@ -143,10 +145,20 @@ class ExpressTreeBroadcasts:
                 return None
         elif call.receive is None or call.head_size <= 0:
             return None
-        if not all_quiet(agent):
+        held: list[int] = []
+        if not all_quiet(agent, held, HEADER_SIZE + MAX_BYTES):
             return None
         links = agent.links
         in_link, out_links = broadcast_route(agent.rank, call.root, agent.world)
+        for peer in held:
+            # a frame the loop read ahead: the parent's first (and no more of its stream
+            # than that frame), or a child's announce
+            link = links[peer]
+            frame = link.frame
+            staged = link.end - link.start
+            if frame is None or staged > frame.length or (peer != in_link and (
+                    peer not in out_links or frame.length)):
+                return None
         version, seqno = agent.version, agent.seqno
         unsized = self._unsized.get(call.root)
         if unsized is None:
@@ -155,6 +167,7 @@ class ExpressTreeBroadcasts:
         announce = pack_header(FrameKind.DATA, unsized, version, seqno, 0, 0)
         desc = agent.planner.descriptor(call)
         xb = ExpressTreeBroadcast(call, (version, seqno), desc, in_link, out_links, announce)
+        xb.held = held
         for peer in (*out_links, in_link) if in_link >= 0 else out_links:
             neighbour = links.get(peer)
             if neighbour is None:
@@ -175,6 +188,30 @@ class ExpressTreeBroadcasts:
         if inbox is None:
             inbox = self._announces[peer] = memoryview(bytearray(HEADER_SIZE))
         return inbox
+
+    def take_held(self, xb: ExpressTreeBroadcast, peer: int) -> bool:
+        """Move the frame the loop read ahead from ``peer`` to where this call reads it (a
+        child's announce to its reader; the parent's first header to ``first``, the payload
+        bytes staged after it kept for :meth:`size`), and leave the link as if nothing had
+        been read; False if a child's announce is not the one expected."""
+        link = self.agent.links[peer]
+        first, start, end = link.start - HEADER_SIZE, link.start, link.end
+        if peer == xb.in_link:
+            assert xb.first is not None
+            xb.first.inbox[:] = link.stage[first:start]
+            xb.first.got = HEADER_SIZE
+            xb.held_rest = bytes(link.stage[start:end])
+            ok = True
+        else:
+            reader = next(r for r in xb.announces if r.peer == peer)
+            reader.inbox[:] = link.stage[first:start]
+            ok = reader.on_read(HEADER_SIZE)
+        link.go(LinkEvent.CALL_BEGAN)
+        link.start = link.end = 0
+        link.frame = None
+        link.remaining = 0
+        self.agent.uncount_frame()  # (it is counted again as it is handed over or made)
+        return ok
 
     def size(self, xb: ExpressTreeBroadcast) -> bool:
         """A non-root read its parent's first header: check it (the same call, root and
@@ -197,15 +234,19 @@ class ExpressTreeBroadcasts:
             unpack_tail(inbox, 0)
         except FrameCorruptError:
             return False
-        if not xb.call.head_size <= total <= MAX_BYTES:
+        if not xb.call.head_size <= total <= MAX_BYTES or len(xb.held_rest) > total:
             return False
         xb.total = total
         xb.desc = CallDescriptor(CollectiveKind.BROADCAST, NONE_U8, NONE_U8, root, total)
         stream = xb.stream = InStream(xb.in_link, total, checked,
                                       self.trees.inbox(xb.in_link, HEADER_SIZE + total))
         stream.reset(data_prefix(xb.desc, version, seqno, checked))
-        stream.inbox[:HEADER_SIZE] = inbox  # (the stream's first bytes, read)
-        return stream.on_read(HEADER_SIZE)
+        # the stream's first bytes, read: the header and, if the loop read it ahead, what
+        # was staged after it (that frame's payload only)
+        rest = xb.held_rest
+        stream.inbox[:HEADER_SIZE] = inbox
+        stream.inbox[HEADER_SIZE : HEADER_SIZE + len(rest)] = rest
+        return stream.on_read(HEADER_SIZE + len(rest))
 
     def receive(self, xb: ExpressTreeBroadcast) -> bool:
         """A non-root has the whole stream (and its children's announces): hand the head to

@@ -255,11 +255,20 @@ class ExpressIO:
         engine = self.driver.engine
         broadcasts = engine.agent.express.tree_broadcasts
         xb = broadcasts.prepare(call)
-        fds = None if xb is None else self._idle_fds(xb.checked)
+        fds = None if xb is None else self._idle_fds(xb.checked, xb.held)
         if xb is None or fds is None:
             return False
         engine.faults.arm(-1, -1, False)
         written: list[Written] = []
+        for peer in xb.held:
+            # the loop read its frame while this rank computed: from the stage
+            self.held += 1
+            taken = broadcasts.take_held(xb, peer)
+            transport = engine.links[peer].transport
+            assert transport is not None
+            transport.resume_reading()
+            if not taken:
+                return self._broadcast_general(xb, call, waiter, written)
         if xb.is_root:
             for child in xb.out_links:
                 parts = xb.parts[child]
@@ -315,6 +324,8 @@ class ExpressIO:
             link = engine.links.get(reader.peer)
             if reader.got and link is not None:
                 _feed(link, reader.inbox[: reader.got])
+                if reader is xb.first and xb.held_rest:  # (staged after it, not sized)
+                    _feed(link, memoryview(xb.held_rest))
         return True
 
     def _read_streams(self, xt: ExpressTree, fds: dict[int, int], peers: Sequence[int],
@@ -331,7 +342,7 @@ class ExpressIO:
         ``until``, only until that one is complete (the others as they come)."""
         driver = self.driver
         pending = [reader for reader in readers if not reader.complete()]
-        if not pending:
+        if not pending or (until is not None and until.complete()):
             return True
         clock = time.monotonic
         epoll = None

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from rabit2.calls import broadcast_call
+from rabit2.core.framing import BROADCAST_HEAD
 from rabit2.errors import MismatchError
 from rabit2.io.engine import Engine
 from tests.integration.test_engine import finish, on_all, small_socket_buffers, start_job
@@ -110,6 +111,43 @@ def test_late_ranks_turn_express_starts_into_the_general_path() -> None:
     results = on_all(engines, work)
     assert all(r[0] == results[0][0] for r in results)
     assert sum(r[1] for r in results) >= 6, results
+    finish(tracker, engines)
+
+
+@pytest.mark.parametrize("size", [24, 20_000, 400_000])
+@pytest.mark.parametrize("late", ["the root", "the others"])
+def test_frames_the_loop_read_while_a_rank_computed_are_taken(size: int, late: str) -> None:
+    """Ranks compute longer than the loop lingers: their loops read what came meanwhile (the
+    root's frames, a child's announce) and hold it.  Their calls take it from there, each
+    byte counted once."""
+    tracker, engines = start_job(4, "uvloop", RABIT2_RECOVER="1")
+    data = np.arange(size // 8, dtype=np.float64)
+
+    def work(rank: int, engine: Engine) -> tuple[bytes, int, int]:
+        out = b""
+        for i in range(6):
+            if (rank == 0) == (late == "the root"):
+                time.sleep(0.06)
+            call, result = broadcast_call(data * i if rank == 0 else None, 0, rank == 0)
+            engine.run_call(call)
+            got = result()
+            assert got.tobytes() == (data * i).tobytes(), (rank, i)
+            out += got.tobytes()
+        xio = engine.driver.express
+        assert xio is not None
+        return out, xio.held, engine.agent.statistics().bytes_received
+
+    results = on_all(engines, work)
+    assert all(r[0] == results[0][0] for r in results)
+    held = [r[1] for r in results]
+    if late == "the root":
+        assert held[0] >= 3, held  # (the children's announces, read ahead)
+    else:
+        assert sum(held[1:]) >= 6, held  # (the stream from the root or a relay)
+    assert results[0][2] == 0, results[0][2]  # (the root receives nothing but announces)
+    # each byte of each call's stream (its head, then the array) once, on every other rank
+    stream = BROADCAST_HEAD.size + data.nbytes
+    assert [r[2] for r in results[1:]] == [6 * stream] * 3, [r[2] for r in results]
     finish(tracker, engines)
 
 
