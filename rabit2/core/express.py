@@ -25,7 +25,7 @@ import numpy as np
 
 from rabit2.core import fsm
 from rabit2.core.express_broadcast import ExpressBroadcasts
-from rabit2.core.express_inbox import PeerFrames
+from rabit2.core.express_inbox import PeerFrames, unhold
 from rabit2.core.express_tree import ExpressTrees
 from rabit2.core.express_tree_broadcast import ExpressTreeBroadcasts
 from rabit2.core.framing import (
@@ -37,7 +37,7 @@ from rabit2.core.framing import (
     checksum,
     pack_header,
 )
-from rabit2.core.fsm import LinkEvent, Mode, Phase
+from rabit2.core.fsm import Mode, Phase
 from rabit2.core.ops import ufunc_of
 from rabit2.core.planning import Planner
 from rabit2.core.records import Call, Link
@@ -182,11 +182,7 @@ class Express:
         first, end = link.start - HEADER_SIZE, link.end
         taken = end - first
         xc.inbox[:taken] = link.stage[first:end]
-        link.go(LinkEvent.CALL_BEGAN)
-        link.start = link.end = 0
-        link.frame = None
-        link.remaining = 0
-        self.agent.uncount_frame()  # (it is counted again as it is handed over or made)
+        unhold(link, self.agent.uncount_frame)
         return taken
 
     def done(self, xc: ExpressCall, now: float) -> bool:

@@ -3,7 +3,22 @@ one inbox, each header checked as soon as it is in."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from rabit2.core.framing import CALL_PREFIX_SIZE, HEADER_SIZE, FrameCorruptError, unpack_tail
+from rabit2.core.fsm import LinkEvent
+from rabit2.core.records import Link
+
+
+def unhold(link: Link, uncount: Callable[[], None]) -> None:
+    """Leave ``link``, whose staged frame (read ahead by the loop, the link paused on it) an
+    express call took, as if nothing had been read: the I/O layer reads on.  The frame is
+    counted again as it is handed over or made (``uncount``)."""
+    link.go(LinkEvent.CALL_BEGAN)
+    link.start = link.end = 0
+    link.frame = None
+    link.remaining = 0
+    uncount()
 
 
 def header_at(inbox: memoryview, at: int, prefix: bytes) -> tuple[int, int, int] | None:

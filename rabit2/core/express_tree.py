@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from rabit2.core.express_inbox import header_at
+from rabit2.core.express_inbox import header_at, unhold
 from rabit2.core.framing import (
     CHECKED_FRAME,
     HEADER_SIZE,
@@ -36,7 +36,7 @@ from rabit2.core.framing import (
     data_prefix,
     pack_header,
 )
-from rabit2.core.fsm import Event, LinkEvent, Mode, Phase, State
+from rabit2.core.fsm import Event, Mode, Phase, State
 from rabit2.core.ops import Op, ufunc_of
 from rabit2.core.records import Call
 from rabit2.core.topology import topology
@@ -341,11 +341,7 @@ class ExpressTrees:
         first, end = link.start - HEADER_SIZE, link.end
         taken = end - first
         stream.inbox[:taken] = link.stage[first:end]
-        link.go(LinkEvent.CALL_BEGAN)
-        link.start = link.end = 0
-        link.frame = None
-        link.remaining = 0
-        self.agent.uncount_frame()  # (it is counted again as it is handed over or made)
+        unhold(link, self.agent.uncount_frame)
         return stream.on_read(taken)
 
     def down(self, xt: ExpressTree) -> tuple[memoryview, int | None] | None:

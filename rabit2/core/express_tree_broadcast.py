@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rabit2.core.express_broadcast import MAX_BYTES, frames_of
+from rabit2.core.express_inbox import unhold
 from rabit2.core.express_tree import InStream, all_quiet
 from rabit2.core.framing import (
     FLAG_CHECKED,
@@ -42,7 +43,7 @@ from rabit2.core.framing import (
     pack_header,
     unpack_tail,
 )
-from rabit2.core.fsm import Event, LinkEvent, State
+from rabit2.core.fsm import Event, State
 from rabit2.core.records import Call
 from rabit2.core.schedule import Stream
 from rabit2.core.topology import broadcast_route
@@ -206,11 +207,7 @@ class ExpressTreeBroadcasts:
             reader = next(r for r in xb.announces if r.peer == peer)
             reader.inbox[:] = link.stage[first:start]
             ok = reader.on_read(HEADER_SIZE)
-        link.go(LinkEvent.CALL_BEGAN)
-        link.start = link.end = 0
-        link.frame = None
-        link.remaining = 0
-        self.agent.uncount_frame()  # (it is counted again as it is handed over or made)
+        unhold(link, self.agent.uncount_frame)
         return ok
 
     def size(self, xb: ExpressTreeBroadcast) -> bool:
