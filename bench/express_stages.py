@@ -40,7 +40,7 @@ def _timed(owner: Any, name: str, stage: str, spent: dict[str, list[int]]) -> No
 
 
 class _Os:
-    """``os`` for ``rabit2.io.express``, with ``writev`` timed."""
+    """``os`` for ``rabit2.io.express_wire``, with ``writev`` timed."""
 
     def __init__(self, spent: dict[str, list[int]]) -> None:
         self._spent = spent["write"]
@@ -60,7 +60,7 @@ def worker(size: int, calls: int, op: str) -> None:
     import rabit2  # noqa: PLC0415
     from rabit2.core.express import Express  # noqa: PLC0415
     from rabit2.core.express_broadcast import ExpressBroadcasts  # noqa: PLC0415
-    from rabit2.io import express as express_io  # noqa: PLC0415
+    from rabit2.io import express_wire  # noqa: PLC0415
     from rabit2.io.express import ExpressIO  # noqa: PLC0415
     from rabit2.io.loop_thread import LoopThread  # noqa: PLC0415
 
@@ -77,7 +77,7 @@ def worker(size: int, calls: int, op: str) -> None:
     _timed(staged, "done", "done", spent)
     _timed(ExpressBroadcasts, "lay_out", "lay_out", spent)
     _timed(ExpressIO, "_receive", "receive", spent)
-    express_io.os = _Os(spent)  # type: ignore[assignment]
+    express_wire.os = _Os(spent)  # type: ignore[assignment]
     whole = []
     clock = time.perf_counter_ns
     rank = rabit2.get_rank()

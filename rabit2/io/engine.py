@@ -49,7 +49,7 @@ from rabit2.errors import (
 )
 from rabit2.io.connections import Connections
 from rabit2.io.driving import Driver
-from rabit2.io.express import Ahead, Written
+from rabit2.io.express_wire import Ahead, Written
 from rabit2.io.faults import FaultInjector
 from rabit2.io.handshake import resolve_congestion
 from rabit2.io.links import LinkKeeper, PeerLink
@@ -152,7 +152,7 @@ class Engine:
         """Begin ``call`` on the agent; ``waiter`` hears how it ends.  On the loop thread, or
         on a caller's thread that holds the parked loop (:mod:`rabit2.io.driving`).
         ``written``, ``ahead``: what an express start of the call wrote already
-        (:mod:`rabit2.io.express`)."""
+        (:mod:`rabit2.io.express_wire`)."""
         self.faults.arm(kill_after_bytes, reset_peer, damage)
         skips = (() if written is None else (written,) if isinstance(written, Written)
                  else written)

@@ -1,5 +1,5 @@
 """Express calls on the caller's thread (``docs/design.md``, "Express calls"): pair
-allreduces and broadcasts at world size 2.
+allreduces and broadcasts at world size 2 (larger worlds: :mod:`rabit2.io.express_tree`).
 
 The caller holds the parked loop (:mod:`rabit2.io.driving`).  For a call the agent may make
 express (:meth:`rabit2.core.express.Express.prepare`, or
@@ -27,12 +27,10 @@ from rabit2.core.express import MAX_BYTES as PAIR_MAX_BYTES
 from rabit2.core.express import ExpressCall
 from rabit2.core.express_broadcast import ExpressBroadcast
 from rabit2.core.express_tree import MAX_BYTES as TREE_MAX_BYTES
-from rabit2.core.express_tree import ExpressTree, InStream, Reader
-from rabit2.core.express_tree_broadcast import ExpressTreeBroadcast
 from rabit2.core.framing import HEADER_SIZE, CollectiveKind
-from rabit2.core.records import Call, Command, Send
-from rabit2.errors import ProtocolError
-from rabit2.io.waiting import yield_cpu
+from rabit2.core.records import Call
+from rabit2.io.express_tree import TreeExpressIO
+from rabit2.io.express_wire import Written, feed, write
 
 if TYPE_CHECKING:
     from rabit2.io.driving import Driver
@@ -40,85 +38,16 @@ if TYPE_CHECKING:
     from rabit2.io.waiting import Waiter
 
 
-class Written:
-    """What an express call wrote to ``peer`` before it took the general path: the first
-    ``count`` bytes of ``frame``."""
-
-    __slots__ = ("count", "frame", "peer")
-
-    def __init__(self, peer: int, count: int, frame: Sequence[bytes | memoryview]) -> None:
-        self.peer, self.count, self.frame = peer, count, frame
-
-    def skip(self, cmds: list[Command]) -> list[Command]:
-        """``cmds`` (from ``Agent.begin``) without the bytes already written; raises
-        :class:`ProtocolError` if they are not the bytes ``begin`` sends first (never
-        expected: sending anything else would corrupt the peer's stream)."""
-        left = self.count
-        dropped: list[bytes] = []
-        out: list[Command] = []
-        for cmd in cmds:
-            if left and isinstance(cmd, Send) and cmd.peer == self.peer:
-                rest: list[bytes | memoryview] = []
-                for buf in cmd.buffers:
-                    size = len(buf)
-                    if left >= size:
-                        dropped.append(bytes(buf))
-                        left -= size
-                    elif left:
-                        view = memoryview(buf)
-                        dropped.append(bytes(view[:left]))
-                        rest.append(view[left:])
-                        left = 0
-                    else:
-                        rest.append(buf)
-                if rest:
-                    out.append(Send(cmd.peer, rest, cmd.volatile))
-                continue
-            out.append(cmd)
-        expected = b"".join(bytes(part) for part in self.frame)[: self.count]
-        if left or b"".join(dropped) != expected:
-            raise ProtocolError("the general path would not send the frame an express call "
-                                "wrote: the peer's stream cannot be kept whole")
-        return out
-
-
-class Ahead:
-    """What an express tree call (:mod:`rabit2.core.express_tree`) wrote before it took the
-    general path: its one frame of the whole out-stream to each of ``peers``, which counts
-    as sent (``Agent.begin``); ``rest``, per peer, the tail of a frame the kernel took only
-    part of, queued on the link before anything else."""
-
-    __slots__ = ("peers", "rest")
-
-    def __init__(self) -> None:
-        self.peers: list[int] = []
-        self.rest: dict[int, bytes] = {}
-
-    def wrote(self, peer: int, count: int, frame: Sequence[bytes | memoryview]) -> None:
-        """The kernel took ``count`` bytes of ``frame`` for ``peer`` (-1: the socket broke)."""
-        if count <= 0:
-            return
-        self.peers.append(peer)
-        if count < sum(len(part) for part in frame):
-            # (a copy: the express call's buffers serve the next call)
-            self.rest[peer] = b"".join(bytes(part) for part in frame)[count:]
-
-    def queue(self, links: dict[int, PeerLink]) -> None:
-        for peer, rest in self.rest.items():
-            link = links.get(peer)
-            transport = None if link is None else link.transport
-            if transport is not None and not transport.is_closing():
-                transport.write(rest)
-
-
 class ExpressIO:
-    """Express pair calls, for one driver."""
+    """Express calls, for one driver (those of world size 3 and more:
+    :class:`~rabit2.io.express_tree.TreeExpressIO`)."""
 
     def __init__(self, driver: Driver) -> None:
         self.driver = driver
         self.calls = 0  # made express
         self.fallbacks = 0  # begun express, finished the general way
         self.held = 0  # begun express with the peer's frame read ahead by the loop
+        self.trees = TreeExpressIO(self)  # world size 3 and more
 
     def may_take(self, call: Call) -> bool:
         """Whether ``call`` is of a kind and size made express (whether it is made so
@@ -135,10 +64,10 @@ class ExpressIO:
         it as usual), True if it finished here (``waiter``) or was begun on the agent."""
         if call.kind is CollectiveKind.BROADCAST:
             if self.driver.engine.agent.world > 2:
-                return self._tree_broadcast(call, waiter)
+                return self.trees.broadcast(call, waiter)
             return self._broadcast(call, waiter)
         if call.kind is CollectiveKind.ALLREDUCE_TREE:
-            return self._tree(call, waiter)
+            return self.trees.allreduce(call, waiter)
         driver = self.driver
         engine = driver.engine
         xc = engine.agent.express.prepare(call)
@@ -156,14 +85,14 @@ class ExpressIO:
             link.transport.resume_reading()
         fd = link.fd
         frame = xc.parts()
-        sent = _write(fd, frame)
+        sent = write(fd, frame)
         if sent < len(xc.inbox):  # (what this rank sends is as long as what it receives)
             # (a broken socket: the general path meets the error too, and the loop acts on it)
             self._general(xc, call, waiter, Written(xc.peer, max(sent, 0), frame), got)
             return True
         got = self._receive(xc, fd, got)
         if got == len(xc.inbox) and engine.agent.express.done(xc, engine.loop.time()):
-            self._finished(waiter)
+            self.finished(waiter)
             return True
         self._general(xc, call, waiter, Written(xc.peer, sent, frame), got)
         return True
@@ -183,7 +112,7 @@ class ExpressIO:
         engine.faults.arm(-1, -1, False)
         fd = link.fd
         frame = xb.parts
-        sent = _write(fd, frame)
+        sent = write(fd, frame)
         if sent < xb.nsent:
             self._general(xb, call, waiter, Written(xb.peer, max(sent, 0), frame), 0)
             return True
@@ -191,228 +120,12 @@ class ExpressIO:
         if not xb.is_root and got == HEADER_SIZE and broadcasts.lay_out(xb):
             got = self._receive(xb, fd, got)
         if got == len(xb.inbox) and broadcasts.done(xb, engine.loop.time()):
-            self._finished(waiter)
+            self.finished(waiter)
             return True
         self._general(xb, call, waiter, Written(xb.peer, sent, frame), got)
         return True
 
-    def _tree(self, call: Call, waiter: Waiter) -> bool:
-        """An express tree allreduce (:mod:`rabit2.core.express_tree`): read the children's
-        streams, reduce, write up, read the parent's stream, write down."""
-        engine = self.driver.engine
-        trees = engine.agent.express.trees
-        xt = trees.prepare(call)
-        fds = None if xt is None else self._idle_fds(xt.ins, xt.held)
-        if xt is None or fds is None:
-            return False
-        engine.faults.arm(-1, -1, False)
-        ahead = Ahead()
-        for peer in xt.held:
-            # the loop read its first frame while this rank computed: from the stage
-            self.held += 1
-            taken = trees.take_held(xt, peer)
-            transport = engine.links[peer].transport
-            assert transport is not None
-            transport.resume_reading()
-            if not taken:
-                return self._tree_general(xt, call, waiter, ahead)
-        whole = HEADER_SIZE + xt.nbytes  # one frame each way on every link
-        if xt.children and not self._read_streams(xt, fds, xt.children):
-            return self._tree_general(xt, call, waiter, ahead)
-        trees.reduce(xt)
-        down = None
-        if xt.parent >= 0:
-            frame = xt.frame(xt.parent, xt.up)
-            sent = _write(fds[xt.parent], frame)
-            ahead.wrote(xt.parent, sent, frame)
-            yield_cpu()  # (a parent that shares this CPU reads it now: nothing to do but wait)
-            if sent < whole or not self._read_streams(xt, fds, (xt.parent,), False):
-                return self._tree_general(xt, call, waiter, ahead)
-            # (the children wait for it: forwarded as it came, before anything else)
-            down = trees.down(xt) if xt.children else None
-            if down is None:
-                trees.take_result(xt)
-        if down is None:
-            assert xt.result is not None
-            down = (xt.result, None)
-        for child in xt.children:
-            frame = xt.frame(child, *down)
-            sent = _write(fds[child], frame)
-            ahead.wrote(child, sent, frame)
-            if sent < whole:
-                return self._tree_general(xt, call, waiter, ahead)
-        if xt.children:
-            yield_cpu()  # (a child that shares this CPU goes on now: what is left can wait)
-        if xt.result is None:
-            trees.take_result(xt)
-        trees.done(xt, engine.loop.time())
-        self._finished(waiter)
-        return True
-
-    def _tree_broadcast(self, call: Call, waiter: Waiter) -> bool:
-        """An express broadcast of world size 3 or more
-        (:mod:`rabit2.core.express_tree_broadcast`)."""
-        engine = self.driver.engine
-        broadcasts = engine.agent.express.tree_broadcasts
-        xb = broadcasts.prepare(call)
-        fds = None if xb is None else self._idle_fds(xb.checked, xb.held)
-        if xb is None or fds is None:
-            return False
-        engine.faults.arm(-1, -1, False)
-        written: list[Written] = []
-        for peer in xb.held:
-            # the loop read its frame while this rank computed: from the stage
-            self.held += 1
-            taken = broadcasts.take_held(xb, peer)
-            transport = engine.links[peer].transport
-            assert transport is not None
-            transport.resume_reading()
-            if not taken:
-                return self._broadcast_general(xb, call, waiter, written)
-        if xb.is_root:
-            for child in xb.out_links:
-                parts = xb.parts[child]
-                sent = _write(fds[child], parts)
-                written.append(Written(child, max(sent, 0), parts))
-                if sent < sum(len(part) for part in parts):
-                    return self._broadcast_general(xb, call, waiter, written)
-            yield_cpu()  # (a child that shares this CPU reads it now)
-            if not self._read_all(xb.announces, fds):
-                return self._broadcast_general(xb, call, waiter, written)
-        else:
-            sent = _write(fds[xb.in_link], [xb.announce])
-            written.append(Written(xb.in_link, max(sent, 0), [xb.announce]))
-            assert xb.first is not None
-            # (the children's announces come meanwhile: read as they come)
-            if (sent < HEADER_SIZE or not self._read_all([xb.first, *xb.announces], fds, False,
-                                                         xb.first)
-                    or not broadcasts.size(xb)):
-                return self._broadcast_general(xb, call, waiter, written)
-            assert xb.stream is not None
-            if (not self._read_all([xb.stream, *xb.announces], fds)
-                    or not broadcasts.receive(xb)):
-                return self._broadcast_general(xb, call, waiter, written)
-            # from here the call is this rank's to finish: what the kernel does not take now
-            # is queued, a copy, for the loop to send
-            for child in xb.out_links:
-                parts = xb.parts[child]
-                sent = _write(fds[child], parts)
-                link = engine.links.get(child)
-                if 0 <= sent < sum(len(part) for part in parts) and link is not None:
-                    transport = link.transport
-                    if transport is not None and not transport.is_closing():
-                        transport.write(b"".join(bytes(part) for part in parts)[sent:])
-            if xb.out_links:
-                yield_cpu()
-        broadcasts.done(xb, engine.loop.time())
-        self._finished(waiter)
-        return True
-
-    def _broadcast_general(self, xb: ExpressTreeBroadcast, call: Call, waiter: Waiter,
-                           written: list[Written]) -> bool:
-        """Begin ``call`` on the agent after an express start of a broadcast: skip what was
-        written, hand over what was read (the stream first, then the announces)."""
-        self.fallbacks += 1
-        engine = self.driver.engine
-        engine.begin_call(call, waiter, written=written)
-        read: list[Reader] = []
-        if xb.stream is not None:
-            read.append(xb.stream)
-        elif xb.first is not None:
-            read.append(xb.first)
-        for reader in (*read, *xb.announces):
-            link = engine.links.get(reader.peer)
-            if reader.got and link is not None:
-                _feed(link, reader.inbox[: reader.got])
-                if reader is xb.first and xb.held_rest:  # (staged after it, not sized)
-                    _feed(link, memoryview(xb.held_rest))
-        return True
-
-    def _read_streams(self, xt: ExpressTree, fds: dict[int, int], peers: Sequence[int],
-                      read_first: bool = True) -> bool:
-        """Read the streams of ``peers`` whole (True); False when something else comes first
-        (a frame that is not the next of this call, the end of a stream, an error, bytes on
-        another link or from the tracker) or ``drive_ms`` passed.  ``read_first``: some
-        bytes may be in already (else wait before the first read)."""
-        return self._read_all([xt.ins[peer] for peer in peers], fds, read_first)
-
-    def _read_all(self, readers: Sequence[Reader], fds: dict[int, int],
-                  read_first: bool = True, until: Reader | None = None) -> bool:
-        """Read what each of ``readers`` wants, whole (:meth:`_read_streams`); with
-        ``until``, only until that one is complete (the others as they come)."""
-        driver = self.driver
-        pending = [reader for reader in readers if not reader.complete()]
-        if not pending or (until is not None and until.complete()):
-            return True
-        clock = time.monotonic
-        epoll = None
-        end = 0.0
-        while True:
-            if read_first:
-                waiting = self._read_some(pending, fds)
-                if not waiting or (until is not None and until not in waiting):
-                    return waiting is not None
-                if len(waiting) < len(pending):
-                    pending = waiting
-                    continue  # (read on before waiting: most bytes are in already)
-            read_first = True
-            now = clock()
-            if epoll is None:
-                epoll = driver.sync()
-                if epoll is None:
-                    return False
-                end = driver.start_wait(now)
-            if now >= end:
-                return False
-            try:
-                events = driver.wait(epoll, now, end)
-            except InterruptedError:
-                events = []
-            for fd, _ in events:
-                if any(fds[stream.peer] == fd for stream in pending):
-                    continue
-                if fd not in fds.values():
-                    return False  # another link, or the tracker: the general path hears it
-                # a later call's frames from a neighbour done with this one: read then
-                driver.mute(fd)
-
-    def _read_some(self, pending: Sequence[Reader], fds: dict[int, int]) -> list[Reader] | None:
-        """One read of each stream in ``pending``: those still to complete (None: a stream
-        met something else, ended or broke)."""
-        trees = self.driver.engine.agent.express.trees
-        waiting: list[Reader] = []
-        for stream in pending:
-            want = stream.want()
-            if stream.got + want > len(stream.inbox):
-                assert isinstance(stream, InStream)
-                trees.grow(stream)
-            try:
-                nbytes = os.readv(fds[stream.peer], [stream.inbox[stream.got : stream.got + want]])
-            except BlockingIOError:
-                waiting.append(stream)
-                continue
-            except OSError:
-                return None  # (the loop reads the error too, and hangs the link up)
-            if nbytes == 0 or not stream.on_read(nbytes):
-                return None  # (the end of the stream: the loop hangs the link up)
-            if not stream.complete():
-                waiting.append(stream)
-        return waiting
-
-    def _tree_general(self, xt: ExpressTree, call: Call, waiter: Waiter,
-                      ahead: Ahead) -> bool:
-        """Begin ``call`` on the agent after an express start: what was written counts as
-        sent, what was read is handed over (the children's streams first)."""
-        self.fallbacks += 1
-        engine = self.driver.engine
-        engine.begin_call(call, waiter, ahead=ahead)
-        for peer, stream in xt.ins.items():
-            link = engine.links.get(peer)
-            if stream.got and link is not None:
-                _feed(link, stream.inbox[: stream.got])
-        return True
-
-    def _idle_fds(self, peers: Iterable[int], held: Sequence[int] = ()) -> dict[int, int] | None:
+    def idle_fds(self, peers: Iterable[int], held: Sequence[int] = ()) -> dict[int, int] | None:
         """Each of ``peers``' socket, if every link is idle (:meth:`_idle_link`; paused, for
         those ``held``)."""
         fds: dict[int, int] = {}
@@ -434,7 +147,8 @@ class ExpressIO:
             return None
         return link
 
-    def _finished(self, waiter: Waiter) -> None:
+    def finished(self, waiter: Waiter) -> None:
+        """An express call was made: count it, and wake its caller."""
         self.calls += 1
         self.driver.engine.call_done()
         waiter.finish(None)
@@ -493,32 +207,4 @@ class ExpressIO:
         engine.begin_call(call, waiter, written=written)
         link = engine.links.get(xc.peer)
         if got and link is not None:
-            _feed(link, xc.inbox[:got])
-
-
-def _write(fd: int, parts: Sequence[bytes | memoryview]) -> int:
-    """What the kernel took of ``parts`` (-1: the socket is broken)."""
-    try:
-        return os.writev(fd, parts)
-    except BlockingIOError:
-        return 0
-    except OSError:
-        return -1
-
-
-def _feed(link: PeerLink, data: memoryview) -> None:
-    """Hand ``data``, read from ``link``'s socket, to the link as if just read into the
-    buffers its agent names.  (It all fits before any pause: what an express call reads is
-    at most as long as the peer's frames of this call, and the link is paused only on a frame
-    of a later call, which cannot follow all of them within that length.)"""
-    at, size = 0, len(data)
-    while at < size:
-        transport = link.transport
-        if not link.current or transport is None or transport.is_closing():
-            return  # the link is being dropped: what it read goes with it
-        assert transport.is_reading(), "bytes left after a pause"
-        view = link.get_buffer(-1)
-        nbytes = min(len(view), size - at)
-        view[:nbytes] = data[at : at + nbytes]
-        link.buffer_updated(nbytes)
-        at += nbytes
+            feed(link, xc.inbox[:got])

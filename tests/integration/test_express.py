@@ -17,7 +17,7 @@ from rabit2.core.framing import CollectiveKind
 from rabit2.core.ops import Op
 from rabit2.errors import ProtocolError, RabitError
 from rabit2.io.engine import Engine
-from rabit2.io.express import Written
+from rabit2.io.express_wire import Written
 from tests.integration.test_engine import (
     allreduce_call,
     finish,
