@@ -17,6 +17,7 @@ what was read handed over, as for express pair calls (:mod:`rabit2.core.express`
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 from rabit2.core.express_inbox import PeerFrames
@@ -66,6 +67,45 @@ def frames_of(pieces: list[int], checked: bool) -> list[tuple[int, int]]:
     return out
 
 
+def api_shaped(call: Call, is_root: bool) -> bool:
+    """A broadcast as the API makes it: the root sends a head and a payload, 1 B to
+    ``MAX_BYTES`` in all; another rank learns the size from the root's first frame."""
+    if is_root:
+        return len(call.pieces) == 2 and 0 < sum(len(p) for p in call.pieces) <= MAX_BYTES
+    return call.receive is not None and call.head_size > 0
+
+
+@functools.lru_cache(maxsize=64)
+def _unsized(root: int) -> CallDescriptor:
+    return CallDescriptor(CollectiveKind.BROADCAST, NONE_U8, NONE_U8, root, UNKNOWN_TOTAL)
+
+
+def announce_of(root: int, version: int, seqno: int) -> bytes:
+    """A receiver's announce: the empty DATA frame it sends towards the root before it knows
+    the size, as the API makes its call (no dtype, no size; ``Sender.pump``)."""
+    return pack_header(FrameKind.DATA, _unsized(root), version, seqno, 0, 0)
+
+
+def first_total(inbox: memoryview, checked: bool, call: Call, version: int,
+                seqno: int) -> int | None:
+    """The size of the stream whose first header ``inbox`` holds, if it is the first frame
+    of this call as a receiver expects it: the same call, root and checking, offset 0, its
+    own checksum holding before the size is believed, the size at least the head and at
+    most ``MAX_BYTES``; None if not (the general path reads it)."""
+    (magic, kind, call_kind, dtype, op, root, got_version, got_seqno, total, offset, _,
+     incarnation, _) = HEADER.unpack_from(inbox)
+    if (magic != FRAME_MAGIC or kind != (_DATA_CHECKED if checked else FrameKind.DATA)
+            or call_kind != CollectiveKind.BROADCAST or dtype != NONE_U8 or op != NONE_U8
+            or root != call.root or got_version != version or got_seqno != seqno
+            or offset or incarnation):
+        return None
+    try:
+        unpack_tail(inbox, 0)
+    except FrameCorruptError:
+        return None
+    return total if call.head_size <= total <= MAX_BYTES else None
+
+
 class ExpressBroadcast(PeerFrames):
     """One broadcast made express.  ``parts``: what this rank writes; the inbox: where the
     peer's frames land, back to back (the root: the 48-byte announce; the receiver: the
@@ -104,7 +144,6 @@ class ExpressBroadcasts:
     def __init__(self, agent: Owner, express: Express) -> None:
         self.agent = agent
         self.express = express
-        self._unsized: dict[int, CallDescriptor] = {}  # per root: a receiver's descriptor
 
     def prepare(self, call: Call) -> ExpressBroadcast | None:
         """What to write for ``call`` if it may be made express: a broadcast of world size
@@ -116,10 +155,7 @@ class ExpressBroadcasts:
                 or agent.state is not State.READY or agent.dead_links):
             return None
         is_root = call.root == agent.rank
-        if is_root:
-            if len(call.pieces) != 2 or not 0 < sum(len(p) for p in call.pieces) <= MAX_BYTES:
-                return None
-        elif call.receive is None or call.head_size <= 0:
+        if not api_shaped(call, is_root):
             return None
         peer = 1 - agent.rank
         link = agent.links.get(peer)
@@ -131,21 +167,13 @@ class ExpressBroadcasts:
             return None
         version, seqno = agent.version, agent.seqno
         desc = agent.planner.descriptor(call)
+        announce = announce_of(call.root, version, seqno)
+        xb = ExpressBroadcast(call, desc, peer, is_root, announce, link.checked)
         if not is_root:
-            # its announce: an empty DATA frame, sent before it knows the size (Sender.pump)
-            announce = pack_header(FrameKind.DATA, desc, version, seqno, 0, 0)
-            xb = ExpressBroadcast(call, desc, peer, False, announce, link.checked)
             xb.parts = [announce]
             xb.nsent = HEADER_SIZE
             xb.inbox = self.express.inbox(HEADER_SIZE)
             return xb
-        # the announce the receiver sends, as the API makes its call (no dtype, no size)
-        unsized = self._unsized.get(call.root)
-        if unsized is None:
-            unsized = self._unsized[call.root] = CallDescriptor(
-                CollectiveKind.BROADCAST, NONE_U8, NONE_U8, call.root, UNKNOWN_TOTAL)
-        announce = pack_header(FrameKind.DATA, unsized, version, seqno, 0, 0)
-        xb = ExpressBroadcast(call, desc, peer, True, announce, link.checked)
         pieces = call.pieces
         xb.total = desc.total_bytes
         xb.frames = frames_of([len(p) for p in pieces], link.checked)
@@ -171,22 +199,10 @@ class ExpressBroadcasts:
         agent = self.agent
         inbox = xb.inbox
         call = xb.call
-        # the same call, root and checking as expected, any size (the rest follows it); its
-        # own checksum holding, before the size is believed
-        (magic, kind, call_kind, dtype, op, root, version, seqno, total, offset, _, incarnation,
-         _) = HEADER.unpack_from(inbox)
-        if (magic != FRAME_MAGIC or kind != (_DATA_CHECKED if xb.checked else FrameKind.DATA)
-                or call_kind != CollectiveKind.BROADCAST or dtype != NONE_U8 or op != NONE_U8
-                or root != call.root or version != agent.version or seqno != agent.seqno
-                or offset or incarnation):
-            return False
-        try:
-            unpack_tail(inbox, 0)
-        except FrameCorruptError:
+        total = first_total(inbox, xb.checked, call, agent.version, agent.seqno)
+        if total is None:
             return False
         head_size = call.head_size
-        if not head_size <= total <= MAX_BYTES:
-            return False
         xb.total = total
         xb.lay(frames_of([head_size, total - head_size], xb.checked), bytes(inbox[:HEADER_SIZE]))
         xb.desc = CallDescriptor(CollectiveKind.BROADCAST, NONE_U8, NONE_U8, call.root, total)

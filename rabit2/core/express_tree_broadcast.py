@@ -24,24 +24,19 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from rabit2.core.express_broadcast import MAX_BYTES, frames_of
+from rabit2.core.express_broadcast import MAX_BYTES, announce_of, api_shaped, first_total, frames_of
 from rabit2.core.express_inbox import unhold
 from rabit2.core.express_tree import InStream, all_quiet
 from rabit2.core.framing import (
     FLAG_CHECKED,
-    FRAME_MAGIC,
-    HEADER,
     HEADER_SIZE,
     NONE_U8,
-    UNKNOWN_TOTAL,
     CallDescriptor,
     CollectiveKind,
-    FrameCorruptError,
     FrameKind,
     checksum,
     data_prefix,
     pack_header,
-    unpack_tail,
 )
 from rabit2.core.fsm import Event, State
 from rabit2.core.records import Call
@@ -128,7 +123,6 @@ class ExpressTreeBroadcasts:
     def __init__(self, agent: Owner, express: Express) -> None:
         self.agent = agent
         self.trees = express.trees  # (the per-peer inboxes)
-        self._unsized: dict[int, CallDescriptor] = {}  # per root: a receiver's descriptor
         self._announces: dict[int, memoryview] = {}  # per child: 48 bytes
 
     def prepare(self, call: Call) -> ExpressTreeBroadcast | None:
@@ -141,10 +135,7 @@ class ExpressTreeBroadcasts:
                 or agent.state is not State.READY or agent.dead_links):
             return None
         is_root = call.root == agent.rank
-        if is_root:
-            if len(call.pieces) != 2 or not 0 < sum(len(p) for p in call.pieces) <= MAX_BYTES:
-                return None
-        elif call.receive is None or call.head_size <= 0:
+        if not api_shaped(call, is_root):
             return None
         held: list[int] = []
         if not all_quiet(agent, held, HEADER_SIZE + MAX_BYTES):
@@ -161,11 +152,7 @@ class ExpressTreeBroadcasts:
                     peer not in out_links or frame.length)):
                 return None
         version, seqno = agent.version, agent.seqno
-        unsized = self._unsized.get(call.root)
-        if unsized is None:
-            unsized = self._unsized[call.root] = CallDescriptor(
-                CollectiveKind.BROADCAST, NONE_U8, NONE_U8, call.root, UNKNOWN_TOTAL)
-        announce = pack_header(FrameKind.DATA, unsized, version, seqno, 0, 0)
+        announce = announce_of(call.root, version, seqno)
         desc = agent.planner.descriptor(call)
         xb = ExpressTreeBroadcast(call, (version, seqno), desc, in_link, out_links, announce)
         xb.held = held
@@ -215,26 +202,16 @@ class ExpressTreeBroadcasts:
         checking as expected, any size, its own checksum holding before the size is
         believed) and lay out the stream it starts; False if it is not what this rank
         expects (the general path reads it)."""
-        agent = self.agent
         first = xb.first
         assert first is not None and first.complete()
         inbox = first.inbox
         checked = xb.checked[xb.in_link]
-        (magic, kind, call_kind, dtype, op, root, version, seqno, total, offset, _, incarnation,
-         _) = HEADER.unpack_from(inbox)
-        if (magic != FRAME_MAGIC or kind != (_DATA_CHECKED if checked else FrameKind.DATA)
-                or call_kind != CollectiveKind.BROADCAST or dtype != NONE_U8 or op != NONE_U8
-                or root != xb.call.root or version != agent.version or seqno != agent.seqno
-                or offset or incarnation):
-            return False
-        try:
-            unpack_tail(inbox, 0)
-        except FrameCorruptError:
-            return False
-        if not xb.call.head_size <= total <= MAX_BYTES or len(xb.held_rest) > total:
+        version, seqno = xb.call_id
+        total = first_total(inbox, checked, xb.call, version, seqno)
+        if total is None or len(xb.held_rest) > total:
             return False
         xb.total = total
-        xb.desc = CallDescriptor(CollectiveKind.BROADCAST, NONE_U8, NONE_U8, root, total)
+        xb.desc = CallDescriptor(CollectiveKind.BROADCAST, NONE_U8, NONE_U8, xb.call.root, total)
         stream = xb.stream = InStream(xb.in_link, total, checked,
                                       self.trees.inbox(xb.in_link, HEADER_SIZE + total))
         stream.reset(data_prefix(xb.desc, version, seqno, checked))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from rabit2.core.express_tree import ExpressTree, InStream, Reader
@@ -49,15 +49,8 @@ class TreeExpressIO:
             return False
         engine.faults.arm(-1, -1, False)
         ahead = Ahead()
-        for peer in xt.held:
-            # the loop read its first frame while this rank computed: from the stage
-            self.xio.held += 1
-            taken = trees.take_held(xt, peer)
-            transport = engine.links[peer].transport
-            assert transport is not None
-            transport.resume_reading()
-            if not taken:
-                return self._tree_general(xt, call, waiter, ahead)
+        if not self._take_held(xt.held, lambda peer: trees.take_held(xt, peer)):
+            return self._tree_general(xt, call, waiter, ahead)
         whole = HEADER_SIZE + xt.nbytes  # one frame each way on every link
         if xt.children and not self._read_streams(xt, fds, xt.children):
             return self._tree_general(xt, call, waiter, ahead)
@@ -102,15 +95,8 @@ class TreeExpressIO:
             return False
         engine.faults.arm(-1, -1, False)
         written: list[Written] = []
-        for peer in xb.held:
-            # the loop read its frame while this rank computed: from the stage
-            self.xio.held += 1
-            taken = broadcasts.take_held(xb, peer)
-            transport = engine.links[peer].transport
-            assert transport is not None
-            transport.resume_reading()
-            if not taken:
-                return self._broadcast_general(xb, call, waiter, written)
+        if not self._take_held(xb.held, lambda peer: broadcasts.take_held(xb, peer)):
+            return self._broadcast_general(xb, call, waiter, written)
         if xb.is_root:
             for child in xb.out_links:
                 parts = xb.parts[child]
@@ -168,6 +154,21 @@ class TreeExpressIO:
                 feed(link, reader.inbox[: reader.got])
                 if reader is xb.first and xb.held_rest:  # (staged after it, not sized)
                     feed(link, memoryview(xb.held_rest))
+        return True
+
+    def _take_held(self, held: Sequence[int], take: Callable[[int], bool]) -> bool:
+        """Take the frame each of ``held`` the loop read while this rank computed (``take``:
+        from the stage to where the call reads it) and let its link read on; False at one
+        that is not what the call expects (the general path gets what was taken)."""
+        links = self.xio.driver.engine.links
+        for peer in held:
+            self.xio.held += 1
+            taken = take(peer)
+            transport = links[peer].transport
+            assert transport is not None
+            transport.resume_reading()
+            if not taken:
+                return False
         return True
 
     def _read_streams(self, xt: ExpressTree, fds: dict[int, int], peers: Sequence[int],
