@@ -90,7 +90,7 @@ class ExpressIO:
             # (a broken socket: the general path meets the error too, and the loop acts on it)
             self._general(xc, call, waiter, Written(xc.peer, max(sent, 0), frame), got)
             return True
-        got = self._receive(xc, fd, got)
+        got = self._receive(xc, fd, got, xc.nbytes)
         if got == len(xc.inbox) and engine.agent.express.done(xc, engine.loop.time()):
             self.finished(waiter)
             return True
@@ -147,17 +147,26 @@ class ExpressIO:
             return None
         return link
 
+    def keep_ready(self, nbytes: int) -> None:
+        """The call under way will keep a result of ``nbytes``: make that memory now, while
+        this rank waits for its peers (nothing without recovery)."""
+        agent = self.driver.engine.agent
+        if agent.recovery is not None:
+            agent.recovery.keep_ready(nbytes, (agent.version, agent.seqno))
+
     def finished(self, waiter: Waiter) -> None:
         """An express call was made: count it, and wake its caller."""
         self.calls += 1
         self.driver.engine.call_done()
         waiter.finish(None)
 
-    def _receive(self, xc: ExpressCall | ExpressBroadcast, fd: int, got: int) -> int:
+    def _receive(self, xc: ExpressCall | ExpressBroadcast, fd: int, got: int,
+                 result: int = 0) -> int:
         """Read the peer's frames into the inbox, after the ``got`` bytes there; how many
         bytes it holds then, fewer than the frames' when something else came first (another
         frame's header, the end of the stream, an error, the tracker) or ``drive_ms``
-        passed."""
+        passed.  If the peer's bytes are not all in yet, the memory a ``result`` of that
+        many bytes will be kept in is made first (:meth:`Recovery.keep_ready`)."""
         driver = self.driver
         inbox = xc.inbox
         want = len(inbox)
@@ -182,6 +191,10 @@ class ExpressIO:
                 if got == want:
                     return got
                 continue
+            if epoll is None and result:
+                self.keep_ready(result)
+                result = 0
+                continue  # (read again: bytes may have come meanwhile)
             now = clock()
             if epoll is None:  # (the first wait: most frames are in already)
                 epoll = driver.sync()

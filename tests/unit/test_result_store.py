@@ -102,3 +102,32 @@ def test_a_result_made_in_reserved_room_is_kept_without_a_copy() -> None:
     room = over.take(4096)  # (larger than the bound: the caller asks fits() first)
     over.keep((0, 0), DESC, room)
     assert over.get((0, 0)) is None and over.nbytes == 0
+
+
+def test_memory_made_ahead_is_what_the_next_result_takes() -> None:
+    """``make_ready`` (a call waiting for a peer): a large result's buffer is made as a spare
+    that the result then takes, once, within the bound; a small one's room in the slab has
+    its pages made, and the result still goes to that room."""
+    store = ResultStore(limit=1 << 20)
+    large = SMALL_RESULT + 4096
+    store.make_ready(large)
+    spare = store._spare[large][0]
+    store.make_ready(large)  # (one is there: nothing more)
+    assert store._spare[large] == [spare] and store._spare_bytes == large
+    blob = store.take(large)
+    assert blob is spare and store._spare_bytes == 0
+    blob[:] = _result(1, large)
+    store.keep((0, 0), DESC, blob)
+    got = store.get((0, 0))
+    assert got is not None and bytes(got[1]) == _result(1, large).tobytes()
+    store.make_ready(1 << 20)  # (kept bytes and spares would pass the bound: none made)
+    assert (1 << 20) not in store._spare
+    slab = store._slab_for(100)
+    size = slab.ready - slab.pos + 100  # (past the pages made so far)
+    at = slab.pos
+    store.make_ready(size)
+    ready = slab.ready
+    assert ready >= at + size
+    room = store.take(size)
+    assert slab.ready == ready  # (no page made on the call's path)
+    assert room.nbytes == size and slab.pos == at + size

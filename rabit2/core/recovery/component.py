@@ -103,6 +103,13 @@ class Recovery:
         longer be replayed (not kept at all)."""
         return self.express_keep(nbytes, call) if nbytes > SMALL_RESULT else None
 
+    def keep_ready(self, nbytes: int, call: tuple[int, int]) -> None:
+        """Make the memory ``call``'s result of ``nbytes`` will be kept in (a rank that
+        waits for a peer's bytes: :meth:`ResultStore.make_ready`)."""
+        results = self.results
+        if results.fits(nbytes) and results.wants(call):
+            results.make_ready(nbytes)
+
     def express_keep(self, nbytes: int, call: tuple[int, int]) -> np.ndarray | None:
         """The buffer an express call makes its result in, to be retained (for a small
         result, room in one of the store's slabs); None for a result that is not kept."""

@@ -106,6 +106,12 @@ class Slab:
         self.live += 1
         return at
 
+    def make_ready(self, size: int) -> None:
+        """Make the pages of the next ``size`` bytes now (the caller checked that they
+        fit), so that claiming them later costs nothing."""
+        if self.pos + size > self.ready:
+            self._make_pages(self.pos + size)
+
     def _make_pages(self, end: int) -> None:
         """Make the pages of bytes ``[ready, end)`` and of the step after them."""
         upto = min(len(self.data), max(end, self.ready + POPULATE_STEP))
@@ -196,6 +202,21 @@ class ResultStore:
             return spare.pop()
         self._trim_spares(self.limit - size - self.nbytes)
         return fresh_buffer(size)
+
+    def make_ready(self, size: int) -> None:
+        """Make the memory the next result of ``size`` bytes will be kept in, and its pages,
+        ahead of the call that makes it: a call that waits for a peer does it while it
+        waits (``docs/performance.md``, "Kept results made while waiting").  Room in a slab
+        for a small result; for a larger one a spare buffer of that size, within the same
+        bound as the spares :meth:`keep` leaves (nothing if one is there already)."""
+        if size <= SMALL_RESULT:
+            self._slab_for(size).make_ready(size)
+            return
+        if self._spare.get(size) or self.nbytes + self._spare_bytes + size > self.limit:
+            return
+        blob = fresh_buffer(size)
+        blob[:: mmap.PAGESIZE] = 0  # (each page made: what the first copy would pay)
+        self._to_spares(blob)
 
     def keep(self, call: CallId, desc: CallDescriptor, blob: np.ndarray) -> None:
         """Keep ``blob`` (from :meth:`take`, filled with the result) without copying it; if
