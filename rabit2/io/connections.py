@@ -202,8 +202,8 @@ class Connections:
         hello = {"rank": assignment.rank, "world": assignment.world_size,
                  "incarnation": assignment.incarnation}
         sock, welcome = await connect_authenticated(
-            host, port, self.engine.config.secret, hello, self.engine.config.connect_timeout_sec
-        )
+            host, port, self.engine.config.secret, hello, self.engine.config.connect_timeout_sec,
+            self.engine.congestion)
         incarnation = welcome.get("incarnation", 0)
         if welcome.get("rank") != peer or not isinstance(incarnation, int):
             sock.close()
@@ -225,7 +225,7 @@ class Connections:
             logger.warning("link to rank %d refused: %s", peer, exc)
             sock.close()
             raise
-        set_congestion(sock, self.engine.congestion)  # every peer link, dialed or accepted
+        set_congestion(sock, self.engine.congestion)  # (set before connect or listen already)
         link = PeerLink(self.engine, peer)
         link.fd = sock.fileno()
         old = self.engine.links.get(peer)
@@ -265,6 +265,8 @@ class Connections:
             host = probe.getsockname()[0]
         server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        # (accepted links inherit it: docs/design.md, "Congestion control")
+        set_congestion(server, self.engine.congestion)
         server.bind((host, 0))
         server.listen(64)
         server.setblocking(False)

@@ -135,7 +135,14 @@ def resolve_congestion(name: str | None) -> str | None:
 
 
 def set_congestion(sock: socket.socket, name: str | None) -> None:
-    """Set the congestion control chosen by :func:`resolve_congestion` (None: leave it)."""
+    """Set the congestion control chosen by :func:`resolve_congestion` (None: leave it).
+
+    Set before the connection is made (on a dialing socket before ``connect``, on the
+    listening socket before ``listen``: accepted connections inherit it).  Set after, the
+    kernel's default has already been started on the connection, and where that is BBR it
+    leaves the kernel pacing the connection's sends from then on: a 400 KB write then
+    leaves in pieces over hundreds of microseconds (``docs/performance.md``, "Pacing left
+    by BBR")."""
     if name is not None:
         with contextlib.suppress(OSError):  # probed already; a socket gone since is no matter
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name.encode())
@@ -325,9 +332,12 @@ async def client_handshake(
 
 
 async def connect_authenticated(
-    host: str, port: int, secret: bytes, hello: dict[str, Any], timeout: float
+    host: str, port: int, secret: bytes, hello: dict[str, Any], timeout: float,
+    congestion: str | None = None,
 ) -> tuple[socket.socket, dict[str, Any]]:
-    """Connect to ``host:port``, tune the socket and run :func:`client_handshake`.
+    """Connect to ``host:port``, tune the socket (``congestion``: that congestion control,
+    set before the connection is made: :func:`set_congestion`) and run
+    :func:`client_handshake`.
 
     Returns the non-blocking socket (TCP_NODELAY and SO_KEEPALIVE set) and the welcome.
     ``timeout`` bounds name resolution, connect and handshake together.  Raises
@@ -353,6 +363,7 @@ async def connect_authenticated(
         sock.setblocking(False)
         try:
             tune_socket(sock)
+            set_congestion(sock, congestion)
             left = _remaining(loop, deadline, f"connecting to {host}:{port}")
             await asyncio.wait_for(loop.sock_connect(sock, address), left)
         except OSError as exc:

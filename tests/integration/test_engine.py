@@ -325,6 +325,45 @@ def test_a_stale_or_duplicate_incarnation_is_refused_at_a_worker_port(loop_kind:
     finish(tracker, engines)
 
 
+@pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION"), reason="Linux only")
+def test_the_links_congestion_control_is_set_before_they_connect(
+        loop_kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The peer links' congestion control is set before each connection is made: on the
+    listening socket (accepted links inherit it) and on a dialing socket before it
+    connects.  Set after, the kernel's default (BBR on many hosts) has run on the connection
+    already and left it paced (docs/performance.md, "Pacing left by BBR")."""
+    from rabit2.io.handshake import connect_authenticated  # noqa: PLC0415
+
+    def algorithm(sock: socket.socket) -> str:
+        return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0").decode()
+
+    tracker, engines = start_job(2, loop_kind, RABIT2_RECOVER="1", RABIT2_TCP_CONGESTION="reno")
+    target = engines[0]
+    assert target.connections.server is not None
+    assert algorithm(target.connections.server) == "reno"
+    seen: list[str] = []
+    selector_loop = asyncio.SelectorEventLoop
+    connect = selector_loop.sock_connect
+
+    async def recording(self: asyncio.SelectorEventLoop, sock: socket.socket,
+                        address: Any) -> None:
+        seen.append(algorithm(sock))
+        await connect(self, sock, address)
+
+    monkeypatch.setattr(selector_loop, "sock_connect", recording)
+    host, port = target.connections.server.getsockname()[:2]
+    hello = {"rank": 1, "world": 2, "incarnation": -1}
+    loop = selector_loop()
+    try:
+        with pytest.raises(RabitError):  # (refused by the handshake: only the order matters)
+            loop.run_until_complete(connect_authenticated(
+                host, port, bytes.fromhex(SECRET), hello, 5, "reno"))
+    finally:
+        loop.close()
+    assert seen == ["reno"]
+    finish(tracker, engines)
+
+
 def test_a_flood_of_idle_connections_on_a_peer_port_is_bounded(
         loop_kind: str, caplog: pytest.LogCaptureFixture) -> None:
     """150 silent connections to a worker's peer port: it keeps at most 64 unfinished
