@@ -13,8 +13,13 @@ F's last read and its return, and L's thread CPU time for its call.  The clock r
 wrap a few internal functions (as ``bench/express_stages.py`` does) and add about a
 microsecond each.
 
+``--checkpoint-every K``: rabit2 checkpoints (a tiny model) after every K calls, as a training
+loop does after each round; the replay store then recycles the buffers of the results it
+drops instead of keeping every result in fresh memory until ``rabit2_replay_mb`` is full.
+
     python bench/after_compute.py [--size 409600] [--gap-ms 1,20] [--calls 60]
                                   [--impls rabit2,classic] [--recover on|off]
+                                  [--checkpoint-every K]
 """
 
 from __future__ import annotations
@@ -97,7 +102,7 @@ def _instrument(clocks: _Clocks) -> None:
     driving.Driver.wait = timed_wait  # type: ignore[method-assign]
 
 
-def rabit2_worker(size: int, gap: float, calls: int) -> None:
+def rabit2_worker(size: int, gap: float, calls: int, every: int) -> None:
     import numpy as np  # noqa: PLC0415
 
     import rabit2  # noqa: PLC0415
@@ -105,6 +110,7 @@ def rabit2_worker(size: int, gap: float, calls: int) -> None:
     clocks = _Clocks()
     _instrument(clocks)
     rabit2.init()
+    rabit2.load_checkpoint()
     rank, world = rabit2.get_rank(), rabit2.get_world_size()
     buf = np.ones(size // 4, dtype=np.float32)
     work = np.random.default_rng(rank).random(1 << 16)
@@ -120,6 +126,8 @@ def rabit2_worker(size: int, gap: float, calls: int) -> None:
         assert (buf == world).all()
         if i >= WARMUP:
             rows.append([start, end, cpu, *(clocks.at.get(k, np.nan) for k in kinds)])
+        if every and (i + 1) % every == 0:
+            rabit2.checkpoint({"calls": i + 1})
     table = np.asarray(rabit2.allgather(np.asarray(rows).ravel())).reshape(world, calls, -1)
     if rank == 0:
         print(json.dumps(_rabit2_report(np, table)), flush=True)
@@ -197,7 +205,8 @@ def classic_job(size: int, gap: float, calls: int) -> None:
                       "p90_us": round(float(np.percentile(after, 90)) * 1e6, 1)}), flush=True)
 
 
-def run(impl: str, size: int, gap_ms: float, calls: int, recover: str) -> dict[str, Any]:
+def run(impl: str, size: int, gap_ms: float, calls: int, recover: str,
+        every: int) -> dict[str, Any]:
     common = ["--size", str(size), "--gap-ms", str(gap_ms), "--calls", str(calls)]
     if impl == "classic":
         cmd = [str(VENV17_PYTHON), __file__, "--classic-job", *common]
@@ -205,7 +214,8 @@ def run(impl: str, size: int, gap_ms: float, calls: int, recover: str) -> dict[s
     else:
         cmd = ["rabit2-submit", "--cluster", "local", "-n", "2",
                *(["--env", "RABIT2_RECOVER=0"] if recover == "off" else []),
-               "--", sys.executable, __file__, "--worker", "rabit2", *common]
+               "--", sys.executable, __file__, "--worker", "rabit2", *common,
+               "--checkpoint-every", str(every)]
         env = CHECKOUT_ENV
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env,
                           check=False)
@@ -224,12 +234,14 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=60)
     parser.add_argument("--impls", default="rabit2,classic")
     parser.add_argument("--recover", choices=("on", "off"), default="on")
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                        help="rabit2 checkpoints after every K calls (default: never)")
     parser.add_argument("--worker", choices=("rabit2", "classic"), help=argparse.SUPPRESS)
     parser.add_argument("--classic-job", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker == "rabit2":
-        rabit2_worker(args.size, float(args.gap_ms) / 1e3, args.calls)
+        rabit2_worker(args.size, float(args.gap_ms) / 1e3, args.calls, args.checkpoint_every)
         return 0
     if args.worker == "classic":
         classic_worker(args.size, float(args.gap_ms) / 1e3, args.calls, args.out)
@@ -244,7 +256,7 @@ def main() -> int:
         impls.remove("classic")
     for gap in (float(g) for g in args.gap_ms.split(",")):
         for impl in impls:
-            report = run(impl, args.size, gap, args.calls, args.recover)
+            report = run(impl, args.size, gap, args.calls, args.recover, args.checkpoint_every)
             print(f"{args.size} B, gap {gap:g} ms, {impl}: {json.dumps(report)}", flush=True)
     return 0
 
