@@ -468,12 +468,13 @@ class Registry(Generic[C]):
         rank = msg["rank"]
         return (self.outcome is None and len(self.tasks) < self.n_workers
                 and 0 <= rank < self.n_workers and rank not in self.by_rank
-                and msg["incarnation"] >= 0 and 0 < msg["port"] < 65536
+                and msg["incarnation"] >= 0 and msg["attempt"] >= 0 and 0 < msg["port"] < 65536
                 and 0 < len(msg["task_id"]) <= _MAX_TASK_ID)
 
     def _adopt(self, msg: dict[str, Any], host: str) -> Task[C]:
+        # (its run, as the launcher counts them: a supervisor's exit report names it)
         task: Task[C] = Task(task_id=msg["task_id"], arrival=len(self.tasks),
-                             incarnation=msg["incarnation"], attempt=msg["incarnation"],
+                             incarnation=msg["incarnation"], attempt=msg["attempt"],
                              rank=msg["rank"], host=host, port=msg["port"])
         self.tasks[task.task_id] = task
         self.by_rank[msg["rank"]] = task

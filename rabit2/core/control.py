@@ -48,7 +48,7 @@ MESSAGE_FIELDS: Final[Mapping[str, Mapping[str, type]]] = {
     "refuse": {"reason": str, "code": str},
     # worker -> tracker
     "register": {"task_id": str, "attempt": int, "port": int, "world_size": int},
-    "rejoin": {"task_id": str, "rank": int, "incarnation": int, "port": int},
+    "rejoin": {"task_id": str, "rank": int, "incarnation": int, "port": int, "attempt": int},
     "print": {"msg": str},
     "heartbeat": {},
     "shutdown": {"hold": bool},

@@ -461,7 +461,8 @@ class TrackerClient:
                 self.connections += 1
                 self._writer.write(encode_frame({
                     "t": "rejoin", "task_id": config.task_id, "rank": assignment.rank,
-                    "incarnation": assignment.incarnation, "port": self._listen_port}))
+                    "incarnation": assignment.incarnation, "port": self._listen_port,
+                    "attempt": config.num_attempt}))
                 held, self._held = self._held, []
                 for msg in held:
                     self._writer.write(encode_frame(msg))

@@ -371,7 +371,7 @@ async def test_a_rejoin_after_the_grace_or_of_another_incarnation_is_refused(
                                               {"role": "worker", "task_id": "1"}, 5)
         reader, writer = await asyncio.open_connection(sock=sock)
         writer.write(encode_frame({"t": "rejoin", "task_id": "1", "rank": 1,
-                                   "incarnation": incarnation, "port": 20001}))
+                                   "incarnation": incarnation, "port": 20001, "attempt": 0}))
         data = await asyncio.wait_for(reader.read(65536), 5)
         writer.close()
         return data.decode(errors="replace")

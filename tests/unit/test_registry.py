@@ -24,9 +24,9 @@ def register_msg(task_id: str, port: int = 9000, attempt: int = 0,
 
 
 def rejoin_msg(task_id: str, rank: int, incarnation: int = 0,
-               port: int = 9000) -> dict[str, Any]:
+               port: int = 9000, attempt: int = 0) -> dict[str, Any]:
     return {"t": "rejoin", "task_id": task_id, "rank": rank, "incarnation": incarnation,
-            "port": port}
+            "port": port, "attempt": attempt}
 
 
 def register(registry: Registry[str], conn: str, task_id: str, now: float = 0.0,
@@ -247,6 +247,23 @@ def test_a_new_tracker_adopts_the_workers_that_rejoin_it() -> None:
     # a rank already taken is not adopted twice
     with pytest.raises(ProtocolError, match="no such worker"):
         registry.rejoin("c8", rejoin_msg("d", rank=0), host="h", peer="p", now=0.0)
+
+
+def test_an_adopted_workers_exit_report_names_its_run() -> None:
+    """A worker adopted after a tracker restart keeps the run its launcher counts (the
+    ``attempt`` of its ``rejoin``, not its incarnation): a supervisor's report that this run
+    ended makes it lost at once when its connection has ended, without waiting out the
+    grace; a report about another run changes nothing."""
+    registry: Registry[str] = Registry(3, rejoin_grace=5.0)
+    registry.rejoin("c2", rejoin_msg("c", 2, incarnation=4, attempt=1), host="h", peer="p",
+                    now=0.0)
+    assert registry.tasks["c"].attempt == 1
+    (grace,) = registry.connection_ended("c2", "connection reset")
+    assert isinstance(grace, Grace)
+    assert registry.exit_reported("c", 4) == []  # (its incarnation is not its run)
+    decisions = registry.exit_reported("c", 1)
+    assert [hook.args for hook in hooks(decisions, "on_worker_lost")] == [
+        ("c", 2, "connection reset")]
 
 
 def test_an_adopted_worker_lost_before_its_neighbours_are_back_is_a_loss() -> None:
