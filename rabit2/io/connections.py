@@ -225,7 +225,6 @@ class Connections:
             logger.warning("link to rank %d refused: %s", peer, exc)
             sock.close()
             raise
-        set_congestion(sock, self.engine.congestion)  # (set before connect or listen already)
         link = PeerLink(self.engine, peer)
         link.fd = sock.fileno()
         old = self.engine.links.get(peer)

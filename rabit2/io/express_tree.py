@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 from rabit2.core.express_tree import ExpressTree, InStream, Reader
@@ -44,10 +44,9 @@ class TreeExpressIO:
         engine = self.xio.driver.engine
         trees = engine.agent.express.trees
         xt = trees.prepare(call)
-        fds = None if xt is None else self.xio.idle_fds(xt.ins, xt.held)
+        fds = None if xt is None else self._claim(xt.ins, xt.held)
         if xt is None or fds is None:
             return False
-        engine.faults.arm(-1, -1, False)
         ahead = Ahead()
         if not self._take_held(xt.held, lambda peer: trees.take_held(xt, peer)):
             return self._tree_general(xt, call, waiter, ahead)
@@ -84,16 +83,24 @@ class TreeExpressIO:
         self.xio.finished(waiter)
         return True
 
+    def _claim(self, peers: Iterable[int], held: Sequence[int]) -> dict[int, int] | None:
+        """Each of ``peers``' socket if every link is idle (:meth:`ExpressIO.idle_fds`), the
+        call then armed with no failure injection (as ``begin_call`` arms a call without
+        one); None if the call cannot be made express."""
+        fds = self.xio.idle_fds(peers, held)
+        if fds is not None:
+            self.xio.driver.engine.faults.arm(-1, -1, False)
+        return fds
+
     def broadcast(self, call: Call, waiter: Waiter) -> bool:
         """An express broadcast of world size 3 or more
         (:mod:`rabit2.core.express_tree_broadcast`)."""
         engine = self.xio.driver.engine
         broadcasts = engine.agent.express.tree_broadcasts
         xb = broadcasts.prepare(call)
-        fds = None if xb is None else self.xio.idle_fds(xb.checked, xb.held)
+        fds = None if xb is None else self._claim(xb.checked, xb.held)
         if xb is None or fds is None:
             return False
-        engine.faults.arm(-1, -1, False)
         written: list[Written] = []
         if not self._take_held(xb.held, lambda peer: broadcasts.take_held(xb, peer)):
             return self._broadcast_general(xb, call, waiter, written)

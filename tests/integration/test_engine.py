@@ -24,6 +24,7 @@ from rabit2.core.ops import Op
 from rabit2.errors import MismatchError, RabitError
 from rabit2.io.connections import Connections
 from rabit2.io.engine import Engine
+from rabit2.io.express import ExpressIO
 from tracker.server import TrackerThread
 
 SECRET = "ab" * 32
@@ -55,6 +56,13 @@ def start_job(world: int, loop_kind: str, **extra: str) -> tuple[TrackerThread, 
     assert not errors, errors
     assert all(e is not None for e in engines)
     return tracker, [e for e in engines if e is not None]
+
+
+def express_io(engine: Engine) -> ExpressIO:
+    """``engine``'s express calls and their counters (on unless a test turned them off)."""
+    xio = engine.driver.express
+    assert xio is not None
+    return xio
 
 
 def on_all(engines: list[Engine], fn: Callable[[int, Engine], Any]) -> list[Any]:

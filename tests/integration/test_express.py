@@ -20,6 +20,7 @@ from rabit2.io.engine import Engine
 from rabit2.io.express_wire import Written
 from tests.integration.test_engine import (
     allreduce_call,
+    express_io,
     finish,
     on_all,
     small_socket_buffers,
@@ -164,8 +165,7 @@ def test_a_late_peer_turns_an_express_start_into_the_general_path() -> None:
             engine.run_call(allreduce_call(a, engine))
             assert (a == 2 * i + 1).all(), (rank, i)
             out += a.tobytes()
-        xio = engine.driver.express
-        assert xio is not None
+        xio = express_io(engine)
         return out, xio.fallbacks
 
     results = on_all(engines, work)
@@ -190,8 +190,7 @@ def test_a_frame_the_loop_read_while_this_rank_computed_is_taken(size: int) -> N
                                  a.dtype, Op.SUM))
             assert (a == np.arange(size // 4, dtype=np.float32) * 3 + 2 * i).all(), (rank, i)
             out += a.tobytes()
-        xio = engine.driver.express
-        assert xio is not None
+        xio = express_io(engine)
         return out, xio.held, engine.agent.statistics().bytes_received
 
     results = on_all(engines, work)
@@ -280,8 +279,7 @@ def test_a_partial_write_is_finished_by_the_general_path() -> None:
             b = np.full(64, rank, dtype=np.uint8)  # and a small call after each
             engine.run_call(Call(CollectiveKind.BROADCAST, memoryview(b), root=1))
             assert (b == 1).all()
-        xio = engine.driver.express
-        assert xio is not None
+        xio = express_io(engine)
         return out, xio.fallbacks
 
     results = on_all(engines, work)

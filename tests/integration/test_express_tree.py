@@ -20,6 +20,7 @@ from rabit2.errors import MismatchError, RabitError
 from rabit2.io.engine import Engine
 from tests.integration.test_engine import (
     allreduce_call,
+    express_io,
     finish,
     on_all,
     small_socket_buffers,
@@ -161,8 +162,7 @@ def test_late_ranks_turn_express_starts_into_the_general_path() -> None:
             engine.run_call(allreduce_call(a, engine))
             assert (a == 6 + 4 * i).all(), (rank, i)
             out += a.tobytes()
-        xio = engine.driver.express
-        assert xio is not None
+        xio = express_io(engine)
         return out, xio.fallbacks
 
     results = on_all(engines, work)
@@ -187,8 +187,7 @@ def test_frames_the_loop_read_while_this_rank_computed_are_taken(size: int) -> N
             engine.run_call(allreduce_call(a, engine))
             assert (a == np.arange(size // 4, dtype=np.float32) * 10 + 4 * i).all(), (rank, i)
             out += a.tobytes()
-        xio = engine.driver.express
-        assert xio is not None
+        xio = express_io(engine)
         return out, xio.held, engine.agent.statistics().bytes_received
 
     results = on_all(engines, work)
@@ -217,8 +216,7 @@ def test_partial_writes_are_finished_by_the_general_path() -> None:
             b = np.full(64, rank, dtype=np.int32)  # and a small call after each
             engine.run_call(allreduce_call(b, engine))
             assert (b == 6).all()
-        xio = engine.driver.express
-        assert xio is not None
+        xio = express_io(engine)
         return out, xio.fallbacks
 
     results = on_all(engines, work)

@@ -15,7 +15,13 @@ from rabit2.calls import broadcast_call
 from rabit2.core.framing import BROADCAST_HEAD
 from rabit2.errors import MismatchError
 from rabit2.io.engine import Engine
-from tests.integration.test_engine import finish, on_all, small_socket_buffers, start_job
+from tests.integration.test_engine import (
+    express_io,
+    finish,
+    on_all,
+    small_socket_buffers,
+    start_job,
+)
 from tests.integration.test_express_tree import express_and_general_n
 
 # what the root sends: one frame, several checked frames, larger than an express broadcast,
@@ -104,8 +110,7 @@ def test_late_ranks_turn_express_starts_into_the_general_path() -> None:
             got = result()
             assert got.tobytes() == data.tobytes(), (rank, i)
             out += got.tobytes()
-        xio = engine.driver.express
-        assert xio is not None
+        xio = express_io(engine)
         return out, xio.fallbacks
 
     results = on_all(engines, work)
@@ -133,8 +138,7 @@ def test_frames_the_loop_read_while_a_rank_computed_are_taken(size: int, late: s
             got = result()
             assert got.tobytes() == (data * i).tobytes(), (rank, i)
             out += got.tobytes()
-        xio = engine.driver.express
-        assert xio is not None
+        xio = express_io(engine)
         return out, xio.held, engine.agent.statistics().bytes_received
 
     results = on_all(engines, work)
@@ -171,8 +175,7 @@ def test_partial_writes_are_finished() -> None:
             got = result()
             assert got.tobytes() == (data * i).tobytes(), (rank, i)
             out += got.tobytes()
-        xio = engine.driver.express
-        assert xio is not None
+        xio = express_io(engine)
         return out, xio.fallbacks
 
     results = on_all(engines, work)
