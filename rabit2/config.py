@@ -17,6 +17,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 DEFAULT_TREE_MINSIZE = 1 << 20
+# a peer link whose sent bytes stay unacknowledged this long ends (TCP_USER_TIMEOUT)
+DEFAULT_LINK_TIMEOUT_SEC = 20.0
 
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -57,6 +59,10 @@ class Config:
     connect_timeout_sec: float = 30.0
     connect_retry: int = 5
     heartbeat_sec: float = 1.0
+    # a peer link's sent bytes unacknowledged this long end it (TCP_USER_TIMEOUT); a link
+    # still down three quarters of this later asks the tracker whether the peer lives
+    # (docs/recovery.md, "Partial partitions")
+    link_timeout_sec: float = DEFAULT_LINK_TIMEOUT_SEC
     # None: ring above AUTO_RING_MIN_BYTES (rabit2.core.planning); set: above that many elements,
     # as in rabit
     reduce_ring_mincount: int | None = None
@@ -117,6 +123,7 @@ _ALIASES: dict[str, str] = {
     "dmlc_worker_connect_retry": "connect_retry",
     "dmlc_retry": "connect_retry",
     "rabit2_heartbeat_sec": "heartbeat_sec",
+    "rabit2_link_timeout_sec": "link_timeout_sec",
     "rabit_reduce_ring_mincount": "reduce_ring_mincount",
     "rabit_tree_reduce_minsize": "tree_reduce_minsize",
     "rabit2_loop": "loop",
@@ -163,6 +170,7 @@ _ENV_KEYS = (
     "RABIT2_TIMEOUT_SEC",
     "RABIT2_CONNECT_TIMEOUT_SEC",
     "RABIT2_HEARTBEAT_SEC",
+    "RABIT2_LINK_TIMEOUT_SEC",
     "RABIT2_LOOP",
     "RABIT2_SPIN_US",
     "RABIT2_DRIVE_MS",
@@ -232,7 +240,8 @@ def _convert(field: str, value: Any) -> Any:  # noqa: C901, PLR0911, PLR0912
             return int(value)
         except (TypeError, ValueError):
             raise ValueError(f"{field}: expected an integer, got {value!r}") from None
-    if field in ("timeout_sec", "connect_timeout_sec", "heartbeat_sec", "recover_timeout_sec"):
+    if field in ("timeout_sec", "connect_timeout_sec", "heartbeat_sec", "recover_timeout_sec",
+                 "link_timeout_sec"):
         try:
             seconds = float(value)
         except (TypeError, ValueError):

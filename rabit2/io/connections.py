@@ -203,7 +203,7 @@ class Connections:
                  "incarnation": assignment.incarnation}
         sock, welcome = await connect_authenticated(
             host, port, self.engine.config.secret, hello, self.engine.config.connect_timeout_sec,
-            self.engine.congestion)
+            self.engine.congestion, self.engine.config.link_timeout_sec)
         incarnation = welcome.get("incarnation", 0)
         if welcome.get("rank") != peer or not isinstance(incarnation, int):
             sock.close()
@@ -323,7 +323,7 @@ class Connections:
         me = asyncio.current_task()
         if me is not None:
             self._unstarted.pop(me, None)  # (from here, this task closes its socket)
-        tune_socket(sock)
+        tune_socket(sock, self.engine.config.link_timeout_sec)
         claimed: list[tuple[int, int]] = []
 
         def check(hello: dict[str, Any]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rabit2.config import DEFAULT_LINK_TIMEOUT_SEC
 from rabit2.core.control import (
     LENGTH_PREFIX_SIZE,
     MAGIC,
@@ -61,8 +62,8 @@ _KEEPCNT = 3
 # Sent bytes that stay unacknowledged this long end the connection (TCP_USER_TIMEOUT): a
 # path that drops every packet while data is in flight (a partition) is otherwise found only
 # after the kernel's retransmissions give up, about 15 minutes.  Keepalive does not cover
-# that case: it probes idle connections only.
-_USER_TIMEOUT_MS = 20_000
+# that case: it probes idle connections only.  Peer links take theirs from the worker's
+# ``link_timeout_sec``; tracker connections keep the default.
 
 
 def is_loopback(host: str) -> bool:
@@ -77,16 +78,16 @@ def is_loopback(host: str) -> bool:
     return address.is_loopback
 
 
-def tune_socket(sock: socket.socket) -> None:
-    """Set TCP_NODELAY and SO_KEEPALIVE, plus keepalive timing and TCP_USER_TIMEOUT where
-    the OS has the knobs."""
+def tune_socket(sock: socket.socket, user_timeout_sec: float = DEFAULT_LINK_TIMEOUT_SEC) -> None:
+    """Set TCP_NODELAY and SO_KEEPALIVE, plus keepalive timing and TCP_USER_TIMEOUT
+    (``user_timeout_sec``) where the OS has the knobs."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (
         ("TCP_KEEPIDLE", _KEEPIDLE_SEC),
         ("TCP_KEEPINTVL", _KEEPINTVL_SEC),
         ("TCP_KEEPCNT", _KEEPCNT),
-        ("TCP_USER_TIMEOUT", _USER_TIMEOUT_MS),
+        ("TCP_USER_TIMEOUT", min(max(1, round(user_timeout_sec * 1000)), 2**31 - 1)),
     ):
         option = getattr(socket, name, None)
         if option is not None:
@@ -333,11 +334,11 @@ async def client_handshake(
 
 async def connect_authenticated(
     host: str, port: int, secret: bytes, hello: dict[str, Any], timeout: float,
-    congestion: str | None = None,
+    congestion: str | None = None, user_timeout_sec: float = DEFAULT_LINK_TIMEOUT_SEC,
 ) -> tuple[socket.socket, dict[str, Any]]:
     """Connect to ``host:port``, tune the socket (``congestion``: that congestion control,
-    set before the connection is made: :func:`set_congestion`) and run
-    :func:`client_handshake`.
+    set before the connection is made: :func:`set_congestion`; ``user_timeout_sec``: its
+    TCP_USER_TIMEOUT) and run :func:`client_handshake`.
 
     Returns the non-blocking socket (TCP_NODELAY and SO_KEEPALIVE set) and the welcome.
     ``timeout`` bounds name resolution, connect and handshake together.  Raises
@@ -362,7 +363,7 @@ async def connect_authenticated(
         sock = socket.socket(family, kind, proto)
         sock.setblocking(False)
         try:
-            tune_socket(sock)
+            tune_socket(sock, user_timeout_sec)
             set_congestion(sock, congestion)
             left = _remaining(loop, deadline, f"connecting to {host}:{port}")
             await asyncio.wait_for(loop.sock_connect(sock, address), left)

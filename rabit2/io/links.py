@@ -18,9 +18,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("rabit2.engine")
 
-PARTITION_SEC = 15.0
-"""How long a lost link may stay down before the tracker is asked whether the peer lives
-(docs/recovery.md, "Partial partitions"): long enough for a reset to be dialed again, far
+PARTITION_SHARE = 0.75
+PARTITION_MIN_SEC = 2.0
+"""How long a lost link may stay down before the tracker is asked whether the peer lives:
+this share of ``link_timeout_sec`` (15 s by default), at least ``PARTITION_MIN_SEC``
+(docs/recovery.md, "Partial partitions").  Long enough for a reset to be dialed again, far
 shorter than the replacement wait (``recover_timeout_sec``)."""
 _NO_BYTES = memoryview(b"")
 
@@ -141,14 +143,18 @@ class LinkKeeper:
             self.schedule_redial(peer, self._incarnation_of(peer), assignment.peers[peer])
         if self.engine.config.recover and peer not in self.partition_checks:
             self.partition_checks[peer] = self.engine.loop.call_later(
-                PARTITION_SEC, self._check_partition, peer, self._incarnation_of(peer),
+                self._partition_sec, self._check_partition, peer, self._incarnation_of(peer),
                 self.engine.loop.time())
 
+    @property
+    def _partition_sec(self) -> float:
+        return max(PARTITION_MIN_SEC, PARTITION_SHARE * self.engine.config.link_timeout_sec)
+
     def _check_partition(self, peer: int, incarnation: int, since: float) -> None:
-        """The link to ``peer`` went down ``PARTITION_SEC`` ago: still down, and no
+        """The link to ``peer`` went down :attr:`_partition_sec` ago: still down, and no
         replacement connected?  Tell the tracker, which ends the job if ``peer`` is alive
         (both reach it but not each other: a partition), and leaves it to recovery if not
-        (a dead or paused peer).  Asked again every ``PARTITION_SEC`` while it lasts."""
+        (a dead or paused peer).  Asked again as often while it lasts."""
         self.partition_checks.pop(peer, None)
         agent = self.engine.agent
         if (agent.link_is_up(peer) or agent.link_incarnation(peer) != incarnation
@@ -162,7 +168,7 @@ class LinkKeeper:
             peer, f"rank {self.engine.agent.rank}'s link to rank {peer} has been down for "
                   f"{down:.0f} s ({agent.link_down_reason(peer) or 'lost'})")
         self.partition_checks[peer] = self.engine.loop.call_later(
-            PARTITION_SEC, self._check_partition, peer, incarnation, since)
+            self._partition_sec, self._check_partition, peer, incarnation, since)
 
     def on_peer_lost(self, rank: int, incarnation: int, reason: str) -> None:
         """The tracker saw a neighbour die or go silent (a paused process keeps its TCP

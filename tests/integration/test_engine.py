@@ -372,6 +372,25 @@ def test_the_links_congestion_control_is_set_before_they_connect(
     finish(tracker, engines)
 
 
+@pytest.mark.skipif(not hasattr(socket, "TCP_USER_TIMEOUT"), reason="Linux only")
+def test_the_links_user_timeout_is_the_configured_link_timeout(loop_kind: str) -> None:
+    """``rabit2_link_timeout_sec`` reaches every peer link, dialed and accepted, as its
+    TCP_USER_TIMEOUT."""
+    tracker, engines = start_job(3, loop_kind, RABIT2_RECOVER="1",
+                                 RABIT2_LINK_TIMEOUT_SEC="4.5")
+
+    def user_timeouts(engine: Any) -> list[int]:
+        values = []
+        for link in engine.links.values():
+            with socket.fromfd(link.fd, socket.AF_INET, socket.SOCK_STREAM) as sock:  # (a dup)
+                values.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT))
+        return values
+
+    seen = [user_timeouts(engine) for engine in engines]
+    assert seen and all(row and set(row) == {4500} for row in seen), seen
+    finish(tracker, engines)
+
+
 def test_a_flood_of_idle_connections_on_a_peer_port_is_bounded(
         loop_kind: str, caplog: pytest.LogCaptureFixture) -> None:
     """150 silent connections to a worker's peer port: it keeps at most 64 unfinished

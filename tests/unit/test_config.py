@@ -88,6 +88,8 @@ def test_later_args_win() -> None:
         ("kw", "timeout_sec", 2, "timeout_sec", 2.0),
         ("kw", "rabit2_connect_timeout_sec", 1.5, "connect_timeout_sec", 1.5),
         ("kw", "rabit2_heartbeat_sec", "2", "heartbeat_sec", 2.0),
+        ("env", "RABIT2_LINK_TIMEOUT_SEC", "4.5", "link_timeout_sec", 4.5),
+        ("arg", "rabit2_link_timeout_sec", "60", "link_timeout_sec", 60.0),
     ],
 )
 def test_aliases(where: str, key: str, value: object, field: str, expected: object) -> None:
@@ -202,6 +204,8 @@ def test_secret_bytes_kwarg_is_taken_verbatim() -> None:
         ("rabit_timeout_sec", "soon"),
         ("rabit2_connect_timeout_sec", "0"),
         ("rabit2_heartbeat_sec", "-0.5"),
+        ("rabit2_link_timeout_sec", "0"),
+        ("rabit2_link_timeout_sec", "never"),
         ("rabit2_loop", "trio"),
         ("rabit2_tcp_congestion", ""),
         ("rabit2_tcp_congestion", "reno; rm"),
@@ -228,7 +232,7 @@ def test_bad_env_value_raises() -> None:
 
 @pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf"])
 @pytest.mark.parametrize("key", ["rabit_timeout_sec", "rabit2_connect_timeout_sec",
-                                 "rabit2_heartbeat_sec"])
+                                 "rabit2_heartbeat_sec", "rabit2_link_timeout_sec"])
 def test_non_finite_seconds_raise(key: str, value: str) -> None:
     # a NaN deadline would never expire (now - last > nan is always False)
     with pytest.raises(ValueError, match="seconds"):
