@@ -21,6 +21,7 @@ import pytest
 
 from tests.support import ROOT
 from tests.support.jobs import assert_gone, wait_until
+from tracker.launch import tasks
 from tracker.launch.common import TaskRun, build_worker_env, format_summary
 from tracker.submit import (
     EXIT_FAILED,
@@ -216,18 +217,22 @@ def test_restart_then_success(worker: Path) -> None:
     assert sorted(p.name for p in (worker.parent / "pids").glob("1.*")) == ["1.0.pid", "1.1.pid"]
 
 
-def test_permanent_failure_stops_everyone(worker: Path) -> None:
+def test_permanent_failure_stops_everyone(worker: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Task 1 fails in both attempts; task 0 is stuck and ignores SIGTERM: the launcher
+    gives it the abort grace (1 s here, 10 s by default) to exit on its own, then kills it."""
+    monkeypatch.setattr(tasks, "ABORT_GRACE_SEC", 1.0)
     out, err = io.StringIO(), io.StringIO()
     start = time.monotonic()
     code = run_job(options(worker, "always-fail", max_attempts=2), out, err)
     assert code == EXIT_FAILED
-    assert time.monotonic() - start < 20
+    assert time.monotonic() - start < 15
     text = err.getvalue()
     assert "task 1 exited with 3 after 2 attempts" in text
     assert "[rank 1] giving up" in text
     rows = [line.split() for line in text.splitlines() if line[:1].isdigit()]
     assert rows == [["0", "-", "1", "-9", "killed"], ["1", "-", "2", "3", "failed"]]
     assert "job: task 1 failed for good" in text
+    assert "workers did not exit after the abort; stopping them" in text
     # the first failure, with what the worker said last on stderr
     assert re.search(r"^root cause: task 1 exited with 3 at \d\d:\d\d:\d\d \(attempt 1/2\): "
                      r"giving up$", text, re.M), text
