@@ -115,7 +115,7 @@ def _give_up_on_bad_parameters(error: ValueError) -> None:
         return
     import asyncio  # noqa: PLC0415 (only on this path)
 
-    from rabit2.io.tracker_client import query_tracker_status  # noqa: PLC0415
+    from rabit2.io.tracker_query import query_tracker_status  # noqa: PLC0415
 
     reason = f"rabit2.init refused its parameters, which no restart can fix: {error}"
 

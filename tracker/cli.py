@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import rabit2
 from rabit2.errors import TrackerError
-from rabit2.io.tracker_client import query_tracker_status
+from rabit2.io.tracker_query import query_tracker_status
 from tracker import jobfile
 from tracker.metrics import MetricsServer
 from tracker.server import Tracker, status_on_loop

@@ -27,6 +27,7 @@ from rabit2.core.topology import topology
 from rabit2.errors import ProtocolError
 from tracker.decisions import C, Decision, Fence, Finish, Grace, Hook, Release, Send
 from tracker.elastic import LiveSets
+from tracker.status import job_status
 
 logger = logging.getLogger("rabit2.tracker")
 SILENCE_REASON = "no message for"  # how a heartbeat timeout is reported
@@ -559,40 +560,6 @@ class Registry(Generic[C]):
         return out
 
 
-def job_status(world_size: int, port: int, prints: int, outcome: Finish | None,
-               tasks: list[dict[str, Any]], only: str | None, *,
-               assigned: bool) -> dict[str, Any]:
-    """The status of a job whose ``tasks`` are listed (each as :meth:`Registry.status` lists
-    it, for either protocol); ``only``: list that task alone (the totals count every task)."""
-    listed = tasks if only is None else [task for task in tasks if task["task_id"] == only]
-    return {
-        "world_size": world_size,
-        "port": port,
-        "registered": len(tasks),
-        "assigned": assigned,
-        "finished": sum(task["finished"] for task in tasks),
-        "done": outcome is not None,
-        "success": None if outcome is None else outcome.success,
-        "reason": None if outcome is None else outcome.reason,
-        "prints": prints,
-        "failures": sum(task["losses"] for task in tasks),
-        "restarts": sum(task["incarnation"] for task in tasks),
-        "connected": sum(task["connected"] for task in tasks),
-        # ranks lost and not back yet, or back and still replaying what they missed
-        "recovering": sorted(task["rank"] for task in tasks if _recovering(task)),
-        "tasks": listed,
-    }
-
-
-def _recovering(task: dict[str, Any]) -> bool:
-    # (a classic worker's row has no progress: it holds no connection between its commands,
-    # so being unconnected says nothing about it)
-    if task["rank"] is None or task["finished"] or "progress" not in task:
-        return False
-    progress = task.get("progress")
-    return not task["connected"] or bool(progress and progress.get("replaying"))
-
-
 def describe(task: Task[Any]) -> str:
     """How logs and reasons name a task: its rank if it has one, and its id."""
     if task.rank is None:
@@ -600,5 +567,4 @@ def describe(task: Task[Any]) -> str:
     return f"rank {task.rank} (task {task.task_id})"
 
 
-__all__ = ["REJOIN_GRACE_SEC", "SILENCE_REASON", "Registry", "Task", "describe", "job_status",
-           "natural_key"]
+__all__ = ["REJOIN_GRACE_SEC", "SILENCE_REASON", "Registry", "Task", "describe", "natural_key"]

@@ -44,7 +44,8 @@ from tracker.decisions import (
     Send,
 )
 from tracker.listener import Listener
-from tracker.registry import REJOIN_GRACE_SEC, SILENCE_REASON, Registry, job_status, natural_key
+from tracker.registry import REJOIN_GRACE_SEC, SILENCE_REASON, Registry, natural_key
+from tracker.status import job_status
 
 logger = logging.getLogger("rabit2.tracker")
 

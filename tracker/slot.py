@@ -44,7 +44,7 @@ from typing import Any
 
 from rabit2.config import launcher_task, load_config
 from rabit2.errors import RabitError
-from rabit2.io.tracker_client import query_tracker_status
+from rabit2.io.tracker_query import query_tracker_status
 from tracker.remote import ChildGroup, command_after, exit_status
 
 QUERY_TIMEOUT = 10.0

@@ -47,6 +47,7 @@ from rabit2.errors import (
     TrackerError,
     UnrecoverableError,
 )
+from rabit2.io.assignment import Assignment
 from rabit2.io.connections import Connections
 from rabit2.io.driving import Driver
 from rabit2.io.express_wire import Ahead, Written
@@ -54,7 +55,7 @@ from rabit2.io.faults import FaultInjector
 from rabit2.io.handshake import resolve_congestion
 from rabit2.io.links import LinkKeeper, PeerLink
 from rabit2.io.loop_thread import LoopThread, bind_to_cpu, die_with_launcher
-from rabit2.io.tracker_client import Assignment, TrackerClient
+from rabit2.io.tracker_client import TrackerClient
 from rabit2.io.waiting import Poller, Waiter
 
 logger = logging.getLogger("rabit2.engine")

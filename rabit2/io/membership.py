@@ -16,9 +16,10 @@ from typing import Any
 
 from rabit2.config import Config
 from rabit2.errors import JobFinishedError, RabitError
+from rabit2.io.assignment import Assignment
 from rabit2.io.engine import Engine
 from rabit2.io.loop_thread import LoopThread
-from rabit2.io.tracker_client import Assignment, TrackerClient
+from rabit2.io.tracker_client import TrackerClient
 
 logger = logging.getLogger("rabit2.engine")
 

@@ -18,7 +18,6 @@ import random
 import socket
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from rabit2.config import Config
@@ -31,6 +30,7 @@ from rabit2.errors import (
     RabitError,
     TrackerError,
 )
+from rabit2.io.assignment import Assignment, parse_assignment
 from rabit2.io.handshake import connect_authenticated
 
 logger = logging.getLogger("rabit2.tracker_client")
@@ -48,87 +48,6 @@ up: the same tracker keeps its place for ``tracker.server.REJOIN_GRACE_SEC`` (5 
 refuses it after that; a tracker restarted at the same address within this time takes the
 job over from the workers that rejoin it."""
 _MAX_HELD_MESSAGES = 1000  # prints and errors kept while the connection is being rebuilt
-
-
-@dataclass(frozen=True, slots=True)
-class Assignment:
-    """What the tracker told this worker: its rank, its links and where its neighbours listen."""
-
-    rank: int
-    world_size: int
-    parent: int
-    children: tuple[int, ...]
-    ring_prev: int
-    ring_next: int
-    peers: dict[int, tuple[str, int]]
-    """(host, listen port) of every neighbour: tree parent/children and ring prev/next."""
-    incarnation: int
-    """0 on the first start of this rank; the tracker adds 1 per re-registration."""
-    peer_incarnations: dict[int, int] = field(default_factory=dict)
-    """The incarnation the tracker issued to each neighbour (empty from a tracker that does
-    not say): a neighbour may present no newer one when it dials."""
-
-
-def _bad(what: str) -> ProtocolError:
-    return ProtocolError(f"assign: {what}")
-
-
-def parse_assignment(msg: dict[str, Any]) -> Assignment:
-    """Validate the contents of an ``assign`` frame.  Raises :class:`ProtocolError`."""
-    world_size = msg["world_size"]
-    if world_size < 1:
-        raise _bad(f"world_size {world_size}")
-
-    def rank_field(value: object, name: str, allow_none: bool = False) -> int:
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise _bad(f"{name} is not an int")
-        if not (-1 if allow_none else 0) <= value < world_size:
-            raise _bad(f"{name} {value} out of range for world size {world_size}")
-        return value
-
-    rank = rank_field(msg["rank"], "rank")
-    children = tuple(rank_field(child, "child") for child in msg["children"])
-    peers: dict[int, tuple[str, int]] = {}
-    for key, address in msg["peers"].items():
-        try:
-            peer = rank_field(int(key), "peer rank")
-        except ValueError:
-            raise _bad(f"peer key {key!r} is not a rank") from None
-        if (
-            not isinstance(address, list)
-            or len(address) != 2
-            or not isinstance(address[0], str)
-            or not isinstance(address[1], int)
-            or isinstance(address[1], bool)
-            or not 0 < address[1] < 65536
-        ):
-            raise _bad(f"peer {peer} address {address!r} is not [host, port]")
-        peers[peer] = (address[0], address[1])
-    if msg["incarnation"] < 0:
-        raise _bad(f"incarnation {msg['incarnation']}")
-    incarnations: dict[int, int] = {}
-    raw = msg.get("incarnations", {})
-    if not isinstance(raw, dict):
-        raise _bad("incarnations is not a map")
-    for key, value in raw.items():
-        try:
-            peer = rank_field(int(key), "peer rank")
-        except ValueError:
-            raise _bad(f"incarnations key {key!r} is not a rank") from None
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise _bad(f"incarnation {value!r} of peer {peer}")
-        incarnations[peer] = value
-    return Assignment(
-        rank=rank,
-        world_size=world_size,
-        parent=rank_field(msg["parent"], "parent", allow_none=True),
-        children=children,
-        ring_prev=rank_field(msg["ring_prev"], "ring_prev"),
-        ring_next=rank_field(msg["ring_next"], "ring_next"),
-        peers=peers,
-        incarnation=msg["incarnation"],
-        peer_incarnations=incarnations,
-    )
 
 
 def _truncate(text: str) -> str:
@@ -550,51 +469,4 @@ class TrackerClient:
             logger.exception("tracker client callback %r failed", callback)
 
 
-async def query_tracker_status(
-    host: str, port: int, secret: bytes, timeout: float,
-    give_up: tuple[str, str] | None = None, task_id: str | None = None,
-    exited: tuple[str, int] | None = None,
-) -> dict[str, Any]:
-    """Ask a tracker for its :meth:`tracker.server.Tracker.status` over a monitor connection.
-
-    ``task_id``: list that task alone (a job of 1024 tasks answers 100 KB otherwise).
-    ``give_up=(task_id, reason)`` first tells it that a supervisor gave up on that task
-    (the tracker aborts the job); ``exited=(task_id, attempt)``, that this run of that
-    task's process has ended (it is lost at once rather than after the rejoin grace); the
-    status returned is then the one after that.
-    Raises :class:`TrackerError` if the tracker cannot be reached, refuses us or does not
-    answer within ``timeout`` seconds.
-    """
-    try:
-        sock, _ = await connect_authenticated(host, port, secret, {"role": "monitor"}, timeout)
-    except RabitError as exc:
-        raise TrackerError(f"cannot query the tracker at {host}:{port}: {exc}") from exc
-    reader, writer = await asyncio.open_connection(sock=sock)
-    try:
-        if exited is not None:
-            writer.write(encode_frame({"t": "exited", "task_id": exited[0],
-                                       "attempt": exited[1]}))
-        if give_up is not None:
-            writer.write(encode_frame({"t": "give_up", "task_id": give_up[0],
-                                       "reason": give_up[1]}))
-        writer.write(encode_frame({"t": "status"} if task_id is None
-                                  else {"t": "status", "task_id": task_id}))
-        decoder = FrameDecoder()
-        async with asyncio.timeout(timeout):
-            while True:
-                data = await reader.read(_READ_SIZE)
-                if not data:
-                    raise TrackerError("the tracker closed the status connection")
-                for msg in decoder.feed(data):
-                    if msg["t"] == "status_reply":
-                        status: dict[str, Any] = msg["status"]
-                        return status
-    except TimeoutError:
-        raise TrackerError(f"no status reply from the tracker within {timeout}s") from None
-    except (ProtocolError, OSError) as exc:
-        raise TrackerError(f"status query failed: {exc}") from exc
-    finally:
-        writer.close()
-
-
-__all__ = ["Assignment", "TrackerClient", "parse_assignment", "query_tracker_status"]
+__all__ = ["TrackerClient"]

@@ -34,6 +34,7 @@ from rabit2.errors import (
     ProtocolError,
     TrackerError,
 )
+from rabit2.io.assignment import Assignment
 from rabit2.io.handshake import (
     RateLimitedLog,
     client_handshake,
@@ -43,7 +44,8 @@ from rabit2.io.handshake import (
     sock_read_frame,
     sock_write_frame,
 )
-from rabit2.io.tracker_client import Assignment, TrackerClient, query_tracker_status
+from rabit2.io.tracker_client import TrackerClient
+from rabit2.io.tracker_query import query_tracker_status
 from tracker.server import Tracker, TrackerThread, natural_key
 
 pytestmark = pytest.mark.timeout(30)
