@@ -59,11 +59,6 @@ _SERVER = b"server"
 _KEEPIDLE_SEC = 10
 _KEEPINTVL_SEC = 5
 _KEEPCNT = 3
-# Sent bytes that stay unacknowledged this long end the connection (TCP_USER_TIMEOUT): a
-# path that drops every packet while data is in flight (a partition) is otherwise found only
-# after the kernel's retransmissions give up, about 15 minutes.  Keepalive does not cover
-# that case: it probes idle connections only.  Peer links take theirs from the worker's
-# ``link_timeout_sec``; tracker connections keep the default.
 
 
 def is_loopback(host: str) -> bool:
@@ -79,8 +74,14 @@ def is_loopback(host: str) -> bool:
 
 
 def tune_socket(sock: socket.socket, user_timeout_sec: float = DEFAULT_LINK_TIMEOUT_SEC) -> None:
-    """Set TCP_NODELAY and SO_KEEPALIVE, plus keepalive timing and TCP_USER_TIMEOUT
-    (``user_timeout_sec``) where the OS has the knobs."""
+    """Set TCP_NODELAY and SO_KEEPALIVE, plus keepalive timing and TCP_USER_TIMEOUT where
+    the OS has the knobs.
+
+    Sent bytes unacknowledged for ``user_timeout_sec`` end the connection: a path that drops
+    every packet while data is in flight (a partition) is otherwise found only after the
+    kernel's retransmissions give up, about 15 minutes, and keepalive probes idle
+    connections only.  Peer links pass the worker's ``link_timeout_sec``; tracker
+    connections keep the default."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (

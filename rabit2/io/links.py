@@ -18,12 +18,12 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("rabit2.engine")
 
+# How long a lost link may stay down before the tracker is asked whether the peer lives:
+# this share of ``link_timeout_sec`` (15 s by default), at least PARTITION_MIN_SEC
+# (docs/recovery.md, "Partial partitions").  Long enough for a reset to be dialed again, far
+# shorter than the replacement wait (``recover_timeout_sec``).
 PARTITION_SHARE = 0.75
 PARTITION_MIN_SEC = 2.0
-"""How long a lost link may stay down before the tracker is asked whether the peer lives:
-this share of ``link_timeout_sec`` (15 s by default), at least ``PARTITION_MIN_SEC``
-(docs/recovery.md, "Partial partitions").  Long enough for a reset to be dialed again, far
-shorter than the replacement wait (``recover_timeout_sec``)."""
 _NO_BYTES = memoryview(b"")
 
 
