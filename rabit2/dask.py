@@ -134,8 +134,12 @@ def _check_config(config: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def _worker_processes(client: Any) -> dict[str, Any]:
-    """The cluster's workers now: address -> the scheduler's record of it."""
-    info = client.scheduler_info(n_workers=-1)
+    """The cluster's workers now: address -> the scheduler's record of it.
+
+    Asked of the scheduler itself: ``Client.scheduler_info`` returns the client's cached
+    copy, which the client's own periodic refresh replaces every few seconds with one that
+    lists no workers, so that a call racing with it saw every worker gone."""
+    info = client.sync(client.scheduler.identity, n_workers=-1)
     workers: dict[str, Any] = info.get("workers", {})
     return workers
 

@@ -74,7 +74,7 @@ def test_one_rank_per_worker_results_in_rank_order(full: Any) -> None:
 
 
 def test_a_killed_dask_worker_s_rank_is_placed_again_and_recovers(full: Any) -> None:
-    before = set(full.scheduler_info()["workers"])
+    before = set(rabit2.dask._worker_processes(full))
     started = time.monotonic()
     # mock= SIGKILLs rank 1's process (its Dask worker) in its 6th iteration, first attempt
     results = rabit2.dask.run(full, chained_sums, ITERATIONS, config={"mock": "1,5,0,0"})
@@ -160,6 +160,19 @@ def test_bad_arguments_are_refused_before_anything_runs(full: Any, kwargs: dict[
                                                         message: str) -> None:
     with pytest.raises(ValueError, match=message):
         rabit2.dask.run(full, rabit2.get_rank, **kwargs)
+
+
+def test_the_workers_are_asked_of_the_scheduler_not_the_clients_cache(full: Any) -> None:
+    """The client's periodic refresh leaves its cached scheduler info without workers; a
+    job that read that cache at the wrong moment saw every worker gone and placed every
+    rank again while the first ones ran on (they then finished and their second attempts
+    were refused as "already shut down")."""
+    full._scheduler_identity = {"workers": {}}  # as the refresh leaves it
+    full.scheduler_info = lambda *args, **kwargs: full._scheduler_identity
+    try:
+        assert len(rabit2.dask._worker_processes(full)) == N_WORKERS
+    finally:
+        del full.scheduler_info
 
 
 def test_workers_that_share_a_process_are_refused() -> None:
