@@ -66,6 +66,9 @@ class Config:
     # None: ring above AUTO_RING_MIN_BYTES (rabit2.core.planning); set: above that many elements,
     # as in rabit
     reduce_ring_mincount: int | None = None
+    # None: ring above AUTO_RING_MIN_BYTES at world size 3 and more; set: above that many
+    # bytes (rabit2-submit --cluster local sets 2 MiB for workers that share a CPU)
+    ring_min_bytes: int | None = None
     tree_reduce_minsize: int = DEFAULT_TREE_MINSIZE
     loop: str = "uvloop"
     # the caller polls (yielding the CPU) this long before it sleeps on a call's completion:
@@ -125,6 +128,7 @@ _ALIASES: dict[str, str] = {
     "rabit2_heartbeat_sec": "heartbeat_sec",
     "rabit2_link_timeout_sec": "link_timeout_sec",
     "rabit_reduce_ring_mincount": "reduce_ring_mincount",
+    "rabit2_ring_min_bytes": "ring_min_bytes",
     "rabit_tree_reduce_minsize": "tree_reduce_minsize",
     "rabit2_loop": "loop",
     "rabit2_spin_us": "spin_us",
@@ -140,6 +144,16 @@ _ALIASES: dict[str, str] = {
     "rabit2_tcp_congestion": "tcp_congestion",
     "rabit2_checksum": "checksum",
     "rabit2_elastic": "elastic",
+}
+# the least value of each integer setting (named as users know it)
+_LEAST = {
+    "rabit_reduce_ring_mincount": 0,
+    "rabit2_ring_min_bytes": 0,
+    "rabit_tree_reduce_minsize": 1,
+    "rabit2_replay_mb": 0,
+    "rabit2_spin_us": 0,
+    "rabit2_drive_ms": 0,
+    "rabit_local_replica": 0,
 }
 # accepted for compatibility, no effect in rabit2 (documented in docs/user-guide.md)
 _IGNORED = {
@@ -176,6 +190,7 @@ _ENV_KEYS = (
     "RABIT2_DRIVE_MS",
     "RABIT2_EXPRESS",
     "RABIT2_DRIVE_GENERAL",
+    "RABIT2_RING_MIN_BYTES",
     "RABIT2_LOG_LEVEL",
     "RABIT2_RECOVER",
     "RABIT2_RECOVER_TIMEOUT_SEC",
@@ -234,7 +249,7 @@ def _convert(field: str, value: Any) -> Any:  # noqa: C901, PLR0911, PLR0912
             return "auto"
         raise ValueError(f"checksum: expected auto, on or off, got {value!r}")
     if field in ("tracker_port", "num_attempt", "world_size", "connect_retry",
-                 "reduce_ring_mincount", "tree_reduce_minsize", "replay_mb",
+                 "reduce_ring_mincount", "ring_min_bytes", "tree_reduce_minsize", "replay_mb",
                  "local_replica", "spin_us", "drive_ms"):
         try:
             return int(value)
@@ -345,16 +360,8 @@ def load_config(  # noqa: C901
                 apply(key, item)
         else:
             apply(key, value)
-    if values.get("reduce_ring_mincount", 0) < 0:
-        raise ValueError("rabit_reduce_ring_mincount must be >= 0")
-    if values.get("tree_reduce_minsize", 1) <= 0:
-        raise ValueError("rabit_tree_reduce_minsize must be > 0")
-    if values.get("replay_mb", 0) < 0:
-        raise ValueError("rabit2_replay_mb must be >= 0")
-    if values.get("spin_us", 0) < 0:
-        raise ValueError("rabit2_spin_us must be >= 0")
-    if values.get("drive_ms", 0) < 0:
-        raise ValueError("rabit2_drive_ms must be >= 0")
-    if values.get("local_replica", 0) < 0:
-        raise ValueError("rabit_local_replica must be >= 0")
+    for name, least in _LEAST.items():
+        number = values.get(_ALIASES[name])
+        if number is not None and number < least:
+            raise ValueError(f"{name} must be >= {least}")
     return Config(**values, mock=tuple(mocks))

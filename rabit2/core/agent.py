@@ -90,6 +90,7 @@ class Agent:
         self,
         *,
         ring_mincount: int | None = None,
+        ring_min_bytes: int | None = None,
         tree_chunk: int = 1 << 20,
         timeout: float = 1800.0,
         recover: bool = False,
@@ -118,7 +119,7 @@ class Agent:
         self.error: RabitError | None = None
         self.last_progress = 0.0
         self._calls_completed = 0
-        self.planner = Planner(self, ring_mincount, tree_chunk)
+        self.planner = Planner(self, ring_mincount, tree_chunk, ring_min_bytes)
         self.receiver = Receiver(self)
         self.sender = Sender(self)
         self.peers = Peers(self)

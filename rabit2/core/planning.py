@@ -52,15 +52,17 @@ SCRATCH_RESERVE_FROM = 1 << 20
 
 
 def choose_allreduce(nbytes: int, itemsize: int, world: int,
-                     ring_mincount: int | None) -> CollectiveKind:
-    """Tree for small calls, ring above ``AUTO_RING_MIN_BYTES`` (``PAIR_MAX_BYTES`` at world
-    size 2), or above ``ring_mincount`` elements where that is set (rabit's
-    ``rabit_reduce_ring_mincount``).
+                     ring_mincount: int | None, ring_min_bytes: int | None = None,
+                     ) -> CollectiveKind:
+    """Tree for small calls, ring above ``AUTO_RING_MIN_BYTES`` (``ring_min_bytes`` where
+    that is set; ``PAIR_MAX_BYTES`` at world size 2), or above ``ring_mincount`` elements
+    where that is set (rabit's ``rabit_reduce_ring_mincount``, which wins).
 
     At world size 2 the tree degenerates into a relay through rank 0; a direct exchange
     does the same work in one hop instead of two.
     """
-    threshold = PAIR_MAX_BYTES if world == 2 else AUTO_RING_MIN_BYTES
+    threshold = (PAIR_MAX_BYTES if world == 2 else AUTO_RING_MIN_BYTES
+                 if ring_min_bytes is None else ring_min_bytes)
     if world > 1 and (nbytes > threshold if ring_mincount is None
                       else nbytes // itemsize > ring_mincount):
         return CollectiveKind.ALLREDUCE_RING
@@ -83,9 +85,11 @@ class Owner(Protocol):
 class Planner:
     """Descriptors and plans for one agent's calls (loop thread only)."""
 
-    def __init__(self, agent: Owner, ring_mincount: int | None, tree_chunk: int) -> None:
+    def __init__(self, agent: Owner, ring_mincount: int | None, tree_chunk: int,
+                 ring_min_bytes: int | None = None) -> None:
         self.agent = agent
         self.ring_mincount = ring_mincount  # ``rabit_reduce_ring_mincount``
+        self.ring_min_bytes = ring_min_bytes  # ``rabit2_ring_min_bytes``
         self.tree_chunk = tree_chunk  # ``rabit_tree_reduce_minsize``
         self._descriptors: dict[tuple[Any, ...], CallDescriptor] = {}
 
@@ -114,7 +118,8 @@ class Planner:
         return desc
 
     def choose_allreduce(self, nbytes: int, itemsize: int) -> CollectiveKind:
-        return choose_allreduce(nbytes, itemsize, self.agent.world, self.ring_mincount)
+        return choose_allreduce(nbytes, itemsize, self.agent.world, self.ring_mincount,
+                                self.ring_min_bytes)
 
     def plan(self, call: Call) -> Plan:
         """The schedule of ``call`` on this rank.  Raises ValueError for a call that cannot

@@ -72,6 +72,7 @@ class Engine:
         die_with_launcher(os.environ.get("RABIT2_LAUNCHER_PID"))
         self.agent = Agent(
             ring_mincount=config.reduce_ring_mincount,
+            ring_min_bytes=config.ring_min_bytes,
             tree_chunk=config.tree_reduce_minsize,
             timeout=config.timeout_sec,
             recover=config.recover,
@@ -347,7 +348,8 @@ class Engine:
         """The allreduce algorithm for ``nbytes`` of ``itemsize``-byte elements (the API
         thread asks: from the assignment and the settings, not from the agent)."""
         world = self.assignment.world_size if self.assignment is not None else 1
-        return choose_allreduce(nbytes, itemsize, world, self.config.reduce_ring_mincount)
+        return choose_allreduce(nbytes, itemsize, world, self.config.reduce_ring_mincount,
+                                self.config.ring_min_bytes)
 
     def replays_next(self) -> bool:
         """The next call's result comes from a neighbour (``prepare_fun`` is skipped).  Only

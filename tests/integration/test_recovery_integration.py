@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from rabit2 import errors
+from rabit2.core.planning import AUTO_RING_MIN_BYTES
 from rabit2.core.topology import topology
 from tests.support import ROOT, WORKERS
 
@@ -129,6 +130,16 @@ def _kill_tagged(tag: str) -> None:
                 os.kill(int(pid), signal.SIGKILL)
 
 
+def job_env() -> dict[str, str]:
+    """The environment of a job: this checkout first; the launcher decides recovery (from
+    --max-attempts); the tree/ring threshold of a plain launch on machines with as many
+    CPUs as workers (the library's), so that the worker's ``r`` calls are ring allreduces
+    wherever this runs (the launcher moves it to 2 MiB for workers that share a CPU)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "RABIT2_RING_MIN_BYTES": str(AUTO_RING_MIN_BYTES)}
+    env.pop("RABIT2_RECOVER", None)
+    return env
+
+
 def run_job(world: int, *args: str, max_attempts: int = 3, restart_delay: float = 0.0,
             timeout: float = 90.0, gbdt: bool = False,
             extra: tuple[str, ...] = ()) -> Job:
@@ -143,8 +154,7 @@ def run_job(world: int, *args: str, max_attempts: int = 3, restart_delay: float 
                    f"rtag={tag}"]
     else:
         command = [sys.executable, str(WORKER), f"--tag={tag}", *args]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("RABIT2_RECOVER", None)  # the launcher decides from --max-attempts
+    env = job_env()
     t0 = time.monotonic()
     try:
         proc = subprocess.run(
@@ -689,8 +699,7 @@ def test_workers_whose_tracker_connections_break_rejoin_and_the_job_goes_on() ->
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     tag = f"rtag-{uuid.uuid4().hex[:12]}"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("RABIT2_RECOVER", None)
+    env = job_env()
     proc = subprocess.Popen(
         [sys.executable, "-m", "tracker.submit", "--cluster", "local", "-n", "4",
          "--tracker-port", str(port), "--timeout", "80", "--", sys.executable, str(WORKER),
@@ -805,8 +814,7 @@ def test_gbdt_example_survives_a_kill(mock: str, victim: int, loop_kind: str) ->
 
 def _run_local_model_worker(mock: str) -> str:
     worker = WORKERS / "local_model_worker.py"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("RABIT2_RECOVER", None)
+    env = job_env()
     proc = subprocess.run(
         [sys.executable, "-m", "tracker.submit", "--cluster", "local", "-n", "4",
          "--timeout", "60", "--", sys.executable, str(worker), mock],

@@ -292,7 +292,7 @@ def test_bind_cpus_for_groups_or_round_robin() -> None:
     assert "RABIT2_BIND_CPU" not in build_worker_env({}, {}, task_id=1, attempt=0)
 
 
-def test_workers_pinned_beside_another_make_only_express_calls_themselves(
+def test_workers_pinned_beside_another_make_only_express_calls_themselves_and_prefer_the_tree(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from tracker.launch import local  # noqa: PLC0415
     from tracker.launch.options import parse_args  # noqa: PLC0415
@@ -301,13 +301,22 @@ def test_workers_pinned_beside_another_make_only_express_calls_themselves(
     assert not local.shares_cpu(2, "auto", [2, 5]) and not local.shares_cpu(4, "none", [2, 5])
     monkeypatch.setattr(local, "bind_cpus_for", lambda task, n, bind: (task % 2,))
     monkeypatch.setattr(local, "shares_cpu", lambda n, bind: n > 2)
-    monkeypatch.delenv("RABIT2_DRIVE_GENERAL", raising=False)
+    for name in ("RABIT2_DRIVE_GENERAL", "RABIT2_RING_MIN_BYTES"):
+        monkeypatch.delenv(name, raising=False)
     four = parse_args(["--cluster", "local", "-n", "4", "--", "python", "w.py"])
-    assert local.local_attempt(four, {}, 0, 0).env["RABIT2_DRIVE_GENERAL"] == "0"
+    env = local.local_attempt(four, {}, 0, 0).env
+    assert env["RABIT2_DRIVE_GENERAL"] == "0"
+    assert env["RABIT2_RING_MIN_BYTES"] == str(2 << 20)
     two = parse_args(["--cluster", "local", "-n", "2", "--", "python", "w.py"])
-    assert "RABIT2_DRIVE_GENERAL" not in local.local_attempt(two, {}, 0, 0).env
+    env = local.local_attempt(two, {}, 0, 0).env
+    assert "RABIT2_DRIVE_GENERAL" not in env and "RABIT2_RING_MIN_BYTES" not in env
     monkeypatch.setenv("RABIT2_DRIVE_GENERAL", "1")  # what the user says stands
-    assert local.local_attempt(four, {}, 0, 0).env["RABIT2_DRIVE_GENERAL"] == "1"
+    monkeypatch.setenv("RABIT2_RING_MIN_BYTES", "4096")
+    env = local.local_attempt(four, {}, 0, 0).env
+    assert env["RABIT2_DRIVE_GENERAL"] == "1" and env["RABIT2_RING_MIN_BYTES"] == "4096"
+    told = parse_args(["--cluster", "local", "-n", "4", "--env", "RABIT2_RING_MIN_BYTES=0",
+                       "--", "python", "w.py"])
+    assert local.local_attempt(told, {}, 0, 0).env["RABIT2_RING_MIN_BYTES"] == "0"
 
 
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="Linux CPU affinity")

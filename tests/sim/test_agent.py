@@ -629,6 +629,19 @@ def test_default_threshold_is_in_bytes_and_a_set_mincount_counts_elements(world:
     assert rabit_rule.choose_allreduce(32769 * 4, 4) is RING
 
 
+@pytest.mark.parametrize("world", [2, 3, 4, 9])
+def test_a_set_ring_min_bytes_moves_the_threshold_at_world_three_and_more(world: int) -> None:
+    moved = ready_agent(0, world, ring_min_bytes=2 << 20)
+    if world == 2:  # the pair's own threshold stands
+        assert moved.choose_allreduce(PAIR_MAX_BYTES + 8, 8) is RING
+    else:
+        assert moved.choose_allreduce(2 << 20, 8) is TREE
+        assert moved.choose_allreduce((2 << 20) + 8, 8) is RING
+    # rabit's element rule, where it is given, wins
+    both = ready_agent(0, world, ring_min_bytes=2 << 20, ring_mincount=32768)
+    assert both.choose_allreduce(32769 * 4, 4) is RING
+
+
 def test_invalid_call_leaves_the_agent_ready() -> None:
     agent = ready_agent(0, 3)
     buf = np.zeros(2, np.int64)

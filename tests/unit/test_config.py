@@ -90,6 +90,8 @@ def test_later_args_win() -> None:
         ("kw", "rabit2_heartbeat_sec", "2", "heartbeat_sec", 2.0),
         ("env", "RABIT2_LINK_TIMEOUT_SEC", "4.5", "link_timeout_sec", 4.5),
         ("arg", "rabit2_link_timeout_sec", "60", "link_timeout_sec", 60.0),
+        ("env", "RABIT2_RING_MIN_BYTES", "2097152", "ring_min_bytes", 2097152),
+        ("arg", "rabit2_ring_min_bytes", "0", "ring_min_bytes", 0),
     ],
 )
 def test_aliases(where: str, key: str, value: object, field: str, expected: object) -> None:
@@ -205,6 +207,8 @@ def test_secret_bytes_kwarg_is_taken_verbatim() -> None:
         ("rabit2_connect_timeout_sec", "0"),
         ("rabit2_heartbeat_sec", "-0.5"),
         ("rabit2_link_timeout_sec", "0"),
+        ("rabit2_ring_min_bytes", "-1"),
+        ("rabit2_ring_min_bytes", "2M"),
         ("rabit2_link_timeout_sec", "never"),
         ("rabit2_loop", "trio"),
         ("rabit2_tcp_congestion", ""),

@@ -10,6 +10,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from tracker.launch.common import Attempt, build_worker_env
 from tracker.launch.options import LaunchOptions
 
+SHARED_CPU_RING_MIN_BYTES = 2 << 20
+"""The tree/ring threshold for workers pinned beside others (world size 3 and more)."""
+
 
 def local_attempt(options: LaunchOptions, job_env: Mapping[str, str], task_id: int,
                   attempt: int) -> Attempt:
@@ -19,11 +22,15 @@ def local_attempt(options: LaunchOptions, job_env: Mapping[str, str], task_id: i
     env = build_worker_env(os.environ, job_env, task_id, attempt, options.env, cpus,
                            recover=options.max_attempts > 1)
     env["RABIT2_LAUNCHER_PID"] = str(os.getpid())  # (the worker dies with this process)
-    if shares_cpu(options.num_workers, options.bind) and "RABIT2_DRIVE_GENERAL" not in env:
+    if shares_cpu(options.num_workers, options.bind):
         # pinned beside another worker, a caller that drives the general path of its call
         # holds the CPU the other needs: only express calls are made on the caller's thread,
         # the rest go to the loop thread (docs/design.md, "The caller drives its call")
-        env["RABIT2_DRIVE_GENERAL"] = "0"
+        env.setdefault("RABIT2_DRIVE_GENERAL", "0")
+        # and each of the ring's 2(n - 1) dependent steps waits for the next rank to get a
+        # CPU: the tree, with fewer, is faster up to a few MiB (docs/performance.md, "Tree or
+        # ring"); the same on every rank, as the launcher starts them all
+        env.setdefault("RABIT2_RING_MIN_BYTES", str(SHARED_CPU_RING_MIN_BYTES))
     return Attempt(list(options.command), env, cpus=cpus)
 
 

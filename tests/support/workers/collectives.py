@@ -42,7 +42,8 @@ def contribution(count: int, dtype: np.dtype, r: int) -> np.ndarray:
 
 
 # every dtype, SUM/MAX/MIN, sizes around the world size and across the tree/ring threshold
-# (512 KiB: 140 000 elements of 4 and 8 bytes take the ring, 600 000 of every size)
+# (512 KiB: 140 000 elements of 4 and 8 bytes take the ring, 600 000 of every size; 2 MiB
+# where the launcher pins workers beside others: 600 000 of 4 and 8 bytes)
 for dtype in SUPPORTED_DTYPES:
     for count in sorted({0, 1, world - 1, world, world + 1, 100, 40_000, 140_000, 600_000}):
         inputs = [contribution(count, dtype, r) for r in range(world)]
