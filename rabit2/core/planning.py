@@ -61,8 +61,10 @@ def choose_allreduce(nbytes: int, itemsize: int, world: int,
     At world size 2 the tree degenerates into a relay through rank 0; a direct exchange
     does the same work in one hop instead of two.
     """
-    threshold = (PAIR_MAX_BYTES if world == 2 else AUTO_RING_MIN_BYTES
-                 if ring_min_bytes is None else ring_min_bytes)
+    if world == 2:
+        threshold = PAIR_MAX_BYTES
+    else:
+        threshold = AUTO_RING_MIN_BYTES if ring_min_bytes is None else ring_min_bytes
     if world > 1 and (nbytes > threshold if ring_mincount is None
                       else nbytes // itemsize > ring_mincount):
         return CollectiveKind.ALLREDUCE_RING
