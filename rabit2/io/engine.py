@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import threading
 from collections.abc import Callable, Sequence
 
 from rabit2.config import Config
@@ -42,6 +43,7 @@ from rabit2.core.planning import choose_allreduce
 from rabit2.errors import (
     CollectiveTimeoutError,
     JobAbortedError,
+    PeerLostError,
     ProtocolError,
     RabitError,
     TrackerError,
@@ -59,6 +61,9 @@ from rabit2.io.tracker_client import TrackerClient
 from rabit2.io.waiting import Poller, Waiter
 
 logger = logging.getLogger("rabit2.engine")
+ROOT_CAUSE_WAIT_SEC = 2.0
+"""How long a call that failed on a lost link waits for the tracker's abort, which names the
+failure that ended the peer (:meth:`Engine.run_call`)."""
 
 
 class Engine:
@@ -110,6 +115,8 @@ class Engine:
         self.closing = False
         self.holding = False  # in finalize, holding until every rank has finalized
         self.failed = asyncio.Event()  # set when the tracker aborts the job
+        # the same, for a caller's thread (also set when the tracker connection ends)
+        self._tracker_ended = threading.Event()
 
     # ------------------------------------------------------------------ bootstrap
 
@@ -145,7 +152,25 @@ class Engine:
         if not waiter.finished and not self._poller.wait(waiter, bound):
             raise CollectiveTimeoutError(f"the loop thread did not answer within {bound:g} s")
         if waiter.error is not None:
-            raise waiter.error
+            raise self._root_cause(waiter.error)
+
+    def _root_cause(self, error: BaseException) -> BaseException:
+        """The error a failed call raises.  A lost link is most often the echo of a failure
+        that the tracker is about to name to every rank: a peer that refused a bad request and
+        left, a worker that exited and is not restarted.  The peer's socket closes at once,
+        while the tracker's abort takes two hops, so the call waits up to
+        ``ROOT_CAUSE_WAIT_SEC`` for that abort and raises it (chained to the lost link)
+        rather than the echo.  Only a failure waits, and not once the tracker is gone."""
+        tracker = self.tracker
+        if not isinstance(error, PeerLostError) or tracker is None:
+            return error
+        self._tracker_ended.wait(ROOT_CAUSE_WAIT_SEC)
+        abort = tracker.abort_error
+        if abort is None:
+            return error
+        named = JobAbortedError(str(abort))
+        named.__cause__ = error
+        return named
 
     def begin_call(self, call: Call, waiter: Waiter, kill_after_bytes: int = -1,
                    reset_peer: int = -1, damage: bool = False,
@@ -296,6 +321,7 @@ class Engine:
     def on_abort(self, reason: str) -> None:
         self.execute(self.agent.abort(reason))
         self.failed.set()
+        self._tracker_ended.set()
 
     def schedule_tick(self) -> None:
         interval = min(1.0, self.config.timeout_sec / 4)

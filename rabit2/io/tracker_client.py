@@ -193,6 +193,12 @@ class TrackerClient:
         """
         self._send_from_any_thread({"t": "print", "msg": _truncate(str(msg))})
 
+    @property
+    def abort_error(self) -> JobAbortedError | None:
+        """The tracker's abort of the job, once it came (any thread may ask)."""
+        failure = self._failure
+        return failure if isinstance(failure, JobAbortedError) else None
+
     def signal_error(self, msg: str) -> None:
         """Ask the tracker to abort the whole job with ``msg`` as the reason; never blocks."""
         self._send_from_any_thread({"t": "error", "msg": _truncate(str(msg))})

@@ -183,6 +183,39 @@ def test_kill_9_mid_transfer_fails_every_survivor_fast(count: int, victim: int,
 
 
 @pytest.mark.integration
+def test_a_survivor_names_why_its_peer_left_not_the_lost_link() -> None:
+    """Without recovery, rank 1 exits with status 7 while the others wait in an allreduce.
+    Its sockets close at once, the launcher's abort comes two hops later: every survivor
+    raises the abort, which names the exit, and not the bare PeerLostError."""
+    code = (
+        "import os, sys, time, numpy as np, rabit2\n"
+        "rabit2.init()\n"
+        "r = rabit2.get_rank()\n"
+        "rabit2.allreduce(np.ones(10), rabit2.SUM)\n"
+        "if r == 1:\n"
+        "    time.sleep(0.3)\n"
+        "    os._exit(7)\n"
+        "t = time.monotonic()\n"
+        "try:\n"
+        "    rabit2.allreduce(np.ones(10), rabit2.SUM)\n"
+        "except rabit2.errors.RabitError as exc:\n"
+        "    print(f'FAILED {r} {type(exc).__name__} after {time.monotonic() - t:.2f}s: {exc}',"
+        " flush=True)\n"
+        "    sys.exit(3)\n"
+    )
+    proc = submit(3, sys.executable, "-c", code, timeout=120,
+                  extra=("--env", "RABIT2_RECOVER=0"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    for rank in (0, 2):
+        found = re.search(rf"FAILED {rank} (\w+) after ([0-9.]+)s: (.*)", out)
+        assert found, out[-3000:]
+        assert found.group(1) == "JobAbortedError", found.group(0)
+        assert "task 1 exited with 7" in found.group(3), found.group(0)
+        assert float(found.group(2)) < 10
+
+
+@pytest.mark.integration
 def test_diverging_call_sequences_fail_fast_with_a_sequence_mismatch() -> None:
     """Rank 1 checkpoints where the others do not: a typed error everywhere, not a hang."""
     code = (
