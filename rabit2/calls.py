@@ -33,6 +33,8 @@ from rabit2.state import run as _run
 
 def _flat_bytes(arr: np.ndarray) -> memoryview:
     """The bytes of a C-contiguous array, writable where it is."""
+    if arr.size == 0:  # (a memoryview of more than one dimension with a 0 in its shape
+        return memoryview(bytearray())  # cannot be cast)
     return arr.data.cast("B")
 
 

@@ -100,6 +100,16 @@ assert (big == np.arange(3_000_000, dtype=np.int32)).all()
 g = rabit2.allgather(np.full((rank + 1, 3), rank, dtype=np.int16))
 assert g.shape == (world * (world + 1) // 2, 3)
 assert (g[:, 0] == np.repeat(np.arange(world), np.arange(1, world + 1))).all()
+# empty arrays of more than one dimension, and a rank that gathers no rows
+for shape in ((0, 3), (3, 0), (2, 0, 4)):
+    e = np.empty(shape, dtype=np.float32)
+    assert rabit2.allreduce(e, rabit2.SUM).shape == shape
+    got = rabit2.broadcast(np.empty(shape, np.float32) if rank == 0 else None, 0)
+    assert got.shape == shape and got.dtype == np.float32
+g = rabit2.allgather(np.full((2, 3), rank, np.int32) if rank % 2 == 0 else np.empty((0, 3), np.int32))
+assert g.shape == (2 * ((world + 1) // 2), 3)
+assert (g[::2, 0] == np.arange(0, world, 2)).all()
+assert rabit2.allgather(np.empty((0, 5), np.uint8)).shape == (0, 5)
 assert rabit2.agree(True) is True
 assert rabit2.agree(rank != world - 1) is (world == 0)
 
