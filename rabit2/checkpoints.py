@@ -28,15 +28,14 @@ def checkpoint(global_model: Any, local_model: Any = None) -> None:
 
     Raises :class:`~rabit2.errors.NotInitializedError` before :func:`init` or after
     :func:`finalize`, and what ``pickle`` raises (``TypeError``, ``pickle.PicklingError``,
-    ...) for a model that cannot be pickled, before the version goes up.
+    ...) for a model that cannot be pickled; then nothing changes (the version, the models
+    kept).
     """
     comm = _require()
-    comm.global_model = pickle.dumps(global_model, protocol=pickle.HIGHEST_PROTOCOL)
-    comm.lazy_model = None
-    comm.local_model = (
-        None if local_model is None else pickle.dumps(local_model, pickle.HIGHEST_PROTOCOL)
-    )
-    _advance_version(comm, comm.global_model, comm.local_model)
+    blob = pickle.dumps(global_model, protocol=pickle.HIGHEST_PROTOCOL)
+    local = None if local_model is None else pickle.dumps(local_model, pickle.HIGHEST_PROTOCOL)
+    _advance_version(comm, blob, local)
+    comm.global_model, comm.lazy_model, comm.local_model = blob, None, local
 
 
 def lazy_checkpoint(global_model: Any, local_model: Any = None) -> None:
@@ -47,16 +46,14 @@ def lazy_checkpoint(global_model: Any, local_model: Any = None) -> None:
 
     Raises :class:`~rabit2.errors.NotInitializedError` before :func:`init` or after
     :func:`finalize`, and what ``pickle`` raises for a ``local_model`` that cannot be
-    pickled, before the version goes up."""
+    pickled, before the version goes up.  A global model that cannot be pickled fails the
+    restart that needs it: :class:`~rabit2.errors.UnrecoverableError` naming the pickling
+    error, on every rank."""
     comm = _require()
-    comm.lazy_model = global_model
-    comm.global_model = None
-    comm.local_model = (
-        None if local_model is None else pickle.dumps(local_model, pickle.HIGHEST_PROTOCOL)
-    )
+    local = None if local_model is None else pickle.dumps(local_model, pickle.HIGHEST_PROTOCOL)
     # pickled on the loop thread only if a restarted neighbour asks for it
-    _advance_version(comm, lambda: pickle.dumps(global_model, pickle.HIGHEST_PROTOCOL),
-                     comm.local_model)
+    _advance_version(comm, lambda: pickle.dumps(global_model, pickle.HIGHEST_PROTOCOL), local)
+    comm.global_model, comm.lazy_model, comm.local_model = None, global_model, local
 
 
 def _advance_version(comm: _Communicator, blob: bytes | Callable[[], bytes],

@@ -60,3 +60,38 @@ def test_an_exception_on_one_rank_ends_the_job_at_once_without_a_restart(
     assert "job: rank 1 (task 1) signalled an error: rank 1 raised ValueError" in out
     assert re.search(r"^root cause: rank 1 \(task 1\) exited with 1 at [\d:]+ \(attempt 1/3\): "
                      r"ValueError: bad input on rank 1$", out, re.M), out
+
+
+LAZY = textwrap.dedent("""
+    import sys, threading, numpy as np, rabit2
+
+    rabit2.init(sys.argv[1:])
+    try:
+        version, _ = rabit2.load_checkpoint()
+        for it in range(version, 4):
+            rabit2.allreduce(np.ones(10), rabit2.SUM)
+            rabit2.lazy_checkpoint({"it": it, "lock": threading.Lock()})
+    except rabit2.RabitError as exc:
+        print(f"FAILED {rabit2.get_rank()} {type(exc).__name__}: {exc}", flush=True)
+        sys.exit(3)
+""")
+
+
+def test_a_lazy_checkpoint_that_cannot_be_pickled_fails_the_restart_typed(
+        tmp_path: Path) -> None:
+    """The model of a lazy checkpoint is pickled only when a restarted neighbour asks for it:
+    one that cannot be pickled fails that restart with UnrecoverableError naming why, at
+    once, on every rank (and not as a link that closes, later taken for a partition)."""
+    script = tmp_path / "lazy.py"
+    script.write_text(LAZY)
+    started = time.monotonic()
+    done = subprocess.run(
+        ["rabit2-submit", "--cluster", "local", "-n", "2", "--max-attempts", "2", "--timeout",
+         "60", "--", sys.executable, str(script), "mock=1,1,0,0"],
+        capture_output=True, text=True, timeout=90, check=False, stdin=subprocess.DEVNULL)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0
+    assert time.monotonic() - started < 30, out[-3000:]
+    for rank in (0, 1):
+        assert re.search(rf"FAILED {rank} UnrecoverableError: .*rank 0 cannot pickle its lazy "
+                         r"checkpoint of version 1: TypeError", out), out[-3000:]

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import pickle
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -200,6 +202,14 @@ def test_lazy_checkpoint_keeps_a_reference(single: None) -> None:
     assert rabit2.load_checkpoint(with_local=True) == (2, model, None)
     rabit2.checkpoint("eager")
     assert rabit2.load_checkpoint() == (3, "eager")
+
+
+@pytest.mark.parametrize("take", [rabit2.checkpoint, rabit2.lazy_checkpoint])
+def test_a_checkpoint_that_cannot_be_pickled_changes_nothing(single: None, take: Any) -> None:
+    rabit2.checkpoint({"v": 1}, local_model="local 1")
+    with pytest.raises((TypeError, AttributeError, pickle.PicklingError)):
+        take({"v": 2}, local_model=lambda: 0)
+    assert rabit2.load_checkpoint(with_local=True) == (1, {"v": 1}, "local 1")
 
 
 def test_finalize_and_init_start_from_version_zero(single: None) -> None:

@@ -128,11 +128,7 @@ class Fetches:
         desc = NO_CALL
         reason = ""
         if what == "checkpoint":
-            blob = owner.checkpoint_blob(call[0])
-            if blob is None:
-                reason = f"rank {rank} holds no checkpoint of version {call[0]}"
-            else:
-                data = memoryview(blob)
+            data, reason = self._checkpoint(call[0])
         elif what == "local":
             local = owner.replicas.get(call[1], call[0])  # call = (version, owner)
             if local is None:
@@ -170,6 +166,18 @@ class Fetches:
                 raise ProtocolError(f"rank {peer} fetches bytes [{lo}, {hi}) of {len(data)}")
             data = data[lo:end]
         self.reply(peer, request, call, desc, data, cmds, reason)
+
+    def _checkpoint(self, version: int) -> tuple[memoryview | None, str]:
+        """The checkpoint of ``version`` to serve, or why there is none."""
+        rank = self.agent.rank
+        try:
+            blob = self.owner.checkpoint_blob(version)
+        except Exception as exc:  # a lazy checkpoint's model that cannot be pickled
+            return None, (f"rank {rank} cannot pickle its lazy checkpoint of version "
+                          f"{version}: {type(exc).__name__}: {exc}")
+        if blob is None:
+            return None, f"rank {rank} holds no checkpoint of version {version}"
+        return memoryview(blob), ""
 
     def reply(self, peer: int, request: int, call: CallId, desc: CallDescriptor,
               data: memoryview | None, cmds: list[Command], reason: str = "") -> None:

@@ -106,7 +106,8 @@ for shape in ((0, 3), (3, 0), (2, 0, 4)):
     assert rabit2.allreduce(e, rabit2.SUM).shape == shape
     got = rabit2.broadcast(np.empty(shape, np.float32) if rank == 0 else None, 0)
     assert got.shape == shape and got.dtype == np.float32
-g = rabit2.allgather(np.full((2, 3), rank, np.int32) if rank % 2 == 0 else np.empty((0, 3), np.int32))
+g = rabit2.allgather(np.full((2, 3), rank, np.int32) if rank % 2 == 0
+                     else np.empty((0, 3), np.int32))
 assert g.shape == (2 * ((world + 1) // 2), 3)
 assert (g[::2, 0] == np.arange(0, world, 2)).all()
 assert rabit2.allgather(np.empty((0, 5), np.uint8)).shape == (0, 5)
