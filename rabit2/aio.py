@@ -31,7 +31,7 @@ class Communicator:
     """
 
     def __init__(self, args: Iterable[str | bytes] | None = None, **kwargs: Any) -> None:
-        self._args = list(args) if args is not None else None
+        self._args = args  # (checked by init: rabit2.init's TypeError and ValueError)
         self._kwargs = kwargs
         self._lock = asyncio.Lock()
 

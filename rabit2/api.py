@@ -47,8 +47,10 @@ def init(args: Iterable[str | bytes] | None = None, **kwargs: Any) -> None:
     variables set by ``rabit2-submit`` are read first.  A second call while initialised is
     ignored with a warning, as in rabit.
 
-    Raises ``ValueError`` for unknown or malformed parameters, before anything is
-    contacted, and a :class:`~rabit2.errors.RabitError` if the job cannot be joined:
+    Raises ``ValueError`` for unknown or malformed parameters and ``TypeError`` for
+    ``args`` that are not a list of strings (a single string, or a dict: pass that as
+    keywords, ``init(**params)``), before anything is contacted, and a
+    :class:`~rabit2.errors.RabitError` if the job cannot be joined:
     :class:`~rabit2.errors.TrackerError` when the tracker cannot be reached after every
     attempt or refuses this worker, :class:`~rabit2.errors.CollectiveTimeoutError` when no
     rank is assigned or the neighbours do not connect in time,
@@ -62,7 +64,7 @@ def init(args: Iterable[str | bytes] | None = None, **kwargs: Any) -> None:
             return
         try:
             config = load_config(args, kwargs)
-        except ValueError as exc:
+        except (TypeError, ValueError) as exc:
             _give_up_on_bad_parameters(exc)
             raise
         logs.configure(config.log_level)
@@ -102,7 +104,7 @@ def init(args: Iterable[str | bytes] | None = None, **kwargs: Any) -> None:
             _install_excepthook()
 
 
-def _give_up_on_bad_parameters(error: ValueError) -> None:
+def _give_up_on_bad_parameters(error: TypeError | ValueError) -> None:
     """A worker of a job whose parameters ``init`` refuses: a restart would be refused the
     same way, so tell the tracker (named by the launcher's variables) to give this task up
     and end the job, instead of each attempt failing in turn.  Best effort, bounded (5 s);

@@ -126,6 +126,8 @@ def broadcast(data: Any, root: int) -> Any:
     :func:`allreduce`.
     """
     comm = _collective()
+    if isinstance(root, bool):  # (True == 1, but a flag is not a rank)
+        raise ValueError(f"root must be a rank, got {root!r}")
     if comm.live is not None:  # (elastic mode: a rank of the live set, at its place there)
         if not isinstance(root, (int, np.integer)) or int(root) not in comm.live:
             raise ValueError(f"root must be a rank of the live set {tuple(comm.live)}, "
@@ -232,10 +234,7 @@ def allgather(data: Any) -> np.ndarray:
     _run(Call(CollectiveKind.ALLGATHER, _flat_bytes(info), blocks=blocks))
     table = info.reshape(comm.world, GATHER_INFO)
     if len({(int(c), int(t)) for _, c, _, t in table}) != 1:
-        raise MismatchError(
-            "allgather: ranks passed different dtypes or trailing shapes: "
-            + ", ".join(f"rank {r}: dtype#{int(c)}" for r, (_, c, _, _) in enumerate(table))
-        )
+        raise _gather_mismatch(table, comm.rank, arr.shape[1:])
     sizes = [int(n) for n in table[:, 0]]
     offsets = np.cumsum([0, *sizes])
     rows = int(table[:, 2].sum())
@@ -245,6 +244,17 @@ def allgather(data: Any) -> np.ndarray:
     gblocks = tuple((int(offsets[r]), int(offsets[r + 1])) for r in range(comm.world))
     _run(Call(CollectiveKind.ALLGATHER, flat, blocks=gblocks))
     return out
+
+
+def _gather_mismatch(table: np.ndarray, rank: int, trailing: tuple[int, ...]) -> MismatchError:
+    """What differs between the ranks' allgather inputs: each rank's dtype, and which ranks
+    share a trailing shape (the ranks exchanged only a tag of it: this rank names its own)."""
+    tags = list(dict.fromkeys(int(t) for t in table[:, 3]))
+    ranks = ", ".join(f"rank {r}: {dtype_from_code(int(c))} trailing shape "
+                      f"{'ABCDEFGHIJKLMNOPQRSTUVWXYZ'[tags.index(int(t)) % 26]}"
+                      for r, (_, c, _, t) in enumerate(table))
+    return MismatchError(f"allgather: ranks passed different dtypes or trailing shapes: "
+                         f"{ranks} (rank {rank}'s trailing shape is {trailing})")
 
 
 def agree(flag: bool) -> bool:

@@ -223,6 +223,21 @@ def _parse_mock(value: str) -> MockSpec:
     return MockSpec(*nums)
 
 
+MAX_SECONDS = 1_000_000.0
+"""The longest a time setting may be (about 11.5 days): every deadline, summed with others or
+in milliseconds for the kernel, must stay within what the clocks and sockets take."""
+
+
+def _integer(field: str, value: Any) -> int:
+    """An integer setting: an int, an integral float, or its decimal text (not a bool)."""
+    if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+        raise ValueError(f"{field}: expected an integer, got {value!r}")
+    try:
+        return int(value)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{field}: expected an integer, got {value!r}") from None
+
+
 def _convert(field: str, value: Any) -> Any:  # noqa: C901, PLR0911, PLR0912
     if field == "secret":
         if isinstance(value, bytes):
@@ -251,18 +266,21 @@ def _convert(field: str, value: Any) -> Any:  # noqa: C901, PLR0911, PLR0912
     if field in ("tracker_port", "num_attempt", "world_size", "connect_retry",
                  "reduce_ring_mincount", "ring_min_bytes", "tree_reduce_minsize", "replay_mb",
                  "local_replica", "spin_us", "drive_ms"):
-        try:
-            return int(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{field}: expected an integer, got {value!r}") from None
+        number = _integer(field, value)
+        if field == "tracker_port" and not 0 <= number <= 65535:
+            raise ValueError(f"tracker_port: expected a port number 0-65535, got {value!r}")
+        return number
     if field in ("timeout_sec", "connect_timeout_sec", "heartbeat_sec", "recover_timeout_sec",
                  "link_timeout_sec"):
         try:
+            if isinstance(value, bool):
+                raise TypeError
             seconds = float(value)
         except (TypeError, ValueError):
             raise ValueError(f"{field}: expected seconds, got {value!r}") from None
-        if not 0 < seconds < float("inf"):  # also rejects NaN, which would never expire
-            raise ValueError(f"{field}: must be a positive number of seconds, got {value!r}")
+        if not 0 < seconds <= MAX_SECONDS:  # also rejects NaN, which would never expire
+            raise ValueError(f"{field}: must be a positive number of seconds, at most "
+                             f"{MAX_SECONDS:.0f}, got {value!r}")
         return seconds
     if field == "loop":
         text = str(value).lower()
@@ -349,6 +367,10 @@ def load_config(  # noqa: C901
         apply("DMLC_TASK_ID", task)
     if "DMLC_NUM_ATTEMPT" not in env and attempt is not None:
         apply("DMLC_NUM_ATTEMPT", attempt)
+    if isinstance(args, (str, bytes, Mapping)):
+        raise TypeError(
+            "init(args) takes a list of 'k=v' strings (such as sys.argv), got "
+            f"{type(args).__name__}; pass a dict of parameters as keywords: init(**params)")
     for arg in args or ():
         text = arg.decode() if isinstance(arg, bytes) else str(arg)
         key, sep, value = text.partition("=")

@@ -182,7 +182,7 @@ class LoopThread:
         fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
         self.wake()
         try:
-            return fut.result(timeout)
+            return fut.result(min(timeout, threading.TIMEOUT_MAX))
         except concurrent.futures.TimeoutError:
             fut.cancel()
             raise CollectiveTimeoutError(f"operation did not finish within {timeout:g} s") from None

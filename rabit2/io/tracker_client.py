@@ -57,6 +57,18 @@ def _truncate(text: str) -> str:
     return data[:_MAX_PRINT_BYTES].decode("utf-8", errors="ignore") + " ...[truncated]"
 
 
+def _heartbeat_interval(config: Config, welcome: dict[str, Any]) -> float:
+    """The configured heartbeat interval, but at most a third of the tracker's heartbeat
+    timeout (its welcome says it): a worker that beats less often is declared lost."""
+    interval = config.heartbeat_sec
+    limit = welcome.get("heartbeat_timeout")
+    if isinstance(limit, (int, float)) and limit > 0 and interval > limit / 3:
+        logger.warning("rabit2_heartbeat_sec=%g is not well below the tracker's heartbeat "
+                       "timeout (%g s): beating every %g s instead", interval, limit, limit / 3)
+        interval = limit / 3
+    return interval
+
+
 class TrackerClient:
     """One worker's persistent, authenticated connection to the tracker.
 
@@ -133,7 +145,7 @@ class TrackerClient:
                 # jitter spreads a whole job's retries so they do not hit the tracker together
                 await asyncio.sleep(delay * random.uniform(0.75, 1.25))
             try:
-                sock, _ = await connect_authenticated(
+                sock, welcome = await connect_authenticated(
                     config.tracker_uri,
                     config.tracker_port,
                     config.secret,
@@ -146,7 +158,7 @@ class TrackerClient:
                 continue
             except ProtocolError as exc:
                 raise TrackerError(f"tracker refused the connection: {exc}") from exc
-            client = await cls._from_socket(sock, config.heartbeat_sec)
+            client = await cls._from_socket(sock, _heartbeat_interval(config, welcome))
             client._config, client._listen_port = config, listen_port
             client._send(
                 {

@@ -147,6 +147,29 @@ def test_paused_worker_fails_its_neighbours_within_the_heartbeat_deadline() -> N
 
 
 @pytest.mark.integration
+def test_a_heartbeat_interval_beyond_the_trackers_timeout_does_not_get_workers_killed() -> None:
+    """rabit2_heartbeat_sec=5 against --heartbeat-timeout 2: the workers beat every 2/3 s
+    instead (the tracker's welcome names its timeout), and a 4 s pause between two calls is
+    not taken for a silent worker."""
+    code = (
+        "import time, numpy as np, rabit2\n"
+        "rabit2.init(rabit2_heartbeat_sec=5)\n"
+        "rabit2.allreduce(np.ones(10), rabit2.SUM)\n"
+        "time.sleep(4)\n"
+        "rabit2.allreduce(np.ones(10), rabit2.SUM)\n"
+        "r = rabit2.get_rank()\n"
+        "rabit2.finalize()\n"
+        "print('DONE', r, flush=True)\n"
+    )
+    proc = submit(2, sys.executable, "-c", code, timeout=120,
+                  extra=("--heartbeat-timeout", "2"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "DONE 0" in out and "DONE 1" in out
+    assert "beating every 0.666667 s instead" in out, out[-3000:]
+
+
+@pytest.mark.integration
 @pytest.mark.parametrize(("count", "victim", "after"), [(2_000_000, 2, 1 << 20), (30_000, 1, 4096)],
                          ids=["ring", "tree"])
 def test_kill_9_mid_transfer_fails_every_survivor_fast(count: int, victim: int,
@@ -213,6 +236,28 @@ def test_a_survivor_names_why_its_peer_left_not_the_lost_link() -> None:
         assert found.group(1) == "JobAbortedError", found.group(0)
         assert "task 1 exited with 7" in found.group(3), found.group(0)
         assert float(found.group(2)) < 10
+
+
+@pytest.mark.integration
+def test_an_allgather_of_different_trailing_shapes_says_what_differs() -> None:
+    code = (
+        "import sys, numpy as np, rabit2\n"
+        "rabit2.init()\n"
+        "r = rabit2.get_rank()\n"
+        "try:\n"
+        "    rabit2.allgather(np.zeros((2, 3 + (r == 1)), np.float32))\n"
+        "except rabit2.errors.MismatchError as exc:\n"
+        "    print('MISMATCH', r, exc, flush=True)\n"
+        "rabit2.finalize()\n"
+    )
+    proc = submit(3, sys.executable, "-c", code, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    table = ("rank 0: float32 trailing shape A, rank 1: float32 trailing shape B, "
+             "rank 2: float32 trailing shape A")
+    for rank, shape in ((0, "(3,)"), (1, "(4,)"), (2, "(3,)")):
+        assert f"MISMATCH {rank} allgather: ranks passed different dtypes or trailing shapes: "\
+               f"{table} (rank {rank}'s trailing shape is {shape})" in out, out[-3000:]
 
 
 @pytest.mark.integration

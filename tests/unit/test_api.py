@@ -259,7 +259,7 @@ def test_call_site_errors_do_not_touch_data(single: None) -> None:
     np.testing.assert_array_equal(arr, 1)
 
 
-@pytest.mark.parametrize("root", [-1, 1, 5, 1.0, "0", None])
+@pytest.mark.parametrize("root", [-1, 1, 5, 1.0, "0", None, True, False])
 def test_broadcast_root_out_of_range_is_value_error(single: None, root: object) -> None:
     with pytest.raises(ValueError, match="root"):
         rabit2.broadcast("x", root)  # type: ignore[arg-type]

@@ -215,6 +215,12 @@ def test_secret_bytes_kwarg_is_taken_verbatim() -> None:
         ("rabit2_tcp_congestion", "reno; rm"),
         ("rabit2_log_level", "LOUD"),
         ("rabit2_log_level", ""),
+        ("dmlc_tracker_port", "70000"),
+        ("dmlc_tracker_port", "-1"),
+        ("rabit_timeout_sec", "1e10"),
+        ("rabit2_connect_timeout_sec", "1e10"),
+        ("rabit2_link_timeout_sec", "1e308"),
+        ("rabit2_recover_timeout_sec", "1000001"),
     ],
 )
 def test_bad_values_raise(key: str, value: str) -> None:
@@ -227,6 +233,30 @@ def test_bad_kwarg_types_raise() -> None:
         load_config(kwargs={"dmlc_tracker_port": None}, environ={})
     with pytest.raises(ValueError):
         load_config(kwargs={"timeout_sec": [1]}, environ={})
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("dmlc_tracker_port", 9091.7), ("dmlc_tracker_port", True), ("rabit_timeout_sec", True),
+    ("rabit2_replay_mb", False), ("dmlc_tracker_port", 10**30),
+])
+def test_bools_and_fractions_are_not_numbers_of_a_setting(key: str, value: object) -> None:
+    with pytest.raises(ValueError, match=key):
+        load_config(kwargs={key: value}, environ={})
+
+
+def test_integral_floats_and_the_longest_timeout_are_taken() -> None:
+    config = load_config(kwargs={"dmlc_tracker_port": 9091.0, "rabit_timeout_sec": 1e6},
+                         environ={})
+    assert (config.tracker_port, config.timeout_sec) == (9091, 1e6)
+
+
+@pytest.mark.parametrize("args", ["dmlc_tracker_uri=127.0.0.1", b"rabit_timeout_sec=5",
+                                  {"dmlc_tracker_uri": "127.0.0.1"}])
+def test_args_that_are_not_a_list_of_strings_are_a_type_error(args: object) -> None:
+    """A dict (XGBoost's worker_args()) or one string passed where rabit's list of 'k=v'
+    strings goes would otherwise be read as nothing, and the worker would run alone."""
+    with pytest.raises(TypeError, match=r"init\(\*\*params\)"):
+        load_config(args, environ={})  # type: ignore[arg-type]
 
 
 def test_bad_env_value_raises() -> None:
