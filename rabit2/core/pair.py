@@ -379,6 +379,11 @@ class Receiver:
             progress.heard(self.agent, peer, msg, now, cmds)
         elif (recovery := self.agent.recovery) is None or not recovery.on_control(
                 peer, link, msg, cmds):
+            if recovery is None and kind in Recovery.KINDS:
+                raise MismatchError(
+                    f"rank {peer} runs with recovery on (it sent a {kind!r} message) and rank "
+                    f"{self.agent.rank} with it off: rabit2_recover must be the same on every "
+                    "rank")
             raise ProtocolError(f"rank {peer} sent a {kind!r} message on a peer link")
 
     def _diverged(self, peer: int, theirs: tuple[int, int], ours: tuple[int, int]) -> MismatchError:

@@ -261,6 +261,26 @@ def test_an_allgather_of_different_trailing_shapes_says_what_differs() -> None:
 
 
 @pytest.mark.integration
+def test_ranks_that_differ_in_recovery_fail_with_a_mismatch_naming_the_setting() -> None:
+    code = (
+        "import os, sys, numpy as np, rabit2\n"
+        "rabit2.init(rabit2_recover=os.environ['DMLC_TASK_ID'] == '1')\n"
+        "r = rabit2.get_rank()\n"
+        "try:\n"
+        "    rabit2.allreduce(np.ones(10), rabit2.SUM)\n"
+        "except rabit2.errors.MismatchError as exc:\n"
+        "    print('MISMATCH', r, exc, flush=True)\n"
+        "    sys.exit(3)\n"
+    )
+    proc = submit(2, sys.executable, "-c", code, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert re.search(rf"MISMATCH {rank} .*rabit2_recover must be the same on every rank",
+                         out), out[-3000:]
+
+
+@pytest.mark.integration
 def test_diverging_call_sequences_fail_fast_with_a_sequence_mismatch() -> None:
     """Rank 1 checkpoints where the others do not: a typed error everywhere, not a hang."""
     code = (

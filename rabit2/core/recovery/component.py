@@ -315,6 +315,9 @@ class Recovery:
         """Every neighbour has sent its state (a restarted rank waits for this in init)."""
         return all(link.peer_state is not None for link in self.agent.links.values())
 
+    KINDS = frozenset({"state", "need", "fetch", "reply", "local"})
+    """The recovery protocol's control messages (docs/protocol.md)."""
+
     def on_control(self, peer: int, link: Link, msg: dict[str, Any],
                    cmds: list[Command]) -> bool:
         """A recovery message from ``peer``; False if ``msg`` is none."""
