@@ -287,7 +287,20 @@ class Engine:
         self.keeper.on_hangup(peer, reason)
 
     def on_bytes(self, peer: int, nbytes: int) -> None:
-        self.execute(self.agent.on_bytes(peer, nbytes, self.loop.time()))
+        try:
+            cmds = self.agent.on_bytes(peer, nbytes, self.loop.time())
+        except Exception as exc:
+            # a defect on the path of ``peer``'s bytes (what comes off the wire is checked
+            # where it is decoded): the job ends at once with it named, on every rank,
+            # rather than the link closing and the loss being taken for a crash or partition
+            logger.exception("rank %d: handling the bytes from rank %d failed",
+                             self.agent.rank, peer)
+            cmds = []
+            if self.agent.error is None:  # (every neighbour hears it, ``peer`` too)
+                self.agent.fail(ProtocolError(
+                    f"rank {self.agent.rank}: handling the bytes from rank {peer} failed: "
+                    f"{type(exc).__name__}: {exc}"), cmds)
+        self.execute(cmds)
         if self.faults.kill_at >= 0:
             self.faults.after_bytes(self.links)
 

@@ -635,3 +635,35 @@ def test_an_abort_ends_a_bootstrap_wait_even_where_a_cancellation_is_lost() -> N
         return loop.time() - t0
 
     assert asyncio.run(scenario()) < 1.4
+
+
+def test_a_defect_handling_a_peers_bytes_fails_every_rank_typed_and_at_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """An exception on the path of a peer's bytes (a defect: the wire's input is checked
+    where it is decoded) must not close the link and leave the loss to be taken for a crash
+    or a partition: every rank raises a typed error that names it, at once."""
+    tracker, engines = start_job(2, "uvloop", RABIT2_EXPRESS="0", RABIT2_DRIVE_MS="0")
+    agent = engines[1].agent
+
+    def broken(peer: int, nbytes: int, now: float) -> Any:
+        raise KeyError("a defect")
+
+    agent.on_bytes = broken  # type: ignore[method-assign]
+
+    def work(rank: int, engine: Engine) -> tuple[float, BaseException | None]:
+        t0 = time.monotonic()
+        try:
+            engine.run_call(allreduce_call(np.ones(500, np.float64), engine))
+        except RabitError as exc:
+            return time.monotonic() - t0, exc
+        return time.monotonic() - t0, None
+
+    with caplog.at_level(logging.ERROR, logger="rabit2.engine"):
+        results = on_all(engines, work)
+    for elapsed, error in results:
+        assert isinstance(error, RabitError), results
+        assert "rank 1: handling the bytes from rank 0 failed: KeyError" in str(error), results
+        assert elapsed < 10, results
+    assert "handling the bytes from rank 0 failed" in caplog.text
+    on_all(engines, lambda r, e: e.close())
+    tracker.stop()
