@@ -28,7 +28,7 @@ from rabit2.checkpoints import (
     recovery_statistics,
     version_number,
 )
-from rabit2.config import Config, launcher_world, load_config
+from rabit2.config import Config, launcher_task, launcher_world, load_config
 from rabit2.core.ops import Op
 from rabit2.errors import JobAbortedError, RabitError
 from rabit2.state import comm as _comm
@@ -104,13 +104,20 @@ def init(args: Iterable[str | bytes] | None = None, **kwargs: Any) -> None:
             _install_excepthook()
 
 
+_TRACKER_KEYS = ("DMLC_TRACKER_URI", "DMLC_TRACKER_PORT", "RABIT2_SECRET")
+
+
 def _give_up_on_bad_parameters(error: TypeError | ValueError) -> None:
     """A worker of a job whose parameters ``init`` refuses: a restart would be refused the
     same way, so tell the tracker (named by the launcher's variables) to give this task up
     and end the job, instead of each attempt failing in turn.  Best effort, bounded (5 s);
     nothing when no tracker is configured."""
     try:
-        job = load_config(environ=os.environ)  # the launcher's variables alone
+        # the launcher's variables that find the tracker, alone (the bad value may be in
+        # another variable of the environment: rabit2-submit --env RABIT2_RECOVER=maybe)
+        where = {key: os.environ[key] for key in _TRACKER_KEYS if key in os.environ}
+        task, _ = launcher_task(os.environ)
+        job = load_config(environ=where if task is None else {**where, "DMLC_TASK_ID": task})
     except ValueError:
         return  # (the bad value is the launcher's own: nothing to reach)
     if not job.distributed or job.tracker_uri is None or job.task_id == "NULL":

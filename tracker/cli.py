@@ -31,6 +31,7 @@ import rabit2
 from rabit2.errors import TrackerError
 from rabit2.io.tracker_query import query_tracker_status
 from tracker import jobfile
+from tracker.launch.options import check_seconds
 from tracker.metrics import MetricsServer
 from tracker.server import Tracker, status_on_loop
 
@@ -74,9 +75,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         parser.error("--metrics-port must be a TCP port (0: any free one)")
+    if not 0 <= args.port < 65536:
+        parser.error("--port must be a TCP port (0: any free one)")
+    check_seconds(parser, "--heartbeat-timeout", args.heartbeat_timeout, None)
+    check_seconds(parser, "--query-timeout", args.query_timeout, None)
     if args.query is not None:
-        if not args.query_timeout > 0:
-            parser.error("--query-timeout must be > 0")
         if args.query == "" or os.path.isfile(args.query):
             return args  # a job file: read when the query runs
         host, sep, port = args.query.rpartition(":")

@@ -34,11 +34,13 @@ class TrackerThread:
         self._ranks_lock = threading.Lock()
         self._silent: list[str] = []
         self._finished: set[str] = set()
+        self._joined: set[str] = set()
         # the job's first lost worker, as a summary's root cause row says it (None: none)
         self.first_loss: str | None = None
         self.tracker.on_rank_assigned = self._remember_rank
         self.tracker.on_worker_lost = self._worker_lost
         self.tracker.on_task_finished = self._task_finished
+        self.tracker.on_task_registered = self._task_joined
 
     def _worker_lost(self, task_id: str, rank: int | None, reason: str) -> None:
         with self._ranks_lock:
@@ -54,6 +56,16 @@ class TrackerThread:
     def _task_finished(self, task_id: str) -> None:
         with self._ranks_lock:
             self._finished.add(task_id)
+
+    def _task_joined(self, task_id: str) -> None:
+        with self._ranks_lock:
+            self._joined.add(task_id)
+
+    def joined(self) -> set[str]:
+        """Task ids whose rabit2 worker registered with the tracker (``init``), at any
+        attempt."""
+        with self._ranks_lock:
+            return set(self._joined)
 
     def has_finished(self, task_id: str) -> bool:
         """Whether the task told the tracker it is done for good (a ``shutdown`` that does

@@ -109,8 +109,9 @@ class Tracker:
     runs one for synchronous code.
 
     Hooks (called on the loop; exceptions are logged and ignored):
-    ``on_worker_lost(task_id, rank_or_None, reason)``, ``on_rank_assigned(task_id, rank)`` and
-    ``on_task_finished(task_id)`` (a ``shutdown`` that does not hold: the task is done for good).
+    ``on_worker_lost(task_id, rank_or_None, reason)``, ``on_rank_assigned(task_id, rank)``,
+    ``on_task_registered(task_id)`` (a rabit2 worker joined) and ``on_task_finished(task_id)``
+    (a ``shutdown`` that does not hold: the task is done for good).
     """
 
     def __init__(
@@ -181,6 +182,7 @@ class Tracker:
         self.on_worker_lost: Callable[[str, int | None, str], None] | None = None
         self.on_rank_assigned: Callable[[str, int], None] | None = None
         self.on_task_finished: Callable[[str], None] | None = None
+        self.on_task_registered: Callable[[str], None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -405,6 +407,9 @@ class Tracker:
                 raise ProtocolError("this job's workers speak the classic rabit protocol "
                                     "(XGBoost 1.x/2.0); a rabit2 worker cannot join it")
             self._apply(registry.register(conn, msg, host=conn.host, peer=conn.peer, now=now))
+            joined = registry.task_of(conn)
+            if joined is not None:
+                _call_hook(self.on_task_registered, joined.task_id)
             return True
         if kind == "heartbeat":  # reading it already reset the liveness deadline
             if "progress" in msg:

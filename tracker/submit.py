@@ -118,8 +118,11 @@ def run_job(options: LaunchOptions, out: TextIO | None = None, err: TextIO | Non
     if options.cluster == "local":
         check_local_command(options.command)
     with contextlib.ExitStack() as stack:
-        log_file = (None if options.log_file is None
-                    else stack.enter_context(open(options.log_file, "a", encoding="utf-8")))
+        try:
+            log_file = (None if options.log_file is None
+                        else stack.enter_context(open(options.log_file, "a", encoding="utf-8")))
+        except OSError as exc:
+            raise LaunchError(f"--log-file {options.log_file}: {exc.strerror or exc}") from None
         writer = LineWriter(options.timestamps, log_file)
         stack.enter_context(_tracker_log(writer, err, options.log_level or "WARNING"))
         return _run(options, writer, out, err)

@@ -57,11 +57,17 @@ WORKER = textwrap.dedent(
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
             while True:
                 time.sleep(0.1)
+        if MODE == "leave-before-joining" and task == 1:
+            return 0
         client = await TrackerClient.connect(cfg, 20000 + task)
         assignment = await client.wait_assignment(30)
         client.print(f"assigned rank {assignment.rank} incarnation {assignment.incarnation}")
         if MODE == "fail-first" and task == 1 and attempt == 0:
             return 1  # dies without shutdown: the tracker sees the loss
+        if MODE == "leave-without-finalize":
+            if task == 1:
+                return 0
+            await client.shutdown(30, hold=True)  # (recovery on: waits for every rank)
         await client.shutdown(10)
         return 0
 
@@ -122,6 +128,13 @@ def test_parse_args() -> None:
         (["-n", "2"], "no command"),
         (["-n", "2", "--env", "novalue", "--", "x"], "K=V"),
         (["-n", "2", "--max-attempts", "0", "--", "x"], "max-attempts"),
+        (["-n", "2", "--restart-delay", "nan", "--", "x"], "--restart-delay must be a finite"),
+        (["-n", "2", "--timeout", "nan", "--", "x"], "--timeout must be a finite"),
+        (["-n", "2", "--kill-grace", "1e300", "--", "x"], "--kill-grace must be a finite"),
+        (["-n", "2", "--heartbeat-timeout", "inf", "--", "x"], "--heartbeat-timeout must be"),
+        (["-n", "2", "--timeout", "0", "--", "x"], "--timeout must be > 0"),
+        (["-n", "2", "--tracker-port", "70000", "--", "x"], "--tracker-port must be a TCP port"),
+        (["-n", "10000000", "--", "x"], "(ulimit -n)"),
     ],
 )
 def test_parse_args_errors(
@@ -236,6 +249,27 @@ def test_permanent_failure_stops_everyone(worker: Path, monkeypatch: pytest.Monk
     # the first failure, with what the worker said last on stderr
     assert re.search(r"^root cause: task 1 exited with 3 at \d\d:\d\d:\d\d \(attempt 1/2\): "
                      r"giving up$", text, re.M), text
+    assert_all_dead(worker.parent / "pids")
+
+
+@pytest.mark.parametrize(("mode", "why"), [
+    ("leave-before-joining", "task 1 exited with 0 without joining the job (rabit2.init), "
+                             "which the others joined: they cannot start without it"),
+    ("leave-without-finalize", "task 1 exited with 0 without rabit2.finalize() while the job "
+                               "ran: the others cannot finish without it"),
+])
+def test_a_program_that_ends_while_the_job_needs_it_ends_the_job(worker: Path, mode: str,
+                                                                  why: str) -> None:
+    """Status 0 is no failure to restart, but the others would wait for that worker until
+    their deadlines (its assignment, or its replacement): the job ends in seconds, named."""
+    out, err = io.StringIO(), io.StringIO()
+    start = time.monotonic()
+    code = run_job(options(worker, mode, max_attempts=3), out, err)
+    text = err.getvalue()
+    assert code == EXIT_FAILED, text
+    assert time.monotonic() - start < 15
+    assert f"root cause: {why}" in text
+    assert "restarting" not in text
     assert_all_dead(worker.parent / "pids")
 
 
@@ -645,8 +679,15 @@ def _run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-def test_usage_and_environment_errors_are_one_line_with_exit_2() -> None:
+def test_usage_and_environment_errors_are_one_line_with_exit_2(tmp_path: Path) -> None:
     import socket  # noqa: PLC0415
+
+    no_shebang = tmp_path / "no_shebang.py"
+    no_shebang.write_text("print(1)\n")
+    bad_interpreter = tmp_path / "bad_interpreter.py"
+    bad_interpreter.write_text("#!/no/such/interpreter\nprint(1)\n")
+    for script in (no_shebang, bad_interpreter):
+        script.chmod(0o755)
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -662,6 +703,12 @@ def test_usage_and_environment_errors_are_one_line_with_exit_2() -> None:
             (("tracker.cli", "-n", "1", "--log-level", "LOUD"), "--log-level: invalid choice"),
             (("tracker.submit", "-n", "2", "--", sys.executable, "no/such/train.py"),
              "no/such/train.py: no such file"),
+            (("tracker.submit", "-n", "2", "--", str(no_shebang)),
+             "cannot start task 0: [Errno 8] Exec format error"),
+            (("tracker.submit", "-n", "2", "--", str(bad_interpreter)),
+             "exists, but the interpreter its #! line names does not"),
+            (("tracker.submit", "-n", "1", "--log-file", str(tmp_path / "no" / "log"), "--",
+              "true"), "--log-file"),
         ]
         for argv, said in cases:
             proc = _run_cli(*argv)
@@ -669,14 +716,17 @@ def test_usage_and_environment_errors_are_one_line_with_exit_2() -> None:
             assert said in proc.stderr and "Traceback" not in proc.stderr, (argv, proc.stderr)
 
 
-@pytest.mark.parametrize("bad", ["rabit_timout_sec=60", "rabit2_recover=maybe"])
-def test_parameters_init_refuses_end_the_job_without_a_restart(bad: str) -> None:
+@pytest.mark.parametrize(("bad", "where"), [("rabit_timout_sec=60", "argv"),
+                                            ("rabit2_recover=maybe", "argv"),
+                                            ("RABIT2_RECOVER=maybe", "env")])
+def test_parameters_init_refuses_end_the_job_without_a_restart(bad: str, where: str) -> None:
     """A typo in a rabit2 parameter fails every attempt the same way: the first attempt
     tells the tracker to give its task up, and the job ends at once, naming the key."""
     code = "import sys, rabit2\nrabit2.init(sys.argv[1:])\nrabit2.finalize()\n"
     started = time.monotonic()
-    proc = _run_cli("tracker.submit", "-n", "2", "--max-attempts", "3", "--",
-                    sys.executable, "-c", code, bad)
+    given = ("--env", bad, "--") if where == "env" else ("--",)
+    proc = _run_cli("tracker.submit", "-n", "2", "--max-attempts", "3", *given,
+                    sys.executable, "-c", code, *([bad] if where == "argv" else []))
     assert proc.returncode == 1, proc.stderr
     assert "restarting" not in proc.stderr, proc.stderr
     key = bad.partition("=")[0]

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
+import resource
 import shlex
 import socket
 from collections.abc import Sequence
@@ -138,6 +140,40 @@ def remote_python_for(command: Sequence[str]) -> str:
     return command[0] if first.startswith("python") else "python3"
 
 
+MAX_SECONDS = 1_000_000.0
+"""The longest time an option may name (about 11.5 days), as for the workers' settings."""
+FDS_PER_LOCAL_WORKER = 4
+"""File descriptors the launcher holds per local worker: its output pipes, its stdin and the
+tracker's connection to it."""
+
+
+def check_seconds(parser: argparse.ArgumentParser, name: str, value: float | None,
+                  least: float | None) -> None:
+    """A time option: finite, at most ``MAX_SECONDS``, and ``>= least`` (None: ``> 0``);
+    exits with status 2 (``parser.error``) otherwise.  None (not given) passes."""
+    if value is None:
+        return
+    if not math.isfinite(value) or value > MAX_SECONDS:
+        parser.error(f"{name} must be a finite number of seconds, at most "
+                     f"{MAX_SECONDS:.0f}, got {value}")
+    if (least is None and not value > 0) or (least is not None and value < least):
+        parser.error(f"{name} must be {'> 0' if least is None else f'>= {least:g}'}")
+
+
+def check_process_room(parser: argparse.ArgumentParser, workers: int) -> None:
+    """``--cluster local`` starts every worker here: refuse a number this process cannot
+    hold the pipes and connections of (``ulimit -n``), or that exceeds the user's process
+    limit (``ulimit -u``), before any is started."""
+    fds, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = FDS_PER_LOCAL_WORKER * workers + 64
+    if fds != resource.RLIM_INFINITY and need > fds:
+        parser.error(f"-n {workers} needs about {need} open files in the launcher; its limit "
+                     f"is {fds} (ulimit -n)")
+    procs, _ = resource.getrlimit(resource.RLIMIT_NPROC)
+    if procs != resource.RLIM_INFINITY and workers > procs:
+        parser.error(f"-n {workers} exceeds this user's process limit, {procs} (ulimit -u)")
+
+
 def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PLR0915
     """Parse ``[options] -- command...``; exits with status 2 on bad usage (argparse)."""
     argv = list(argv)
@@ -239,12 +275,15 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
         parser.error("-n must be >= 1")
     if args.max_attempts < 1:
         parser.error("--max-attempts must be >= 1")
-    if args.restart_delay < 0 or args.kill_grace < 0:
-        parser.error("--restart-delay and --kill-grace must be >= 0")
-    if not args.heartbeat_timeout > 0:
-        parser.error("--heartbeat-timeout must be > 0")
-    if args.timeout is not None and args.timeout <= 0:
-        parser.error("--timeout must be > 0")
+    for name, value, least in (("--restart-delay", args.restart_delay, 0.0),
+                               ("--kill-grace", args.kill_grace, 0.0),
+                               ("--heartbeat-timeout", args.heartbeat_timeout, None),
+                               ("--timeout", args.timeout, None)):
+        check_seconds(parser, name, value, least)
+    if not 0 <= args.tracker_port < 65536:
+        parser.error("--tracker-port must be a TCP port (0: any free one)")
+    if args.cluster == "local":
+        check_process_room(parser, args.num_workers)
     if not 1 <= args.min_workers <= args.num_workers:
         parser.error("--min-workers must be between 1 and -n")
     if args.min_workers != 1 and not args.elastic:

@@ -24,6 +24,7 @@ from tracker.launch.common import (
     EXIT_OK,
     POLL_SEC,
     Interrupted,
+    LaunchError,
     LineWriter,
     TaskRun,
     describe_failure,
@@ -34,6 +35,10 @@ from tracker.launch.local import local_attempt, pinned
 from tracker.launch.options import LaunchOptions
 from tracker.launch.ssh import ssh_attempt
 from tracker.server import JobResult, TrackerThread
+
+LEFT_EARLY_SEC = 1.0
+"""How long after a task's program ended with 0 the launcher looks whether the job still
+needed it (:meth:`TaskLauncher._check_left_early`)."""
 
 
 def job_line(result: JobResult | None, ok: bool, interrupted: bool) -> str:
@@ -67,6 +72,7 @@ class TaskLauncher:
         self._abort_seen_at: float | None = None
         self._done_seen_at: float | None = None
         self._root_cause: str | None = None  # the job's first failure, as the summary says
+        self._ended_ok: dict[int, float] = {}  # task id -> when its program ended with 0
 
     def _note(self, message: str) -> None:
         self._writer.write(self._err, f"[rabit2-submit] {message}")
@@ -144,7 +150,38 @@ class TaskLauncher:
             if code is None:
                 continue
             self._exited(task, code, now)
+        self._check_left_early(now)
         return True
+
+    def _check_left_early(self, now: float) -> None:
+        """A task whose program ended with status 0 while the job still needs it: one that
+        never joined, once others did (they wait for it to be assigned their ranks), or one
+        that joined and never finalized (its neighbours wait for it, or for a replacement).
+        Restarting a program that ended by itself only ends it again, so the job is given up
+        on, naming it, instead of waiting for the others' deadlines."""
+        if (self.options.elastic or self._abort_seen_at is not None
+                or self.tracker.result() is not None):
+            return
+        joined = self.tracker.joined()
+        if not joined:
+            return  # (no worker calls init: nothing waits)
+        for task in self.tasks:
+            tid = str(task.task_id)
+            ended = self._ended_ok.get(task.task_id)
+            # (a moment's grace: the tracker may not have recorded the job's end yet)
+            if (task.status != "ok" or ended is None or now - ended < LEFT_EARLY_SEC
+                    or self.tracker.has_finished(tid)):
+                continue
+            if tid in joined:
+                why = ("exited with 0 without rabit2.finalize() while the job ran: the others "
+                       "cannot finish without it")
+            else:
+                why = ("exited with 0 without joining the job (rabit2.init), which the others "
+                       "joined: they cannot start without it")
+            self._root_cause = f"task {task.task_id} {why}"
+            self._give_up(f"task {task.task_id} {why}", task_id=task.task_id)
+            self._abort_seen_at = now
+            return
 
     def _aborted_by(self, task: TaskRun) -> bool:
         """The job was aborted because of ``task`` (its program raised on it)."""
@@ -169,6 +206,7 @@ class TaskLauncher:
                                                 time.time())
         if code == 0:
             task.status = "ok"
+            self._ended_ok[task.task_id] = now
         elif self._abort_seen_at is not None:
             task.status = "failed"  # the job is over: a restart could only hang
         elif self.tracker.has_finished(str(task.task_id)):
@@ -210,15 +248,24 @@ class TaskLauncher:
         attempt = start(self.options, self.tracker.worker_env(), task.task_id, task.attempts)
         # A session of its own: Ctrl-C in the terminal reaches only the launcher (which then
         # stops the workers in order), and killpg also reaches the worker's own children.
-        with pinned(attempt.cpus):
-            proc = subprocess.Popen(
-                attempt.argv,
-                env=attempt.env,
-                stdin=subprocess.DEVNULL if attempt.header is None else subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-            )
+        try:
+            with pinned(attempt.cpus):
+                proc = subprocess.Popen(
+                    attempt.argv,
+                    env=attempt.env,
+                    stdin=subprocess.DEVNULL if attempt.header is None else subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    start_new_session=True,
+                )
+        except OSError as exc:  # (a script without a #! line, a missing interpreter, ...)
+            if isinstance(exc, FileNotFoundError) and os.path.exists(attempt.argv[0]):
+                exc = FileNotFoundError(exc.errno, f"{attempt.argv[0]} exists, but the "
+                                        "interpreter its #! line names does not")
+            if not task.attempts:
+                raise LaunchError(f"cannot start task {task.task_id}: {exc}") from None
+            self._start_failed(task, exc)
+            return
         if attempt.header is not None and proc.stdin is not None:
             # a few KiB into an empty pipe: never blocks.  The pipe then stays open: its end
             # (this process or its ssh gone) is what stops the remote worker
@@ -237,6 +284,22 @@ class TaskLauncher:
                                       daemon=True, name=f"rabit2-submit-relay-{task.task_id}")
             reader.start()
             task.readers.append(reader)
+
+    def _start_failed(self, task: TaskRun, exc: OSError) -> None:
+        """A restart of ``task`` could not start its process: an attempt that failed."""
+        task.attempts += 1
+        task.exit_code = 127
+        reason = f"task {task.task_id} could not be started again: {exc}"
+        if self._root_cause is None:
+            self._root_cause = reason
+        if task.attempts < self.options.max_attempts:
+            task.status = "restarting"
+            task.restart_at = time.monotonic() + max(self.options.restart_delay, POLL_SEC)
+            self._note(f"{reason} (attempt {task.attempts}/{self.options.max_attempts})")
+            return
+        task.status = "failed"
+        self._give_up(f"{reason}, after {task.attempts} attempts", task_id=task.task_id)
+        self._abort_seen_at = time.monotonic()
 
     def _relay(self, task: TaskRun, pipe: IO[bytes], stream: TextIO) -> None:
         with pipe:
