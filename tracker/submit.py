@@ -37,6 +37,7 @@ This module parses the command line and picks the back-end; the back-ends are in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
 import os
@@ -51,6 +52,7 @@ from types import FrameType
 from typing import TextIO
 
 from tracker import jobfile
+from tracker.launch import orphans
 from tracker.launch.common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
@@ -231,6 +233,8 @@ def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Console entry point."""
     options = parse_args(sys.argv[1:] if argv is None else argv)
+    # (this process runs only the launcher: what a worker leaves behind is stopped at the end)
+    options = dataclasses.replace(options, reap_orphans=orphans.adopt())
     previous = signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
         return run_job(options)

@@ -306,6 +306,71 @@ def test_cli_interrupt_leaves_no_worker(worker: Path) -> None:
     assert_all_dead(pid_dir)
 
 
+LEAVER = textwrap.dedent("""
+    import os, signal, subprocess, sys, time
+    from pathlib import Path
+    pid_dir, mode = Path(sys.argv[1]), sys.argv[2]
+    task = os.environ["DMLC_TASK_ID"]
+    if mode == "stubborn":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    group = subprocess.Popen(["sleep", "600"])
+    session = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    for name, pid in (("worker", os.getpid()), ("group", group.pid), ("session", session.pid)):
+        (pid_dir / f"{name}.{task}.pid").write_text(str(pid))
+    if mode == "stubborn":
+        time.sleep(600)
+""")
+
+
+def _pids(pid_dir: Path) -> list[int]:
+    return [int(p.read_text()) for p in pid_dir.glob("*.pid")]
+
+
+def test_what_the_workers_leave_behind_is_stopped_with_the_job(tmp_path: Path) -> None:
+    """Each worker starts a process in its own group and one in a session of its own, and
+    exits 0: rabit2-submit stops both kinds when the job ends (it adopts the orphans)."""
+    script = tmp_path / "leaver.py"
+    script.write_text(LEAVER)
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    proc = _run_cli("tracker.submit", "-n", "2", "--", sys.executable, str(script),
+                    str(pid_dir), "exit")
+    assert proc.returncode == EXIT_OK, proc.stderr
+    assert len(_pids(pid_dir)) == 6
+    assert_gone(_pids(pid_dir), 5)
+    assert re.search(r"stopped [2-4] process\(es\) the workers left behind", proc.stderr), (
+        proc.stderr)
+
+
+def test_a_second_interrupt_kills_at_once_and_leaves_nothing(tmp_path: Path) -> None:
+    """Workers that ignore SIGTERM get the --kill-grace (60 s here) after a Ctrl-C; a second
+    Ctrl-C kills them, and what they started, at once."""
+    script = tmp_path / "leaver.py"
+    script.write_text(LEAVER)
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tracker.submit", "--cluster", "local", "-n", "2",
+         "--kill-grace", "60", "--", sys.executable, str(script), str(pid_dir), "stubborn"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        wait_until(lambda: len(_pids(pid_dir)) == 6, 20, proc, "the workers' children")
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert proc.poll() is None  # (in the grace: the workers ignore SIGTERM)
+        started = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=20)
+        assert time.monotonic() - started < 10
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == EXIT_INTERRUPTED, stderr
+    assert "Traceback" not in stderr, stderr
+    assert_gone(_pids(pid_dir), 5)
+
+
 def test_bind_cpus_for_groups_or_round_robin() -> None:
     from tracker.launch.local import bind_cpus_for  # noqa: PLC0415
 

@@ -61,6 +61,9 @@ class LaunchOptions:
     status_file: str | None = None  # the job file's path (None: the default; "": none)
     elastic: bool = False  # live sets (docs/elastic.md): the job goes on without the lost
     min_workers: int = 1  # elastic: the fewest workers the job goes on with
+    # this process adopted its workers' orphans (the rabit2-submit command:
+    # tracker/launch/orphans.py): stop them when the job ends
+    reap_orphans: bool = False
 
 
 def parse_host_file(text: str) -> tuple[Host, ...]:

@@ -15,8 +15,11 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
+from types import FrameType
 from typing import IO, TextIO
 
+from tracker.launch import orphans
 from tracker.launch.common import (
     ABORT_GRACE_SEC,
     EXIT_FAILED,
@@ -98,11 +101,17 @@ class TaskLauncher:
             interrupted = True
             self._give_up("the launcher was interrupted")
         finally:
-            self._terminate_all()
-            for task in self.tasks:
-                for reader in task.readers:
-                    # bounded: a grandchild that escaped the process group may hold the pipe
-                    reader.join(self.options.kill_grace + 1.0)
+            with _hurried() as hurry:
+                self._terminate_all(hurry)
+                if options.reap_orphans:
+                    stopped = orphans.stop(0.0 if hurry.is_set() else options.kill_grace)
+                    if stopped:
+                        self._note(f"stopped {stopped} process(es) the workers left behind")
+                # bounded: a process that escaped the workers' groups may hold a pipe
+                end = time.monotonic() + options.kill_grace + 1.0
+                for task in self.tasks:
+                    for reader in task.readers:
+                        reader.join(max(0.0, end - time.monotonic()))
         result = self.tracker.result()
         for task in self.tasks:
             task.rank = self.tracker.rank_of(str(task.task_id))
@@ -193,6 +202,10 @@ class TaskLauncher:
     def _exited(self, task: TaskRun, code: int, now: float) -> None:
         """Task ``task``'s attempt exited with ``code``: done, restart it, or give up."""
         assert task.proc is not None
+        # what the worker started in its group and left running goes with it (its group id
+        # is its PID, which cannot have been reused: it was reaped just now)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(task.proc.pid, signal.SIGTERM)
         self.tracker.worker_exited(str(task.task_id))  # (no rejoin will come)
         _close_stdin(task.proc)
         task.proc = None
@@ -310,18 +323,21 @@ class TaskLauncher:
                 if stream is self._err and end == "\n" and text.strip():
                     task.last_error = text.strip()[:300]
 
-    def _terminate_all(self) -> None:
+    def _terminate_all(self, hurry: threading.Event) -> None:
+        """SIGTERM every worker's group, SIGKILL what is left after ``--kill-grace`` (at once
+        once ``hurry`` is set: the launcher was interrupted again), and reap them."""
         running = [task for task in self.tasks if task.proc is not None]
         for task in running:
             _signal_group(task, signal.SIGTERM)
         deadline = time.monotonic() + self.options.kill_grace
+        while (not hurry.is_set() and time.monotonic() < deadline
+               and any(task.proc is not None and task.proc.poll() is None for task in running)):
+            time.sleep(POLL_SEC)
         for task in running:
             proc = task.proc
             if proc is None:
                 continue
-            try:
-                proc.wait(max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
+            if proc.poll() is None:
                 _signal_group(task, signal.SIGKILL)
                 proc.wait()
             _close_stdin(proc)
@@ -331,6 +347,29 @@ class TaskLauncher:
         for task in self.tasks:
             if task.status in ("pending", "restarting"):
                 task.status = "killed"
+
+
+@contextlib.contextmanager
+def _hurried() -> Iterator[threading.Event]:
+    """While the launcher stops the workers, a Ctrl-C or SIGTERM (a second one, if the
+    first began the stop) sets the event, which makes the stop kill at once, instead of
+    raising in the middle of it and leaving workers behind.  On the main thread only (where
+    signal handlers run); elsewhere the event is never set."""
+    hurry = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield hurry
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        hurry.set()
+
+    saved = [(signum, signal.signal(signum, handler))
+             for signum in (signal.SIGINT, signal.SIGTERM)]
+    try:
+        yield hurry
+    finally:
+        for signum, previous in saved:
+            signal.signal(signum, previous)
 
 
 def _close_stdin(proc: subprocess.Popen[bytes]) -> None:
