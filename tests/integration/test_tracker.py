@@ -534,7 +534,8 @@ async def test_heartbeat_timeout_means_lost(make_tracker: Callable[..., Any]) ->
     lost: list[str] = []
     tracker = await make_tracker(1, heartbeat_timeout=0.5)
     tracker.on_worker_lost = lambda task, rank, reason: lost.append(reason)
-    quiet = await TrackerClient.connect(config(tracker, "0", heartbeat_sec=30.0), 20000)
+    quiet = await TrackerClient.connect(config(tracker, "0"), 20000)
+    quiet._heartbeat_task.cancel()  # (a paused process: connected, silent)
     await quiet.wait_assignment(5)
     await wait_until(lambda: bool(lost), timeout=3)
     assert "no message" in lost[0]
