@@ -63,8 +63,11 @@ def _heartbeat_interval(config: Config, welcome: dict[str, Any]) -> float:
     interval = config.heartbeat_sec
     limit = welcome.get("heartbeat_timeout")
     if isinstance(limit, (int, float)) and limit > 0 and interval > limit / 3:
-        logger.warning("rabit2_heartbeat_sec=%g is not well below the tracker's heartbeat "
-                       "timeout (%g s): beating every %g s instead", interval, limit, limit / 3)
+        # (a warning where the worker would have been declared lost: the default 1 s
+        # against a tracker's --heartbeat-timeout of 2 s is only adjusted)
+        logger.log(logging.WARNING if interval >= limit else logging.INFO,
+                   "rabit2_heartbeat_sec=%g is not well below the tracker's heartbeat "
+                   "timeout (%g s): beating every %g s instead", interval, limit, limit / 3)
         interval = limit / 3
     return interval
 
