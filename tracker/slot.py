@@ -45,6 +45,7 @@ from typing import Any
 from rabit2.config import launcher_task, load_config
 from rabit2.errors import RabitError
 from rabit2.io.tracker_query import query_tracker_status
+from tracker.launch.common import LEFT_EARLY_SEC, left_early
 from tracker.remote import ChildGroup, command_after, exit_status
 
 QUERY_TIMEOUT = 10.0
@@ -168,6 +169,11 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901
                              daemon=True, name="rabit2-slot-watch").start()
         code = exit_status(proc.wait())
         ended.set()
+        if code == 0 and not stopped.is_set():
+            why = _left_early(env, task)
+            if why is not None:
+                _note(task, f"{why}; ending the job")
+                _ask_tracker(env, task, (task, why))
         if code == 0 or stopped.is_set():
             return code
         if run + 1 == args.max_attempts:
@@ -184,6 +190,29 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901
         if stopped.wait(args.restart_delay):
             return code
     return code
+
+
+def _left_early(env: Mapping[str, str], task: str) -> str | None:
+    """Why the job cannot go on now that ``task``'s program ended with status 0, or None:
+    it never joined while others did, or it joined and never finalized (as
+    ``rabit2-submit`` decides for its own workers).  Asked twice, ``LEFT_EARLY_SEC`` apart,
+    so that a job's end the tracker has not recorded yet is not taken for it; not in elastic
+    mode, where a worker may leave."""
+    try:
+        if load_config(environ=env).elastic:
+            return None
+    except ValueError:
+        return None
+    for look in range(2):
+        status = _ask_tracker(env, task)
+        if not isinstance(status, dict) or status.get("done"):
+            return None
+        mine = [t for t in status.get("tasks", []) if t.get("task_id") == task]
+        if (mine and mine[0].get("finished")) or (not mine and not status.get("registered")):
+            return None
+        if not look:
+            time.sleep(LEFT_EARLY_SEC)
+    return left_early(task, bool(mine))
 
 
 def _watch(env: Mapping[str, str], task: str, attempt: int, proc: subprocess.Popen[bytes],

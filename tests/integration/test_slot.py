@@ -319,3 +319,72 @@ def test_the_slot_reports_the_exit_so_the_loss_is_known_before_the_restart(
                     proc.kill()
                     proc.communicate(timeout=15)
         tracker.stop()
+
+
+@pytest.mark.parametrize("joined", [False, True], ids=["before-init", "without-finalize"])
+def test_a_program_that_ends_with_0_while_the_job_needs_it_ends_the_job(joined: bool) -> None:
+    """Status 0 is no failure to restart, but the other workers would wait for this one
+    until their deadlines: the slot tells the tracker, which ends the job naming it (as
+    rabit2-submit does for its own workers)."""
+    import asyncio  # noqa: PLC0415
+
+    from rabit2.config import load_config  # noqa: PLC0415
+    from rabit2.io.tracker_client import TrackerClient  # noqa: PLC0415
+
+    tracker = TrackerThread(2, host="127.0.0.1", port=0, secret=SECRET)
+    tracker.start()
+    try:
+        env = base_env(**tracker.worker_env())
+
+        async def join(task: str) -> TrackerClient:
+            return await TrackerClient.connect(load_config(environ={**env, "DMLC_TASK_ID": task}),
+                                               20000 + int(task))
+
+        async def scenario() -> tuple[int, str]:
+            other = await join("0")  # the other worker joined and waits
+            code = ("import asyncio, sys\n"
+                    "from rabit2.config import load_config\n"
+                    "from rabit2.io.tracker_client import TrackerClient\n"
+                    "async def main():\n"
+                    "    c = await TrackerClient.connect(load_config(), 20001)\n"
+                    "    await c.wait_assignment(10)\n"
+                    "asyncio.run(main())\n") if joined else "pass"
+            proc = slot(sys.executable, "-c", code, env={**env, "DMLC_TASK_ID": "1"})
+            _out, err = await asyncio.to_thread(proc.communicate, timeout=60)
+            await other.close()
+            return proc.returncode, err
+
+        started = time.monotonic()
+        code, err = asyncio.run(scenario())
+        assert code == 0, err
+        result = tracker.join(10)
+        assert result is not None and not result.success, result
+        said = ("without rabit2.finalize() while the job ran" if joined
+                else "without joining the job (rabit2.init), which the others joined")
+        assert said in result.reason and said in err, (result.reason, err)
+        assert "restarting" not in err
+        assert time.monotonic() - started < 20
+    finally:
+        tracker.stop()
+
+
+def test_a_program_that_ends_with_0_after_the_job_ended_says_nothing() -> None:
+    tracker = TrackerThread(1, host="127.0.0.1", port=0, secret=SECRET)
+    tracker.start()
+    try:
+        env = base_env(DMLC_TASK_ID="0", **tracker.worker_env())
+        code = ("import asyncio\n"
+                "from rabit2.config import load_config\n"
+                "from rabit2.io.tracker_client import TrackerClient\n"
+                "async def main():\n"
+                "    c = await TrackerClient.connect(load_config(), 20000)\n"
+                "    await c.wait_assignment(10)\n"
+                "    await c.shutdown(10)\n"
+                "asyncio.run(main())\n")
+        proc = slot(sys.executable, "-c", code, env=env)
+        _out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0 and "ending the job" not in err, err
+        result = tracker.join(10)
+        assert result is not None and result.success, result
+    finally:
+        tracker.stop()

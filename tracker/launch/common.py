@@ -27,6 +27,22 @@ class Interrupted(Exception):
     """SIGTERM to the launcher: unwind like Ctrl-C so the workers are stopped."""
 
 
+LEFT_EARLY_SEC = 1.0
+"""How long after a task's program ended with 0 the launcher (or a slot) looks again whether
+the job still needed it: the tracker may not have recorded the job's end yet."""
+
+
+def left_early(task: str, joined: bool) -> str:
+    """Why a task whose program ended with status 0 while the job still needs it ends the
+    job (restarting a program that ended by itself only ends it again): it ``joined`` and
+    never finalized, or never joined while others did."""
+    if joined:
+        return (f"task {task} exited with 0 without rabit2.finalize() while the job ran: the "
+                "others cannot finish without it")
+    return (f"task {task} exited with 0 without joining the job (rabit2.init), which the "
+            "others joined: they cannot start without it")
+
+
 class LaunchError(Exception):
     """What keeps the job from starting at all (the tracker cannot listen, a worker cannot
     be started): one line and exit status 2, no traceback."""

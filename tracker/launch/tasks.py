@@ -25,6 +25,7 @@ from tracker.launch.common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    LEFT_EARLY_SEC,
     POLL_SEC,
     Interrupted,
     LaunchError,
@@ -32,16 +33,13 @@ from tracker.launch.common import (
     TaskRun,
     describe_failure,
     format_summary,
+    left_early,
     output_segments,
 )
 from tracker.launch.local import local_attempt, pinned
 from tracker.launch.options import LaunchOptions
 from tracker.launch.ssh import ssh_attempt
 from tracker.server import JobResult, TrackerThread
-
-LEFT_EARLY_SEC = 1.0
-"""How long after a task's program ended with 0 the launcher looks whether the job still
-needed it (:meth:`TaskLauncher._check_left_early`)."""
 
 
 def job_line(result: JobResult | None, ok: bool, interrupted: bool) -> str:
@@ -181,14 +179,9 @@ class TaskLauncher:
             if (task.status != "ok" or ended is None or now - ended < LEFT_EARLY_SEC
                     or self.tracker.has_finished(tid)):
                 continue
-            if tid in joined:
-                why = ("exited with 0 without rabit2.finalize() while the job ran: the others "
-                       "cannot finish without it")
-            else:
-                why = ("exited with 0 without joining the job (rabit2.init), which the others "
-                       "joined: they cannot start without it")
-            self._root_cause = f"task {task.task_id} {why}"
-            self._give_up(f"task {task.task_id} {why}", task_id=task.task_id)
+            why = left_early(tid, tid in joined)
+            self._root_cause = why
+            self._give_up(why, task_id=task.task_id)
             self._abort_seen_at = now
             return
 
