@@ -28,7 +28,7 @@ from rabit2.core.express import Express
 from rabit2.core.failures import Failures
 from rabit2.core.framing import CollectiveKind
 from rabit2.core.fsm import TRANSITIONS, Mode, PhaseEvent
-from rabit2.core.pair import Receiver
+from rabit2.core.pair import Receiver, after_finalize
 from rabit2.core.peers import Peers
 from rabit2.core.planning import Planner
 from rabit2.core.records import (
@@ -166,6 +166,14 @@ class Agent:
         cmds: list[Command] = []
         if self.active is not None:
             self.fail(PeerLostError(f"rank {self.rank} finalized during a call"), cmds)
+        elif self.state is not State.FAILED:
+            # a frame of a call this rank never made, read ahead and held: a peer made more
+            # calls (it waits for this rank, which will never join it)
+            for peer, link in self.links.items():
+                if link.mode is Mode.HELD and link.frame is not None:
+                    self.fail(after_finalize(peer, link.frame.call_id, self.rank,
+                                             (self.version, self.seqno)), cmds)
+                    break
         self.go(Event.SHUTDOWN)
         return cmds
 

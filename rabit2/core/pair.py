@@ -77,6 +77,15 @@ class Owner(Protocol):
     def send_control(self, peer: int, msg: dict[str, Any], cmds: list[Command]) -> None: ...
 
 
+def after_finalize(peer: int, theirs: tuple[int, int], rank: int,
+                   ours: tuple[int, int]) -> MismatchError:
+    """``peer`` began a call after ``rank`` finalized: the sequences of calls diverged."""
+    return MismatchError(
+        f"sequence mismatch: rank {peer} began call {theirs} (version, seqno) after rank "
+        f"{rank} finalized at call {ours}: the ranks made different sequences of "
+        "collectives or checkpoints")
+
+
 class Receiver:
     """Every peer link's receive side, for one agent (loop thread only)."""
 
@@ -354,6 +363,10 @@ class Receiver:
             # the peer is still in a call this rank has finished or never made
             raise self._diverged(peer, frame.call_id, current)
         if frame.call_id > current or active is None:
+            if active is None and self.agent.state is State.TASK_COMPLETE:
+                # this rank finalized (and, with recovery on, still serves its neighbours):
+                # no call of the peer's can follow, so waiting would hang it to its deadline
+                raise after_finalize(peer, frame.call_id, self.agent.rank, current)
             if active is not None and active.needs_input(peer):
                 # TCP keeps a peer's frames in order and a peer finishes sending a call before
                 # it starts the next one: a later call's frame while this call still waits

@@ -239,6 +239,14 @@ class Engine:
                 waiter, self._pending = self._pending, None
                 if waiter is not None:
                     waiter.finish(cmd.error)
+                if (self.holding and self.tracker is not None
+                        and not isinstance(cmd.error, JobAbortedError)):
+                    # found while this rank holds in finalize (a peer's call after it
+                    # finalized): the job ends here, and so does the hold (the tracker's
+                    # abort goes to every rank but the one that signalled it); finalize
+                    # raises it
+                    self.tracker.signal_error(f"{type(cmd.error).__name__}: {cmd.error}")
+                    self.tracker.leave_hold()
                 ckpt = self._ckpt_waiter
                 if ckpt is not None and cmd.call_id is None:
                     self._ckpt_waiter = None
@@ -466,15 +474,17 @@ class Engine:
             self.close()
 
     async def _finalize(self, hold: bool, wait: float) -> None:
+        before = self.agent.error
+        if self.agent.state is not State.TASK_COMPLETE:
+            self.execute(self.agent.shutdown())  # (which may find the ranks diverged)
         error = self.agent.error
+        hold = hold and error is None
         if (error is not None and not isinstance(error, JobAbortedError)
                 and self.tracker is not None):
             # a typed failure is final (the launcher does not restart a worker that shut
             # down with the tracker): abort the job, so that a replacement still in init,
             # which no peer's error reaches, stops at once instead of at its deadlines
             self.tracker.signal_error(f"{type(error).__name__}: {error}")
-        if self.agent.state is not State.TASK_COMPLETE:
-            self.execute(self.agent.shutdown())
         self.holding = hold
         try:
             if self.tracker is not None:
@@ -490,6 +500,9 @@ class Engine:
         stats = self.agent.statistics()
         logger.info("left the job after %d calls (%d B sent, %d B received)",
                     stats.calls_completed, stats.bytes_sent, stats.bytes_received)
+        found = self.agent.error
+        if found is not None and found is not before and not isinstance(found, JobAbortedError):
+            raise found  # (found in finalize: the ranks' sequences of calls diverged)
 
     def close(self) -> None:
         """Release every resource; safe to call twice and from any state."""

@@ -208,6 +208,11 @@ class TrackerClient:
         """
         self._send_from_any_thread({"t": "print", "msg": _truncate(str(msg))})
 
+    def leave_hold(self) -> None:
+        """End a held shutdown now (this worker failed while it held): the tracker answers
+        ``bye`` at once.  Never blocks."""
+        self._send_from_any_thread({"t": "shutdown", "hold": False})
+
     @property
     def abort_error(self) -> JobAbortedError | None:
         """The tracker's abort of the job, once it came (any thread may ask)."""

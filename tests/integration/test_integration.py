@@ -6,6 +6,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -133,7 +134,6 @@ def test_paused_worker_fails_its_neighbours_within_the_heartbeat_deadline() -> N
         " flush=True)\n"
         "    sys.exit(3)\n"
     )
-    import time  # noqa: PLC0415
 
     t0 = time.monotonic()
     proc = submit(3, sys.executable, "-c", code, timeout=120,
@@ -278,6 +278,38 @@ def test_ranks_that_differ_in_recovery_fail_with_a_mismatch_naming_the_setting()
     for rank in (0, 1):
         assert re.search(rf"MISMATCH {rank} .*rabit2_recover must be the same on every rank",
                          out), out[-3000:]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("delay", [0.0, 0.5], ids=["at-once", "once-the-other-holds"])
+def test_an_extra_call_after_the_other_rank_finalized_is_a_mismatch_on_both(
+        delay: float) -> None:
+    """With recovery on a rank that finalized holds, serving its neighbours: rank 0's extra
+    call (its frame read before that rank finalized, or after) is a sequence mismatch on
+    both ranks within seconds (rank 1's from finalize), not a wait to the deadline."""
+    code = (
+        "import sys, time, numpy as np, rabit2\n"
+        "rabit2.init()\n"
+        "r = rabit2.get_rank()\n"
+        "try:\n"
+        "    rabit2.allreduce(np.ones(3), rabit2.SUM)\n"
+        "    if r == 0:\n"
+        f"        time.sleep({delay})\n"
+        "        rabit2.allreduce(np.ones(3), rabit2.SUM)\n"
+        "    rabit2.finalize()\n"
+        "except rabit2.errors.MismatchError as exc:\n"
+        "    print('MISMATCH', r, exc, flush=True)\n"
+        "    sys.exit(3)\n"
+    )
+    started = time.monotonic()
+    proc = submit(2, sys.executable, "-c", code, timeout=120, extra=("--max-attempts", "2"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert re.search(rf"MISMATCH {rank} sequence mismatch: rank 0 began call \(0, 1\) .*"
+                         r"after rank 1 finalized", out), out[-3000:]
+    assert "restarting" not in out
+    assert time.monotonic() - started < 30
 
 
 @pytest.mark.integration
