@@ -37,6 +37,7 @@ import dataclasses
 import os
 import secrets
 import socket
+import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Sequence
@@ -92,9 +93,11 @@ def run(client: Any, func: Callable[..., Any], *args: Any,
     XGBoost training through rabit2).  A keyword argument of ``func`` that has one of these
     names must be bound with ``functools.partial``.
 
-    Raises ``ValueError`` for bad arguments (no workers, a worker address the cluster does
-    not have, two ranks that would share a process); an exception ``func`` raised (of
-    the lowest rank that raised one not of rabit2's own);
+    Raises ``ValueError`` for bad arguments (a closed client, no workers, a worker address
+    the cluster does not have, two ranks that would share a process), ``TypeError`` for
+    ``workers`` of another type; ``RuntimeError`` from a rank placed on a worker process
+    that runs a rank of another job (a process joins one job at a time); an exception
+    ``func`` raised (of the lowest rank that raised one not of rabit2's own);
     :class:`~rabit2.errors.JobAbortedError` when the job is given up (a rank lost more
     than ``max_attempts`` times, no free worker for a lost rank within 60 s, a rank that
     does not start, a silent worker without a nanny, ``timeout``); ``ImportError`` without
@@ -102,6 +105,8 @@ def run(client: Any, func: Callable[..., Any], *args: Any,
     """
     from tracker.server import TrackerThread  # noqa: PLC0415 (a launcher: see the docstring)
 
+    if getattr(client, "status", "running") in ("closing", "closed"):
+        raise ValueError("the Dask client is closed")
     if max_attempts < 1:
         raise ValueError("max_attempts must be >= 1")
     if timeout is not None and not timeout > 0:
@@ -156,6 +161,11 @@ def _choose_workers(client: Any, wanted: int | Sequence[str] | None) -> list[str
     available = sorted(_worker_processes(client))
     if not available:
         raise ValueError("the Dask cluster has no workers")
+    if isinstance(wanted, str):
+        wanted = [wanted]  # (one address, not a sequence of characters)
+    if isinstance(wanted, bool) or not isinstance(wanted, (int, Sequence, type(None))):
+        raise TypeError(f"workers must be a number of workers or a list of worker "
+                        f"addresses, got {wanted!r}")
     if wanted is None:
         chosen = available
     elif isinstance(wanted, int):
@@ -199,15 +209,30 @@ def _tracker_host(client: Any) -> str:
         return str(probe.getsockname()[0])
 
 
+_ONE_RANK = threading.Lock()
+"""Held by the rank that runs in this process: a process joins one job at a time (rabit2's
+communicator is process-wide), and a Dask worker with several threads may be given a rank
+of each of two jobs at once."""
+
+
 def _rank_main(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
                params: dict[str, Any],
                context: Callable[..., AbstractContextManager[Any]]) -> Any:
     """One rank, inside a Dask worker: join, call ``func``, leave; its result."""
-    if api.current_config() is not None:
-        raise RuntimeError("this Dask worker's process already runs a rabit2 rank (of "
-                           "another job, or outside rabit2.dask)")
-    with context(**params):
-        return func(*args, **kwargs)
+    # (taken without waiting: two jobs whose ranks each wait for the other's worker would
+    # never start)
+    if not _ONE_RANK.acquire(blocking=False):
+        raise RuntimeError("this Dask worker's process already runs a rank of another rabit2 "
+                           "job, and a process joins one job at a time: run the jobs one "
+                           "after another, or on different workers (workers=...)")
+    try:
+        if api.current_config() is not None:
+            raise RuntimeError("this Dask worker's process already runs a rabit2 rank "
+                               "outside rabit2.dask")
+        with context(**params):
+            return func(*args, **kwargs)
+    finally:
+        _ONE_RANK.release()
 
 
 class _Job:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -180,3 +181,49 @@ def test_workers_that_share_a_process_are_refused() -> None:
     with cluster, distributed.Client(cluster) as threads, \
             pytest.raises(ValueError, match="share one process"):
         rabit2.dask.run(threads, rabit2.get_rank)
+
+
+def test_workers_may_be_one_address_and_not_a_bool_or_a_float(full: Any) -> None:
+    address = sorted(rabit2.dask._worker_processes(full))[0]
+    assert rabit2.dask.run(full, rabit2.get_world_size, workers=address) == [1]
+    for bad in (True, 2.0):
+        with pytest.raises(TypeError, match="workers must be"):
+            rabit2.dask.run(full, rabit2.get_rank, workers=bad)  # type: ignore[arg-type]
+
+
+def test_a_closed_client_is_refused() -> None:
+    cluster = distributed.LocalCluster(n_workers=1, processes=True, dashboard_address=":0")
+    with cluster:
+        closed = distributed.Client(cluster)
+        closed.close()
+        with pytest.raises(ValueError, match="client is closed"):
+            rabit2.dask.run(closed, rabit2.get_rank)
+
+
+def _sum_after_a_while(seconds: float) -> float:
+    time.sleep(seconds)  # (the other job's ranks are placed meanwhile)
+    data = np.ones(1)
+    rabit2.allreduce(data, rabit2.Op.SUM)
+    return float(data[0])
+
+
+def test_two_jobs_at_once_on_workers_with_two_threads_fail_clearly_not_hang() -> None:
+    """A worker with two threads may run a rank of each of two jobs at once, and a process
+    joins one job at a time: a rank of the second job fails at once, naming that, instead of
+    joining the first job's communicator (which hung, or mixed the jobs' calls)."""
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=2, processes=True,
+                                       dashboard_address=":0")
+    with cluster, distributed.Client(cluster) as busy, ThreadPoolExecutor(2) as pool:
+        started = time.monotonic()
+        jobs = [pool.submit(rabit2.dask.run, busy, _sum_after_a_while, 2.0, timeout=60)
+                for _ in range(2)]
+        refused = 0
+        for job in jobs:
+            try:
+                assert job.result(timeout=90) == [2.0, 2.0]
+            except RuntimeError as exc:
+                assert "a process joins one job at a time" in str(exc)
+                refused += 1
+        assert refused >= 1
+        assert time.monotonic() - started < 60
+        assert rabit2.dask.run(busy, _sum_after_a_while, 0.0) == [2.0, 2.0]  # (released)
