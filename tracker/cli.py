@@ -80,8 +80,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     check_seconds(parser, "--heartbeat-timeout", args.heartbeat_timeout, None)
     check_seconds(parser, "--query-timeout", args.query_timeout, None)
     if args.query is not None:
-        if args.query == "" or os.path.isfile(args.query):
-            return args  # a job file: read when the query runs
+        if args.query == "" or os.path.isfile(args.query) or os.sep in args.query or (
+                args.query.endswith(".json")):
+            return args  # a job file: read when the query runs (one that is gone: exit 1)
         host, sep, port = args.query.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
             parser.error("--query expects a job file or HOST:PORT")
@@ -141,7 +142,8 @@ async def run_tracker(args: argparse.Namespace) -> int:
     if result.success:
         logging.getLogger("rabit2.tracker").info("job finished: %s", result.reason)
         return EXIT_OK
-    logging.getLogger("rabit2.tracker").error("job aborted: %s", result.reason)
+    # (the abort itself was logged when it happened; this is how the job ended)
+    logging.getLogger("rabit2.tracker").error("job ended, aborted: %s", result.reason)
     return EXIT_ABORTED
 
 

@@ -143,6 +143,10 @@ def test_metrics_and_query_follow_a_job_through_a_kill_and_its_recovery(
     calls0 = [s[("rabit2_worker_calls_total", rank(0))] for s in scrapes
               if ("rabit2_worker_calls_total", rank(0)) in s]
     assert calls0 == sorted(calls0) and calls0[-1] >= ITERATIONS - 5
+    # the job file went with the job: the command the launcher printed now finds no job
+    gone = subprocess.run([sys.executable, "-m", "tracker.cli", "--query", str(job_file)],
+                          capture_output=True, text=True, timeout=30, cwd=ROOT, check=False)
+    assert gone.returncode == 1 and "cannot read job file" in gone.stderr, gone.stderr
 
 
 def test_a_standalone_tracker_serves_metrics_until_it_stops(tmp_path: Path) -> None:
