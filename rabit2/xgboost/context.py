@@ -12,6 +12,7 @@ import xgboost
 
 import rabit2
 from rabit2.api import abort_for
+from rabit2.config import load_config
 from rabit2.errors import RabitError
 from rabit2.xgboost.service import Endpoint
 from rabit2.xgboost.training import TrainingState, restored_state
@@ -20,6 +21,8 @@ logger = logging.getLogger("rabit2.xgboost")
 
 _lock = threading.Lock()
 _active: list[CommunicatorContext] = []  # the open context (one per process at most)
+# the jobs this process has left: (tracker host, port, task id); its task cannot join again
+_left: set[tuple[str | None, int, str]] = set()
 
 
 def active() -> CommunicatorContext | None:
@@ -39,6 +42,14 @@ def check_xgboost() -> None:
             f"this XGBoost build ({xgboost.__version__}) has no federated communicator, which "
             "rabit2.xgboost serves: install the 'xgboost' wheel for Linux (the 'xgboost-cpu' "
             "wheel is built without it)")
+
+
+def _job_of(args: Iterable[str | bytes] | None,
+            kwargs: dict[str, Any]) -> tuple[str | None, int, str]:
+    """The job and task that ``rabit2.init(args, **kwargs)`` would join (its ``ValueError``
+    and ``TypeError`` for bad parameters)."""
+    config = load_config(args, kwargs)
+    return config.tracker_uri, config.tracker_port, config.task_id
 
 
 class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext"]):
@@ -78,6 +89,12 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
                                    "in this process")
             _active.append(self)
         try:
+            job = _job_of(self.args, self.kwargs)
+            if job in _left:
+                raise RuntimeError(
+                    "this worker already took part in this job and left it: a task joins "
+                    "a job once, so one CommunicatorContext (and one rabit2.xgboost.train) "
+                    "per worker process; train again in a new job")
             rabit2.init(self.args, **self.kwargs)
             if rabit2.is_distributed():
                 self._join()
@@ -89,6 +106,7 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
         return self
 
     def _join(self) -> None:
+        _left.add(_job_of(self.args, self.kwargs))  # (from now on this task cannot rejoin)
         check_xgboost()
         rank, world = rabit2.get_rank(), rabit2.get_world_size()
         self.endpoint = Endpoint(rank, world)

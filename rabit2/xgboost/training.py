@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import xgboost
 from xgboost.callback import (
     CallbackContainer,
@@ -67,8 +69,34 @@ class TrainingState:
     prelude_digests: tuple[bytes, ...] = ()
 
 
+Params = Mapping[str, Any] | Sequence[tuple[str, Any]]
+"""XGBoost's parameters: a dict, or a list of pairs (which may repeat a key, such as
+``eval_metric``)."""
+
+
+def _items(params: Params) -> list[tuple[str, Any]]:
+    return list(params.items()) if isinstance(params, Mapping) else list(params)
+
+
+def _agree_on(params: Params, num_boost_round: int, checkpoint_every: int) -> None:
+    """Every rank trains the same model: a digest of the parameters and the rounds, reduced
+    (MIN and MAX) through XGBoost's own collectives, so that a restarted worker's replay of
+    the calls before training covers it too.  Raises ``MismatchError`` on every rank where
+    they differ (XGBoost checks only what changes a call's size; the rest trains a different
+    model on each rank, silently)."""
+    items = sorted(params.items()) if isinstance(params, Mapping) else list(params)
+    text = repr((items, num_boost_round, checkpoint_every)).encode()
+    digest = np.array([int.from_bytes(hashlib.sha256(text).digest()[:7], "little")], np.int64)
+    low = xgboost.collective.allreduce(digest, xgboost.collective.Op.MIN)
+    high = xgboost.collective.allreduce(digest, xgboost.collective.Op.MAX)
+    if low[0] != high[0]:
+        raise MismatchError("rabit2.xgboost.train: the ranks passed different params, "
+                            "num_boost_round or checkpoint_every: every rank must train the "
+                            "same model")
+
+
 def train(
-    params: dict[str, Any],
+    params: Params,
     dtrain: xgboost.DMatrix,
     num_boost_round: int = 10,
     *,
@@ -114,18 +142,25 @@ def train(
                              xgb_model=xgb_model, callbacks=callbacks,
                              custom_metric=custom_metric)
     if active.trained:
-        raise RuntimeError("rabit2.xgboost.train runs once per CommunicatorContext (its "
-                           "recovery replays what came before it); open a new context")
+        raise RuntimeError("rabit2.xgboost.train runs once per CommunicatorContext, and a "
+                           "worker process joins a job once (its recovery replays what came "
+                           "before it): train again in a new job")
     active.trained = True
+    if (xgboost.collective.get_world_size() != rabit2.get_world_size()
+            or xgboost.collective.get_rank() != rabit2.get_rank()):
+        raise RuntimeError("XGBoost's communicator is no longer the one rabit2 set up (was "
+                           "xgboost.collective finalized or initialised inside the context?)")
     config = current_config()
     recover = bool(config is not None and config.recover)
-    params = dict(params)
+    lookup = dict(_items(params))  # (the last of a repeated key, as XGBoost takes it)
+    given: dict[str, Any] | list[tuple[str, Any]] = (
+        dict(params) if isinstance(params, Mapping) else list(params))  # (pairs kept)
     if recover:
-        random = [f"{k} below 1" for k in _SAMPLING if float(params.get(k, 1.0)) < 1.0]
-        if params.get("booster") == "dart":
+        random = [f"{k} below 1" for k in _SAMPLING if float(lookup.get(k, 1.0)) < 1.0]
+        if lookup.get("booster") == "dart":
             random.append("booster dart (random dropout)")
-        if params.get("feature_selector") in ("random", "shuffle"):
-            random.append(f"feature_selector {params['feature_selector']}")
+        if lookup.get("feature_selector") in ("random", "shuffle"):
+            random.append(f"feature_selector {lookup['feature_selector']}")
         if random:
             raise ValueError(
                 f"{', '.join(random)} cannot be recovered bit-exactly: XGBoost keeps random "
@@ -143,7 +178,8 @@ def train(
         _snapshot(callbacks)  # a TypeError now, not at the first checkpoint
     endpoint = active.endpoint
     try:
-        return _train(active.restored, endpoint, recover, params, dtrain, num_boost_round,
+        _agree_on(given, num_boost_round, checkpoint_every)
+        return _train(active.restored, endpoint, recover, given, dtrain, num_boost_round,
                       evals, obj, evals_result, xgb_model, callbacks, custom_metric,
                       checkpoint_every)
     except xgboost.core.XGBoostError as exc:
@@ -154,7 +190,8 @@ def train(
 
 
 def _train(restored: TrainingState | None, endpoint: Endpoint, recover: bool,
-           params: dict[str, Any], dtrain: xgboost.DMatrix, num_boost_round: int,
+           params: dict[str, Any] | list[tuple[str, Any]], dtrain: xgboost.DMatrix,
+           num_boost_round: int,
            evals: list[tuple[xgboost.DMatrix, str]], obj: Any,
            evals_result: dict[str, Any] | None, xgb_model: Any,
            callbacks: list[TrainingCallback], custom_metric: Any,
@@ -204,7 +241,7 @@ def _train(restored: TrainingState | None, endpoint: Endpoint, recover: bool,
     return booster
 
 
-def _probe(endpoint: Endpoint, params: dict[str, Any],
+def _probe(endpoint: Endpoint, params: Params,
            dtrain: xgboost.DMatrix) -> tuple[tuple[int, int], ...]:
     """Two one-level boosters on ``dtrain``, before training, on every worker.
 
@@ -215,7 +252,9 @@ def _probe(endpoint: Endpoint, params: dict[str, Any],
     Returns those calls as (root, size) of broadcasts; () if they are anything else, and a
     restarted worker then makes them over the network (where the others do not: a typed
     MismatchError, never a wrong model)."""
-    probe_params = {**params, "max_depth": 1, "num_parallel_tree": 1}
+    probe_params = [(key, value) for key, value in _items(params)
+                    if key not in ("max_depth", "num_parallel_tree")]
+    probe_params += [("max_depth", 1), ("num_parallel_tree", 1)]
     first = xgboost.Booster(probe_params, [dtrain])
     first.update(dtrain, 0)
     loaded = xgboost.Booster(probe_params, [dtrain], model_file=first.save_raw("ubj"))

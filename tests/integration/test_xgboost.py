@@ -331,3 +331,33 @@ def test_bad_requests_fail_every_rank_with_the_reason(mode: str, reason: str) ->
         assert outcome == "error"
         assert reason in error  # on the rank that sent it, and in the abort everyone sees
         assert float(after) < 15
+
+
+@pytest.mark.parametrize(("mode", "expected"), [
+    ("params", "MismatchError: rabit2.xgboost.train: the ranks passed different params"),
+    ("rounds", "MismatchError: rabit2.xgboost.train: the ranks passed different params"),
+    ("second", "RuntimeError: this worker already took part in this job and left it"),
+    ("finalized", "RuntimeError: XGBoost's communicator is no longer the one rabit2 set up"),
+])
+def test_misuse_fails_every_rank_typed_at_once(mode: str, expected: str) -> None:
+    """Ranks that would train different models (XGBoost itself checks only what changes a
+    call's size), a second context, and XGBoost's communicator finalized inside the
+    context: a clear error on every rank, not a model per rank or a refusal by the tracker."""
+    started = time.monotonic()
+    result = submit(2, mode, script="xgb_misuse.py", timeout=90)
+    out = result.stdout + result.stderr
+    assert result.returncode != 0
+    assert time.monotonic() - started < 60
+    for rank in (0, 1):
+        assert f"outcome rank={rank} {expected}" in out, out[-3000:]
+    assert "restarting" not in out
+
+
+def test_params_as_pairs_keep_a_repeated_key() -> None:
+    """``[("eval_metric", "auc"), ("eval_metric", "logloss")]``: both metrics, as in
+    ``xgboost.train``."""
+    result = submit(2, "pairs", script="xgb_misuse.py", timeout=90)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    for rank in (0, 1):
+        assert f"metrics rank={rank} ['auc', 'logloss']" in out, out[-3000:]

@@ -213,7 +213,7 @@ class TaskLauncher:
         if code == 0:
             task.status = "ok"
             self._ended_ok[task.task_id] = now
-        elif self._abort_seen_at is not None:
+        elif self._abort_seen_at is not None or self.tracker.result() is not None:
             task.status = "failed"  # the job is over: a restart could only hang
         elif self.tracker.has_finished(str(task.task_id)):
             # it shut down with the tracker before exiting (e.g. after a typed error it
