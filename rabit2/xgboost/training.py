@@ -23,6 +23,7 @@ import copy
 import dataclasses
 import hashlib
 import logging
+import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -130,10 +131,15 @@ def train(
     """
     from rabit2.xgboost import context  # noqa: PLC0415 - the module imports this one
 
-    if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) \
-            or checkpoint_every < 1:
-        raise ValueError(f"checkpoint_every must be a positive integer, got "
-                         f"{checkpoint_every!r}")
+    given_every = checkpoint_every
+    try:
+        if isinstance(checkpoint_every, bool):
+            raise TypeError
+        checkpoint_every = operator.index(checkpoint_every)  # (numpy integers too)
+    except TypeError:
+        checkpoint_every = 0
+    if checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every must be a positive integer, got {given_every!r}")
     active = context.active()
     if active is None or active.endpoint is None:
         return xgboost.train(params, dtrain, num_boost_round, evals=evals, obj=obj,

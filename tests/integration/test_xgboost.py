@@ -361,3 +361,15 @@ def test_params_as_pairs_keep_a_repeated_key() -> None:
     assert result.returncode == 0, out[-3000:]
     for rank in (0, 1):
         assert f"metrics rank={rank} ['auc', 'logloss']" in out, out[-3000:]
+
+
+def test_checkpoint_every_takes_numpy_integers_and_refuses_the_rest() -> None:
+    import rabit2.xgboost as rx  # noqa: PLC0415
+
+    dtrain = xgboost.DMatrix(np.arange(40.0).reshape(20, 2), np.arange(20.0))
+    assert rx.train({"max_depth": 1}, dtrain, 2, checkpoint_every=np.int64(2),
+                    verbose_eval=False).num_boosted_rounds() == 2
+    for bad in (1.5, True, 0, "2"):
+        with pytest.raises(ValueError, match=f"got {bad!r}"):
+            rx.train({"max_depth": 1}, dtrain, 2, checkpoint_every=bad,  # type: ignore[arg-type]
+                     verbose_eval=False)
