@@ -115,6 +115,7 @@ class Engine:
         self.closing = False
         self.holding = False  # in finalize, holding until every rank has finalized
         self.failed = asyncio.Event()  # set when the tracker aborts the job
+        self.signalled = False  # this worker asked the tracker to abort the job
         # the same, for a caller's thread (also set when the tracker connection ends)
         self._tracker_ended = threading.Event()
 
@@ -366,6 +367,7 @@ class Engine:
 
     def signal_error(self, msg: str) -> None:
         if self.tracker is not None:
+            self.signalled = True
             self.tracker.signal_error(msg)
             self.loop_thread.wake()
 
@@ -476,9 +478,11 @@ class Engine:
     async def _finalize(self, hold: bool, wait: float) -> None:
         before = self.agent.error
         if self.agent.state is not State.TASK_COMPLETE:
-            self.execute(self.agent.shutdown())  # (which may find the ranks diverged)
+            # (which may find the ranks diverged; not after this worker ended the job, whose
+            # peers' calls are the echo of what it named)
+            self.execute(self.agent.shutdown(check=not self.signalled))
         error = self.agent.error
-        hold = hold and error is None
+        hold = hold and error is None and not self.signalled
         if (error is not None and not isinstance(error, JobAbortedError)
                 and self.tracker is not None):
             # a typed failure is final (the launcher does not restart a worker that shut
