@@ -482,7 +482,8 @@ class Engine:
             # peers' calls are the echo of what it named)
             self.execute(self.agent.shutdown(check=not self.signalled))
         error = self.agent.error
-        hold = hold and error is None and not self.signalled
+        if hold and (error is not None or self.signalled):
+            hold, wait = False, min(wait, self.config.connect_timeout_sec)
         if (error is not None and not isinstance(error, JobAbortedError)
                 and self.tracker is not None):
             # a typed failure is final (the launcher does not restart a worker that shut
