@@ -17,7 +17,6 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Collection
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -35,13 +34,13 @@ def adopt() -> bool:
         return False
 
 
-def children(exclude: Collection[int] = ()) -> list[int]:
-    """This process's child processes, from ``/proc`` (but those in ``exclude``)."""
+def children() -> list[int]:
+    """This process's child processes, from ``/proc``."""
     me = os.getpid()
     found = []
     with contextlib.suppress(OSError):
         for entry in os.listdir("/proc"):
-            if not entry.isdigit() or int(entry) in exclude:
+            if not entry.isdigit():
                 continue
             try:
                 with open(f"/proc/{entry}/stat", "rb") as f:
@@ -55,13 +54,13 @@ def children(exclude: Collection[int] = ()) -> list[int]:
     return found
 
 
-def stop(grace: float, exclude: Collection[int] = ()) -> int:
-    """Stop the orphans adopted so far (after :func:`adopt`): SIGTERM, ``grace`` seconds,
-    SIGKILL; reap them, and those that they leave in turn (three rounds at most).
-    ``exclude``: children the caller still manages.  Returns how many there were."""
+def stop(grace: float) -> int:
+    """Stop the orphans adopted so far (after :func:`adopt`, once the workers themselves
+    were reaped): SIGTERM, ``grace`` seconds, SIGKILL; reap them, and those that they leave
+    in turn (three rounds at most).  Returns how many there were."""
     stopped = 0
     for _ in range(3):
-        orphans = children(exclude)
+        orphans = children()
         if not orphans:
             break
         _stop(orphans, grace)
