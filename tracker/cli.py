@@ -96,9 +96,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.secret is None:
         args.secret = secrets.token_hex(32)
     try:
-        bytes.fromhex(args.secret)
+        key = bytes.fromhex(args.secret)
     except ValueError:
         parser.error("--secret must be hexadecimal")
+    if not key and args.query is None:  # (a key anyone can compute: no authentication)
+        parser.error("--secret must not be empty (leave it out for a random one)")
     return args
 
 

@@ -766,6 +766,7 @@ def test_usage_and_environment_errors_are_one_line_with_exit_2(tmp_path: Path) -
             (("tracker.cli", "-n", "1", "--port", port),
              f"cannot listen on 127.0.0.1:{port}: Address already in use"),
             (("tracker.cli", "-n", "1", "--log-level", "LOUD"), "--log-level: invalid choice"),
+            (("tracker.cli", "-n", "1", "--secret", ""), "--secret must not be empty"),
             (("tracker.submit", "-n", "2", "--", sys.executable, "no/such/train.py"),
              "no/such/train.py: no such file"),
             (("tracker.submit", "-n", "2", "--", str(no_shebang)),
