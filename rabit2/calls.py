@@ -234,7 +234,9 @@ def allgather(data: Any) -> np.ndarray:
     _run(Call(CollectiveKind.ALLGATHER, _flat_bytes(info), blocks=blocks))
     table = info.reshape(comm.world, GATHER_INFO)
     if len({(int(c), int(t)) for _, c, _, t in table}) != 1:
-        raise _gather_mismatch(table, comm.rank, arr.shape[1:])
+        error = _gather_mismatch(table, comm.rank, arr.shape[1:])
+        comm.engine.fail(error)  # (sticky, as any failed call: every rank found it alike)
+        raise error
     sizes = [int(n) for n in table[:, 0]]
     offsets = np.cumsum([0, *sizes])
     rows = int(table[:, 2].sum())

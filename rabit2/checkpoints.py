@@ -27,13 +27,12 @@ def checkpoint(global_model: Any, local_model: Any = None) -> None:
     Nothing is exchanged with the other ranks, so no peer's failure is raised here.
 
     Raises :class:`~rabit2.errors.NotInitializedError` before :func:`init` or after
-    :func:`finalize`, and what ``pickle`` raises (``TypeError``, ``pickle.PicklingError``,
-    ...) for a model that cannot be pickled; then nothing changes (the version, the models
-    kept).
+    :func:`finalize`, and ``TypeError`` (chained to what ``pickle`` raised) for a model that
+    cannot be pickled; then nothing changes (the version, the models kept).
     """
     comm = _require()
-    blob = pickle.dumps(global_model, protocol=pickle.HIGHEST_PROTOCOL)
-    local = None if local_model is None else pickle.dumps(local_model, pickle.HIGHEST_PROTOCOL)
+    blob = _pickled(global_model, "checkpoint")
+    local = None if local_model is None else _pickled(local_model, "checkpoint")
     _advance_version(comm, blob, local)
     comm.global_model, comm.lazy_model, comm.local_model = blob, None, local
 
@@ -45,15 +44,23 @@ def lazy_checkpoint(global_model: Any, local_model: Any = None) -> None:
     replicated as with :func:`checkpoint`.
 
     Raises :class:`~rabit2.errors.NotInitializedError` before :func:`init` or after
-    :func:`finalize`, and what ``pickle`` raises for a ``local_model`` that cannot be
-    pickled, before the version goes up.  A global model that cannot be pickled fails the
+    :func:`finalize`, and ``TypeError`` for a ``local_model`` that cannot be pickled, before
+    the version goes up.  A global model that cannot be pickled fails the
     restart that needs it: :class:`~rabit2.errors.UnrecoverableError` naming the pickling
     error, on every rank."""
     comm = _require()
-    local = None if local_model is None else pickle.dumps(local_model, pickle.HIGHEST_PROTOCOL)
+    local = None if local_model is None else _pickled(local_model, "lazy_checkpoint")
     # pickled on the loop thread only if a restarted neighbour asks for it
     _advance_version(comm, lambda: pickle.dumps(global_model, pickle.HIGHEST_PROTOCOL), local)
     comm.global_model, comm.lazy_model, comm.local_model = None, global_model, local
+
+
+def _pickled(model: Any, who: str) -> bytes:
+    """``model`` pickled; ``TypeError`` (chained to what pickle raised) if it cannot be."""
+    try:
+        return pickle.dumps(model, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:  # pickling raises many unrelated types
+        raise TypeError(f"{who}: cannot pickle {type(model).__name__}: {exc}") from exc
 
 
 def _advance_version(comm: _Communicator, blob: bytes | Callable[[], bytes],

@@ -386,6 +386,17 @@ class Engine:
             self.execute(self.agent.push_local(local))
         return version
 
+    def fail(self, error: RabitError) -> None:
+        """Fail with ``error``, found between calls by every rank alike (an allgather's
+        inputs that do not fit together): every later call raises it, as after a failed
+        call, and finalize ends the job with it."""
+        self.loop_thread.run(self._fail(error), self.config.timeout_sec)
+
+    async def _fail(self, error: RabitError) -> None:
+        cmds: list[Command] = []
+        self.agent.fail(error, cmds, flood=False)  # (every rank found it: none is told)
+        self.execute(cmds)
+
     @property
     def restarted(self) -> bool:
         """This worker replaces a lost one and replays (decided at init, from the

@@ -270,6 +270,8 @@ def test_a_program_that_ends_while_the_job_needs_it_ends_the_job(worker: Path, m
     assert time.monotonic() - start < 15
     assert f"root cause: {why}" in text
     assert "restarting" not in text
+    # (its exit status 0 is no success: the summary does not say "ok")
+    assert re.search(r"^1\s+\S+\s+1\s+0\s+left early$", text, re.M), text
     assert_all_dead(worker.parent / "pids")
 
 

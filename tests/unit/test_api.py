@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import pickle
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -207,8 +206,11 @@ def test_lazy_checkpoint_keeps_a_reference(single: None) -> None:
 @pytest.mark.parametrize("take", [rabit2.checkpoint, rabit2.lazy_checkpoint])
 def test_a_checkpoint_that_cannot_be_pickled_changes_nothing(single: None, take: Any) -> None:
     rabit2.checkpoint({"v": 1}, local_model="local 1")
-    with pytest.raises((TypeError, AttributeError, pickle.PicklingError)):
+    with pytest.raises(TypeError, match="cannot pickle function"):
         take({"v": 2}, local_model=lambda: 0)
+    if take is rabit2.checkpoint:
+        with pytest.raises(TypeError, match="checkpoint: cannot pickle function"):
+            take(lambda: 0)
     assert rabit2.load_checkpoint(with_local=True) == (1, {"v": 1}, "local 1")
 
 

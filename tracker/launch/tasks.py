@@ -86,7 +86,7 @@ class TaskLauncher:
         try:
             for task in self.tasks:
                 self._spawn(task)
-            while not all(task.status in ("ok", "failed", "killed", "left")
+            while not all(task.status in ("ok", "failed", "killed", "left", "left early")
                           for task in self.tasks):
                 now = time.monotonic()
                 if deadline is not None and now >= deadline:
@@ -116,8 +116,9 @@ class TaskLauncher:
         self._note("summary:")
         # (elastic: a task that left a job that went on to succeed is no failure of it)
         left_ok = self.options.elastic and result is not None and result.success
-        ok = all(task.exit_code == 0 or (left_ok and task.status == "left")
-                 for task in self.tasks)
+        # (an aborted job failed, even where every program caught the error and exited 0)
+        ok = (result is None or result.success) and all(
+            task.exit_code == 0 or (left_ok and task.status == "left") for task in self.tasks)
         self._writer.write(self._err, format_summary(
             self.tasks, job_line(result, ok, interrupted), None if ok else self._root_cause))
         if interrupted:
@@ -180,6 +181,7 @@ class TaskLauncher:
                     or self.tracker.has_finished(tid)):
                 continue
             why = left_early(tid, tid in joined)
+            task.status = "left early"  # (its exit status 0 is no success of the job)
             self._root_cause = why
             self._give_up(why, task_id=task.task_id)
             self._abort_seen_at = now
