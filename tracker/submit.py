@@ -104,10 +104,34 @@ def check_local_command(command: Sequence[str]) -> None:
     :class:`LaunchError` (exit status 2) before anything starts; restarts cannot fix it."""
     if shutil.which(command[0]) is None:
         raise LaunchError(f"{command[0]}: command not found (or not executable)")
-    if (os.path.basename(command[0]).startswith("python") and len(command) > 1
-            and command[1].endswith(".py") and not command[1].startswith("-")
-            and not os.path.isfile(command[1])):
-        raise LaunchError(f"{command[1]}: no such file (the script {command[0]} would run)")
+    if os.path.basename(command[0]).startswith("python"):
+        script = python_script(command[1:])
+        if script is not None and not os.path.exists(script):
+            raise LaunchError(f"{script}: no such file (the script {command[0]} would run)")
+
+
+def python_script(args: Sequence[str]) -> str | None:
+    """The script (a file, a directory or a zip) that ``python ARGS`` runs; None for
+    ``-c``, ``-m``, standard input, or none (pure).  Python's options come first: flags
+    that may be run together (``-uB``), and ``-W``/``-X``, whose value is the rest of the
+    word or the next word."""
+    at = 0
+    while at < len(args):
+        word = args[at]
+        if word == "--":
+            return args[at + 1] if at + 1 < len(args) else None
+        if word == "-" or word.startswith("--"):  # (stdin; --help, --version and such)
+            return None
+        if not word.startswith("-"):
+            return word
+        for i, letter in enumerate(word[1:], 1):
+            if letter in "cm":
+                return None
+            if letter in "WX":
+                at += i == len(word) - 1  # (the value is the next word)
+                break
+        at += 1
+    return None
 
 
 def run_job(options: LaunchOptions, out: TextIO | None = None, err: TextIO | None = None) -> int:

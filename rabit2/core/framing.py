@@ -29,6 +29,7 @@ from typing import Any
 import msgpack
 from crc32c import crc32c
 
+from rabit2.core.ops import SUPPORTED_DTYPES, Op, dtype_code
 from rabit2.errors import (
     CollectiveTimeoutError,
     JobAbortedError,
@@ -96,15 +97,26 @@ class CallDescriptor:
             other.kind, other.dtype_code, other.op_code, other.root)
 
     def describe(self) -> str:
-        size = "? B" if self.total_bytes == UNKNOWN_TOTAL else f"{self.total_bytes} B"
-        parts = [self.kind.name.lower(), size]
+        """The call as a user wrote it, e.g. ``(tree allreduce, 80 B, float64, SUM)``: the
+        algorithm too, since ranks whose settings differ may choose different ones."""
+        parts = [_KIND_LABELS.get(self.kind, self.kind.name.lower()),
+                 "size not known yet" if self.total_bytes == UNKNOWN_TOTAL
+                 else f"{self.total_bytes} B"]
         if self.dtype_code != NONE_U8:
-            parts.append(f"dtype#{self.dtype_code}")
+            dtype = _DTYPE_LABELS.get(self.dtype_code)
+            parts.append(dtype if dtype is not None else f"dtype code {self.dtype_code}")
         if self.op_code != NONE_U8:
-            parts.append(f"op#{self.op_code}")
+            parts.append(_OP_LABELS.get(self.op_code, f"op code {self.op_code}"))
         if self.root != NONE_U16:
-            parts.append(f"root={self.root}")
+            parts.append(f"root {self.root}")
         return "(" + ", ".join(parts) + ")"
+
+
+_KIND_LABELS = {CollectiveKind.ALLREDUCE_TREE: "tree allreduce",
+               CollectiveKind.ALLREDUCE_RING: "ring allreduce",
+               CollectiveKind.ALLREDUCE_PAIR: "pair allreduce"}
+_OP_LABELS = {op.value: op.name for op in Op}
+_DTYPE_LABELS = {dtype_code(dtype): str(dtype) for dtype in SUPPORTED_DTYPES}
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -219,7 +219,8 @@ def as_op(op: object) -> Op:
         try:
             return _OP_NAMES[op.strip().upper()]
         except KeyError:
-            raise ValueError(f"unknown reduction op {op!r}") from None
+            raise ValueError(f"unknown reduction op {op!r}; use one of "
+                             f"{', '.join(_OP_NAMES)}") from None
     if not isinstance(op, bool):
         try:
             return Op(operator.index(op))  # type: ignore[arg-type]  # guarded by except

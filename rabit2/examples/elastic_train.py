@@ -3,7 +3,7 @@
 Run it under the launcher::
 
     rabit2-submit --cluster local -n 4 --elastic -- python -m rabit2.examples.elastic_train
-    rabit2-submit --cluster local -n 4 --elastic --max-attempts 2 --restart-delay 2 -- \\
+    rabit2-submit --cluster local -n 4 --elastic --max-attempts 2 -- \\
         python -m rabit2.examples.elastic_train --die=2,40
 
 A linear model is fitted to a fixed synthetic regression set by minibatch gradient descent.
@@ -48,7 +48,9 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--rows", type=int, default=20_000)
     parser.add_argument("--features", type=int, default=16)
     parser.add_argument("--lr", type=float, default=0.1)
-    parser.add_argument("--pause", type=float, default=0.0, help="seconds of 'compute' a step")
+    parser.add_argument("--pause", type=float, default=0.05,
+                        help="seconds of 'compute' a step (long enough, by default, for a "
+                             "restarted worker to come back before the last step)")
     parser.add_argument("--die", action="append", default=[], metavar="RANK,STEP")
     opts = parser.parse_args(argv)
     deaths = {tuple(int(v) for v in spec.split(",")) for spec in opts.die}

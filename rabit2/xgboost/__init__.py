@@ -18,6 +18,15 @@ Needs the ``xgboost`` extra: ``pip install "rabit2[xgboost]"``.
 
 from __future__ import annotations
 
+try:
+    import xgboost as _xgboost  # noqa: F401 (only whether it is there)
+except ModuleNotFoundError as _missing:
+    if _missing.name != "xgboost":
+        raise
+    raise ModuleNotFoundError(
+        "rabit2.xgboost needs XGBoost 3: pip install 'rabit2[xgboost]' (in a checkout: "
+        "pip install '.[xgboost]')", name="xgboost") from _missing
+
 from rabit2.xgboost.context import CommunicatorContext
 from rabit2.xgboost.training import TrainingState, train
 

@@ -29,6 +29,7 @@ from tracker.submit import (
     EXIT_OK,
     LaunchOptions,
     parse_args,
+    python_script,
     run_job,
 )
 
@@ -771,6 +772,8 @@ def test_usage_and_environment_errors_are_one_line_with_exit_2(tmp_path: Path) -
             (("tracker.cli", "-n", "1", "--secret", ""), "--secret must not be empty"),
             (("tracker.submit", "-n", "2", "--", sys.executable, "no/such/train.py"),
              "no/such/train.py: no such file"),
+            (("tracker.submit", "-n", "2", "--", sys.executable, "-u", "-X", "dev",
+              "no/such/train.py"), "no/such/train.py: no such file"),
             (("tracker.submit", "-n", "2", "--", str(no_shebang)),
              "cannot start task 0: [Errno 8] Exec format error"),
             (("tracker.submit", "-n", "2", "--", str(bad_interpreter)),
@@ -838,3 +841,14 @@ def test_dmlc_submit_and_xgboost_spellings_are_accepted() -> None:
     opts = parse_args(["--num-workers", "2", "--local-num-attempt", "5", "--host-ip",
                        "127.0.0.2", "--", sys.executable, "w.py"])
     assert (opts.num_workers, opts.max_attempts, opts.tracker_host) == (2, 5, "127.0.0.2")
+
+
+@pytest.mark.parametrize(("args", "script"), [
+    (["train.py", "k=v"], "train.py"), (["-u", "train.py"], "train.py"),
+    (["-X", "dev", "-W", "error", "train.py"], "train.py"), (["-uXdev", "train.py"], "train.py"),
+    (["-uBW", "error", "train.py"], "train.py"), (["--", "train.py"], "train.py"),
+    (["-m", "pkg.mod", "x.py"], None), (["-um", "pkg.mod"], None), (["-c", "code", "x.py"], None),
+    (["-"], None), (["--version"], None), (["-W", "error"], None), ([], None),
+])
+def test_the_script_a_python_command_line_runs(args: list[str], script: str | None) -> None:
+    assert python_script(args) == script

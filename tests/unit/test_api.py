@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -363,3 +365,13 @@ def test_a_launcher_world_without_a_tracker_is_warned_about(
         rabit2.init()
     rabit2.finalize()
     assert not caplog.records
+
+
+def test_rabit2_xgboost_without_xgboost_says_which_extra_to_install() -> None:
+    code = ("import sys\nsys.modules['xgboost'] = None  # (as if it were not installed)\n"
+            "try:\n    import rabit2.xgboost\nexcept ModuleNotFoundError as exc:\n"
+            "    print(exc.name, '|', exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True).stdout
+    assert out.startswith("xgboost | rabit2.xgboost needs XGBoost 3: pip install "
+                          "'rabit2[xgboost]'"), out

@@ -20,6 +20,7 @@ from rabit2.core.framing import (
     MAX_ERROR_PAYLOAD,
     NONE_U8,
     NONE_U16,
+    UNKNOWN_TOTAL,
     CallDescriptor,
     CollectiveKind,
     FrameCorruptError,
@@ -170,9 +171,12 @@ def test_parse_bounds_error_frame_length() -> None:
 
 def test_descriptor_describe() -> None:
     desc = CallDescriptor(CollectiveKind.ALLREDUCE_TREE, 7, 2, NONE_U16, 80)
-    assert desc.describe() == "(allreduce_tree, 80 B, dtype#7, op#2)"
-    bcast = CallDescriptor(CollectiveKind.BROADCAST, NONE_U8, NONE_U8, 3, 5)
-    assert bcast.describe() == "(broadcast, 5 B, root=3)"
+    assert desc.describe() == "(tree allreduce, 80 B, float64, SUM)"
+    bcast = CallDescriptor(CollectiveKind.BROADCAST, NONE_U8, NONE_U8, 3, UNKNOWN_TOTAL)
+    assert bcast.describe() == "(broadcast, size not known yet, root 3)"
+    # (codes off the wire that no rank sends are named as codes)
+    odd = CallDescriptor(CollectiveKind.ALLREDUCE_PAIR, 99, 42, NONE_U16, 8)
+    assert odd.describe() == "(pair allreduce, 8 B, dtype code 99, op code 42)"
 
 
 # ----------------------------------------------------------------------------- error payloads
