@@ -202,9 +202,10 @@ def finalize() -> None:
 
     With recovery on this first waits (up to ``timeout_sec``), still serving the neighbours,
     until every rank has finalized, so that a worker restarted after its last collective
-    can replay; raises :class:`~rabit2.errors.JobAbortedError` if the job is aborted then.
-    Other failures while leaving (the tracker gone, no answer in time) are logged, not
-    raised.  The process is not initialised afterwards, whether this returned or raised."""
+    can replay; raises :class:`~rabit2.errors.JobAbortedError` if the job is aborted then,
+    and :class:`~rabit2.errors.MismatchError` if a peer began a call after this rank
+    finalized (the ranks' sequences of calls differ).  Other failures while leaving (the
+    tracker gone, no answer in time) are logged, not raised.  The process is not initialised afterwards, whether this returned or raised."""
     if _comm.live is not None:
         raise RuntimeError("finalize() inside a live set's block: leave the block first")
     with _comm.lock:
