@@ -1,10 +1,15 @@
 """Would compiling the call path pay?  This checkout, side by side with a copy of it whose
-call-path modules are compiled unchanged by Cython (docs/performance.md, "Compiled call path").
+call-path modules are compiled unchanged by Cython (``--kind cython``), or whose express pair
+exchange (world size 2) is made by hand-written C (``--kind express``: the C and the
+Python that calls it are in ``bench/compiled_express/``, an experiment that is not part of
+the package) (docs/performance.md, "Compiled call path").
 
     python bench/compiled.py                     # N=2 and 4: 4K..1M allreduce, the GBDT example
     python bench/compiled.py --rounds 6 --n 2
+    python bench/compiled.py --kind express --n 2 --rounds 3
 
-Needs Cython (``pip install cython``) and a C compiler.  The copy goes to a temporary folder
+Needs a C compiler and Python's headers, and for ``--kind cython`` Cython
+(``pip install cython``).  The copy goes to a temporary folder
 (``--keep`` leaves it); each round runs both variants (in reverse order every other round) with
 ``bench/run.py``, and a cell is the median over rounds; the ratio is the median of the
 per-round ratios source / compiled (> 1: compiled faster).
@@ -20,6 +25,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -67,6 +73,30 @@ def make_copy(dest: Path) -> None:
                          + (proc.stdout + proc.stderr)[-3000:])
 
 
+def make_express_copy(dest: Path) -> None:
+    """Copy the checkout's packages and bench/ to ``dest``, apply the express C experiment's
+    Python there and build its module (for this machine's CPU)."""
+    skip = shutil.ignore_patterns("__pycache__", "results", ".venv*", ".setup")
+    for part in ("rabit2", "tracker", "bench"):
+        shutil.copytree(ROOT / part, dest / part, ignore=skip)
+    (dest / "bench" / "results").mkdir()
+    here = HERE / "compiled_express"
+    with (here / "wiring.patch").open() as patch:
+        proc = subprocess.run(["patch", "-p1", "-d", str(dest)], stdin=patch,
+                              capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"the experiment's Python no longer applies to this checkout:\n"
+                         f"{proc.stdout}{proc.stderr}")
+    source = dest / "rabit2" / "_fastpath.c"
+    shutil.copy(here / "fastpath.c", source)
+    module = dest / "rabit2" / f"_fastpath{sysconfig.get_config_var('EXT_SUFFIX')}"
+    cmd = ["gcc", "-O3", "-march=native", "-Wall", "-shared", "-fPIC",
+           f"-I{sysconfig.get_paths()['include']}", str(source), "-o", str(module)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"the build failed:\n{proc.stderr[-3000:]}")
+
+
 def run_variant(tree: Path, args: list[str], out: Path) -> list[dict[str, Any]]:
     """One ``bench/run.py`` job of ``tree``, run in ``tree`` (``python -m`` puts the working
     directory ahead of ``PYTHONPATH``: elsewhere the GBDT workers would import another copy);
@@ -104,11 +134,12 @@ def main() -> int:
     ap.add_argument("--sizes", default="4K,64K,1M")
     ap.add_argument("--ops", default="allreduce")
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--kind", choices=("cython", "express"), default="cython")
     ap.add_argument("--keep", action="store_true", help="leave the compiled copy")
     ns = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="rabit2-compiled-"))
     try:
-        make_copy(work / "copy")
+        (make_copy if ns.kind == "cython" else make_express_copy)(work / "copy")
         variants = {"source": ROOT, "compiled": work / "copy"}
         jobs = [["--n", ns.n, "--sizes", ns.sizes, "--ops", ns.ops],
                 ["--n", ns.n, "--gbdt-only"]]
