@@ -1,9 +1,11 @@
 """The asyncio API, for programs that already run an event loop.
 
 ``await comm.allreduce(arr, op)`` runs the collective without blocking the caller's loop:
-the blocking call runs in a worker thread and the loop stays free for other tasks.
-Collectives are ordered: concurrent awaits on one communicator run one after another, in
-the order they were awaited, because every rank must issue the same sequence of calls. ::
+the blocking call runs in the communicator's own worker thread and the loop stays free for
+other tasks.  Collectives are ordered: every rank must issue the same sequence of calls, so
+a call is issued when the method is called (``comm.allreduce(...)`` creates the coroutine),
+and the calls of one communicator run one after another, in that order, whichever task,
+thread or event loop made them. ::
 
     async with rabit2.aio.Communicator() as comm:      # init() ... finalize()
         await comm.allreduce(hist, rabit2.Op.SUM)
@@ -12,7 +14,9 @@ the order they were awaited, because every rank must issue the same sequence of 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable
+import concurrent.futures
+import threading
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 from rabit2 import api
@@ -24,20 +28,40 @@ class Communicator:
     """Async wrapper of the process-wide communicator (there is one per process, as in rabit).
 
     ``args`` and ``kwargs`` are those of :func:`rabit2.init`.  Constructing it does not join
-    the job and never raises: ``async with`` (or :meth:`init`) does.  Each method runs its
-    blocking :mod:`rabit2` function in a worker thread, one at a time in the order awaited,
-    and raises that function's errors from the ``await``.  Cancelling an ``await`` does not
-    cancel the collective: it runs to its end in its thread.
+    the job and never raises: ``async with`` (or :meth:`init`) does.  Each method issues its
+    blocking :mod:`rabit2` function at once to this communicator's worker thread, which runs
+    them one at a time in the order issued, and raises that function's errors from the
+    ``await``.  Cancelling an ``await`` (``asyncio.wait_for``, ``task.cancel()``) does not
+    cancel the collective: it runs to its end in that thread, and the next call runs after
+    it.
     """
 
     def __init__(self, args: Iterable[str | bytes] | None = None, **kwargs: Any) -> None:
         self._args = args  # (checked by init: rabit2.init's TypeError and ValueError)
         self._kwargs = kwargs
-        self._lock = asyncio.Lock()
+        self._guard = threading.Lock()
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def _issue(self, fn: Callable[..., T], *args: Any) -> Coroutine[Any, Any, T]:
+        """Hand ``fn(*args)`` to the worker thread now (after the calls issued before it);
+        a coroutine that waits for its result."""
+        with self._guard:
+            if self._worker is None:
+                self._worker = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="rabit2-aio")
+            done = self._worker.submit(fn, *args)
+        return _result(done)
+
+    def _let_go(self) -> None:
+        """The worker thread ends once the calls issued to it ran (a later call starts
+        another)."""
+        with self._guard:
+            worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.shutdown(wait=False)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        async with self._lock:
-            return await asyncio.to_thread(fn, *args)
+        return await self._issue(fn, *args)
 
     async def init(self) -> None:
         """Join the job: :func:`rabit2.init` with the constructor's arguments, and its
@@ -49,7 +73,10 @@ class Communicator:
         """Leave the job: :func:`rabit2.finalize`, and its errors
         (:class:`~rabit2.errors.JobAbortedError` if the job is aborted while this worker
         waits for the others with recovery on)."""
-        await self._run(api.finalize)
+        try:
+            await self._run(api.finalize)
+        finally:
+            self._let_go()
 
     async def __aenter__(self) -> Communicator:
         """:meth:`init`, with its errors; returns this communicator."""
@@ -60,8 +87,16 @@ class Communicator:
                         tb: object) -> None:
         """:meth:`finalize`, with its errors, when the block ended normally; when it raised,
         the exception ends the job as in :class:`rabit2.CommunicatorContext` (every other
-        rank raises :class:`~rabit2.errors.JobAbortedError` naming it) and propagates."""
-        await self._run(api.leave, error)
+        rank raises :class:`~rabit2.errors.JobAbortedError` naming it) and propagates.  That
+        is not queued behind a call still under way (an ``await`` that timed out left it
+        running): ending the job fails that call at once."""
+        if error is None:
+            await self.finalize()
+        else:
+            try:
+                await asyncio.to_thread(api.abort_for, error)
+            finally:
+                self._let_go()
 
     @property
     def rank(self) -> int:
@@ -75,53 +110,63 @@ class Communicator:
         Never raises."""
         return api.get_world_size()
 
-    async def allreduce(self, data: Any, op: Any,
-                        prepare_fun: Callable[[Any], None] | None = None) -> Any:
+    def allreduce(self, data: Any, op: Any,
+                  prepare_fun: Callable[[Any], None] | None = None) -> Coroutine[Any, Any, Any]:
         """:func:`rabit2.allreduce` (in place when possible; the result is returned), with
         its errors: ``TypeError``/``ValueError`` for bad arguments before anything is sent,
         :class:`~rabit2.errors.NotInitializedError` before :meth:`init`,
         :class:`~rabit2.errors.MismatchError` when ranks disagree, other
         :class:`~rabit2.errors.RabitError` subclasses when the job fails.  The caller must
         not touch ``data`` until the ``await`` returns."""
-        return await self._run(api.allreduce, data, op, prepare_fun)
+        return self._issue(api.allreduce, data, op, prepare_fun)
 
-    async def broadcast(self, obj: Any, root: int) -> Any:
+    def broadcast(self, obj: Any, root: int) -> Coroutine[Any, Any, Any]:
         """:func:`rabit2.broadcast`: ``obj`` from ``root`` to every rank, returned.  Raises
         ``ValueError`` for a bad root, ``TypeError`` for an object the root cannot pickle,
         :class:`~rabit2.errors.NotInitializedError` before :meth:`init`, and
         :class:`~rabit2.errors.RabitError` subclasses when ranks disagree or the job fails."""
-        return await self._run(api.broadcast, obj, root)
+        return self._issue(api.broadcast, obj, root)
 
-    async def allgather(self, data: Any) -> Any:
+    def allgather(self, data: Any) -> Coroutine[Any, Any, Any]:
         """:func:`rabit2.allgather`: every rank's array concatenated along axis 0.  Raises
         ``TypeError`` for a non-array or an unsupported dtype,
         :class:`~rabit2.errors.NotInitializedError` before :meth:`init`,
         :class:`~rabit2.errors.MismatchError` for different dtypes or trailing shapes, other
         :class:`~rabit2.errors.RabitError` subclasses when the job fails."""
-        return await self._run(api.allgather, data)
+        return self._issue(api.allgather, data)
 
-    async def agree(self, flag: bool) -> bool:
+    def agree(self, flag: bool) -> Coroutine[Any, Any, bool]:
         """:func:`rabit2.agree`: True on every rank iff every rank passed a true ``flag``.
         Raises :class:`~rabit2.errors.NotInitializedError` before :meth:`init` and
         :class:`~rabit2.errors.RabitError` subclasses when the job fails."""
-        return await self._run(api.agree, flag)
+        return self._issue(api.agree, flag)
 
-    async def checkpoint(self, global_model: Any, local_model: Any = None) -> None:
+    def checkpoint(self, global_model: Any, local_model: Any = None) -> Coroutine[Any, Any, None]:
         """:func:`rabit2.checkpoint`: pickle and keep the models; the version goes up by
         one.  Raises :class:`~rabit2.errors.NotInitializedError` before :meth:`init` and what
         ``pickle`` raises for a model that cannot be pickled."""
-        await self._run(api.checkpoint, global_model, local_model)
+        return self._issue(api.checkpoint, global_model, local_model)
 
-    async def load_checkpoint(self, with_local: bool = False) -> tuple[Any, ...]:
+    def load_checkpoint(self, with_local: bool = False) -> Coroutine[Any, Any, tuple[Any, ...]]:
         """:func:`rabit2.load_checkpoint`: ``(version, global_model)`` (with
         ``local_model`` too when ``with_local``).  Raises
         :class:`~rabit2.errors.NotInitializedError` before :meth:`init`; in a restarted
         worker, :class:`~rabit2.errors.UnrecoverableError`,
         :class:`~rabit2.errors.CollectiveTimeoutError` or
         :class:`~rabit2.errors.JobAbortedError` when the checkpoint cannot be fetched."""
-        return await self._run(api.load_checkpoint, with_local)
+        return self._issue(api.load_checkpoint, with_local)
 
     def tracker_print(self, msg: Any) -> None:
         """:func:`rabit2.tracker_print`, at once (not awaited: it never blocks).  Needs no
         :meth:`init` and raises no :class:`~rabit2.errors.RabitError`."""
         api.tracker_print(msg)
+
+
+async def _result(done: concurrent.futures.Future[T]) -> T:
+    """The result of a call issued to a communicator's worker thread; cancelling this wait
+    leaves the call running (it is never taken off the thread's queue)."""
+    waited = asyncio.wrap_future(done)
+    # (shielded: cancelling the wrapper would cancel a call still queued; its outcome is
+    # then nobody's to retrieve, which asyncio must not report)
+    waited.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return await asyncio.shield(waited)

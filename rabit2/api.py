@@ -104,6 +104,10 @@ def init(args: Iterable[str | bytes] | None = None, **kwargs: Any) -> None:
             _install_excepthook()
 
 
+ABORT_WAIT_SEC = 5.0
+"""How long :func:`abort_for` waits for the loop thread to fail a call of this rank still
+under way."""
+
 _TRACKER_KEYS = ("DMLC_TRACKER_URI", "DMLC_TRACKER_PORT", "RABIT2_SECRET")
 
 
@@ -163,8 +167,14 @@ def abort_for(error: BaseException) -> None:
     job = _job()
     if job is not None and not isinstance(error, JobAbortedError):
         text = " ".join(str(error).split())
-        job.signal_error(
-            f"rank {get_rank()} raised {type(error).__name__}" + (f": {text}" if text else ""))
+        reason = (f"rank {get_rank()} raised {type(error).__name__}"
+                  + (f": {text}" if text else ""))
+        job.signal_error(reason)
+        # the tracker tells every other rank; a call of this rank's still under way in
+        # another thread (an await that timed out left it running) ends now, not at its
+        # deadline, and lets go of the lock
+        with contextlib.suppress(Exception):
+            job.fail(JobAbortedError(f"this rank ended the job: {reason}"), ABORT_WAIT_SEC)
     with _comm.lock, contextlib.suppress(RabitError):
         finalize()
 
@@ -205,7 +215,8 @@ def finalize() -> None:
     can replay; raises :class:`~rabit2.errors.JobAbortedError` if the job is aborted then,
     and :class:`~rabit2.errors.MismatchError` if a peer began a call after this rank
     finalized (the ranks' sequences of calls differ).  Other failures while leaving (the
-    tracker gone, no answer in time) are logged, not raised.  The process is not initialised afterwards, whether this returned or raised."""
+    tracker gone, no answer in time) are logged, not raised.  The process is not initialised
+    afterwards, whether this returned or raised."""
     if _comm.live is not None:
         raise RuntimeError("finalize() inside a live set's block: leave the block first")
     with _comm.lock:

@@ -386,11 +386,14 @@ class Engine:
             self.execute(self.agent.push_local(local))
         return version
 
-    def fail(self, error: RabitError) -> None:
-        """Fail with ``error``, found between calls by every rank alike (an allgather's
-        inputs that do not fit together): every later call raises it, as after a failed
-        call, and finalize ends the job with it."""
-        self.loop_thread.run(self._fail(error), self.config.timeout_sec)
+    def fail(self, error: RabitError, timeout: float | None = None) -> None:
+        """Fail with ``error``: found between calls by every rank alike (an allgather's
+        inputs that do not fit together), or this rank ends the job (a call still under way
+        in another thread raises it at once).  Every later call raises it, as after a
+        failed call, and finalize ends the job with it.  ``timeout``: how long to wait for
+        the loop thread (``timeout_sec`` when None)."""
+        self.loop_thread.run(self._fail(error),
+                             self.config.timeout_sec if timeout is None else timeout)
 
     async def _fail(self, error: RabitError) -> None:
         cmds: list[Command] = []

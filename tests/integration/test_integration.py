@@ -116,6 +116,36 @@ def test_an_exception_in_an_asyncio_block_ends_the_job_for_every_rank() -> None:
 
 
 @pytest.mark.integration
+def test_an_asyncio_wait_cancelled_while_queued_leaves_its_call_in_place() -> None:
+    proc = submit(2, sys.executable, str(WORKERS / "async_worker.py"), "cancel", timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    for rank in range(2):  # (a/b/c: 1, 10, 100 times rank + 1, summed)
+        assert f"ASYNC CANCEL rank={rank} a=3 b=30 c=300" in out, out[-4000:]
+
+
+@pytest.mark.integration
+def test_leaving_an_asyncio_block_after_a_timed_out_wait_ends_the_job_at_once() -> None:
+    proc = submit(2, sys.executable, str(WORKERS / "async_worker.py"), "timeout", timeout=120,
+                  extra=("--env", "RABIT2_TIMEOUT_SEC=60"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-4000:]
+    left = re.search(r"ASYNC LEFT rank=0 after=([0-9.]+) TimeoutError", out)
+    assert left and float(left.group(1)) < 15, out[-4000:]  # (not the 60 s deadline)
+    assert re.search(r"ASYNC LEFT rank=1 after=[0-9.]+ JobAbortedError: .*rank 0 raised "
+                     r"TimeoutError", out), out[-4000:]
+
+
+@pytest.mark.integration
+def test_one_asyncio_communicator_serves_two_threads_with_loops_of_their_own() -> None:
+    proc = submit(2, sys.executable, str(WORKERS / "async_worker.py"), "threads", timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    for rank in range(2):
+        assert f"ASYNC THREADS rank={rank} calls=400 all2=True" in out, out[-4000:]
+
+
+@pytest.mark.integration
 def test_paused_worker_fails_its_neighbours_within_the_heartbeat_deadline() -> None:
     """SIGSTOP keeps a process's sockets open: only the tracker's heartbeat deadline sees it.
     Its neighbours must fail with PeerLostError soon after, not at the 30-minute progress

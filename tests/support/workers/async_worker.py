@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import threading
+import time
 
 import numpy as np
 
@@ -27,9 +29,74 @@ async def fail_in_block() -> None:
         print(f"ASYNC ABORTED task={task} rank={rank} {type(exc).__name__}: {exc}", flush=True)
 
 
+async def cancel_while_queued() -> None:
+    """Rank 0 issues two calls, and cancels its wait for the second while the first waits
+    for rank 1: the second still runs, in its place, and so does the third after it."""
+    async with rabit2.aio.Communicator() as comm:
+        rank = comm.rank
+        a, b, c = (np.full(3, value * (rank + 1), dtype=np.float64) for value in (1, 10, 100))
+        if rank == 0:
+            first = asyncio.create_task(comm.allreduce(a, rabit2.Op.SUM))
+            second = asyncio.create_task(comm.allreduce(b, rabit2.Op.SUM))
+            await asyncio.sleep(0.2)
+            second.cancel()
+            await first
+            await comm.allreduce(c, rabit2.Op.SUM)
+        else:
+            await asyncio.sleep(1.0)
+            for arr in (a, b, c):
+                await comm.allreduce(arr, rabit2.Op.SUM)
+        print(f"ASYNC CANCEL rank={rank} a={a[0]:g} b={b[0]:g} c={c[0]:g}", flush=True)
+
+
+async def leave_after_timeout() -> None:
+    """Rank 0's wait times out and the TimeoutError leaves the block while its call still
+    runs (rank 1 is busy): rank 0 leaves at once, and rank 1's call raises the abort."""
+    start = time.monotonic()
+    rank = -1
+    try:
+        async with rabit2.aio.Communicator() as comm:
+            rank = comm.rank
+            if rank == 0:
+                await asyncio.wait_for(comm.allreduce(np.ones(4), rabit2.Op.SUM), 0.5)
+            else:
+                await asyncio.sleep(3.0)
+                await comm.allreduce(np.ones(4), rabit2.Op.SUM)
+    except (TimeoutError, rabit2.RabitError) as exc:
+        print(f"ASYNC LEFT rank={rank} after={time.monotonic() - start:.1f} "
+              f"{type(exc).__name__}: {exc}", flush=True)
+
+
+def from_two_threads() -> None:
+    """One communicator, two threads, each with an event loop of its own."""
+    comm = rabit2.aio.Communicator()
+    asyncio.run(comm.init())
+    results: list[float] = []
+
+    async def calls() -> None:
+        for _ in range(200):
+            results.append(float((await comm.allreduce(np.ones(3), rabit2.Op.SUM))[0]))
+
+    threads = [threading.Thread(target=asyncio.run, args=(calls(),)) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    rank = comm.rank
+    asyncio.run(comm.finalize())
+    print(f"ASYNC THREADS rank={rank} calls={len(results)} "
+          f"all2={all(r == 2 for r in results)}", flush=True)
+
+
 async def main() -> None:
     if sys.argv[1:] == ["raise"]:
         await fail_in_block()
+        return
+    if sys.argv[1:] == ["cancel"]:
+        await cancel_while_queued()
+        return
+    if sys.argv[1:] == ["timeout"]:
+        await leave_after_timeout()
         return
     async with rabit2.aio.Communicator(sys.argv[1:]) as comm:
         rank, world = comm.rank, comm.world_size
@@ -53,4 +120,7 @@ async def main() -> None:
         print(f"ASYNC OK rank={rank}", flush=True)
 
 
-asyncio.run(main())
+if sys.argv[1:] == ["threads"]:
+    from_two_threads()
+else:
+    asyncio.run(main())
