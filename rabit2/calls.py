@@ -150,7 +150,9 @@ def broadcast_call(data: Any, root: int, is_root: bool) -> tuple[Call, Callable[
     gives its result once the call is made.  Raises ``TypeError`` on the root if ``data``
     cannot be pickled."""
     if is_root:
-        if isinstance(data, np.ndarray) and data.ndim <= MAX_NDIM and _supported(data.dtype):
+        # (exactly an ndarray: a subclass, a masked array or a matrix, is pickled, so that
+        # every rank gets what the root passed)
+        if type(data) is np.ndarray and data.ndim <= MAX_NDIM and _supported(data.dtype):
             payload = _flat_bytes(np.ascontiguousarray(data))
             desc = pack_broadcast_head(HEAD_ARRAY, dtype_code(data.dtype), data.shape,
                                        len(payload))
@@ -170,7 +172,7 @@ def broadcast_call(data: Any, root: int, is_root: bool) -> tuple[Call, Callable[
             dtype = dtype_from_code(code)
             if math.prod(dims) * dtype.itemsize != nbytes:  # (exact: Python ints)
                 raise ValueError(f"broadcast head: shape {dims} of {dtype} is not {nbytes} B")
-            if (isinstance(data, np.ndarray) and data.dtype == dtype and data.shape == dims
+            if (type(data) is np.ndarray and data.dtype == dtype and data.shape == dims
                     and data.flags.c_contiguous and data.flags.writeable):
                 out = data  # receive straight into the caller's array
             else:

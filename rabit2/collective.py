@@ -26,7 +26,9 @@ from typing import Any, TypeVar
 import numpy as np
 
 from rabit2 import api
+from rabit2 import state as _state
 from rabit2.core.ops import Op as _RabitOp
+from rabit2.core.ops import check_op_dtype
 
 _T = TypeVar("_T")
 
@@ -96,14 +98,18 @@ def broadcast(data: _T, root: int) -> _T:
     """Send ``data`` from ``root`` to every rank and return it (non-roots may pass None).
 
     XGBoost pickles every object; rabit2 sends numpy arrays as raw bytes and pickles the rest:
-    the result is equal either way.  Raises ``ValueError`` if the root passes None (XGBoost
-    asserts) or ``root`` is not a rank, and otherwise what :func:`rabit2.broadcast` raises
-    (:class:`~rabit2.errors.NotInitializedError` before :func:`init`, ``TypeError`` for an
-    object the root cannot pickle, :class:`~rabit2.errors.RabitError` subclasses when ranks
-    disagree or the job fails)."""
-    if api.get_rank() == root and data is None:
+    the result is equal either way.  A non-root's own ``data`` is left as it is.  Before
+    :func:`init` (as XGBoost: one worker) ``data`` is returned.  Raises ``ValueError`` if the
+    root passes None (XGBoost asserts) or ``root`` is not a rank, and otherwise what
+    :func:`rabit2.broadcast` raises (``TypeError`` for an object the root cannot pickle,
+    :class:`~rabit2.errors.RabitError` subclasses when ranks disagree or the job fails)."""
+    rank = api.get_rank()
+    if rank == root and data is None:
         raise ValueError("broadcast: the root must pass the data")
-    result: _T = api.broadcast(data, root)
+    if not _initialised():
+        return data  # (XGBoost without init: one worker, nothing to send)
+    # (a non-root's own object is left as it is: the root's comes back as a new one)
+    result: _T = api.broadcast(data if rank == root else None, root)
     return result
 
 
@@ -114,9 +120,9 @@ def allreduce(data: np.ndarray, op: Op) -> np.ndarray:
     Raises ``TypeError`` for anything but a numpy array, a dtype XGBoost does not reduce, or
     a ``rabit2.Op`` (whose integers differ); ``ValueError`` for an integer that is not an
     :class:`Op` value; then what :func:`rabit2.allreduce` raises
-    (:class:`~rabit2.errors.NotInitializedError` before :func:`init`,
-    :class:`~rabit2.errors.MismatchError` when ranks disagree, other
-    :class:`~rabit2.errors.RabitError` subclasses when the job fails)."""
+    (:class:`~rabit2.errors.MismatchError` when ranks disagree, other
+    :class:`~rabit2.errors.RabitError` subclasses when the job fails).  Before :func:`init`
+    (as XGBoost: one worker) the copy is returned."""
     if not isinstance(data, np.ndarray):
         raise TypeError("allreduce only takes in numpy.ndarray")
     if isinstance(op, (_RabitOp, bool)):
@@ -129,7 +135,16 @@ def allreduce(data: np.ndarray, op: Op) -> np.ndarray:
         raise ValueError(f"allreduce: {op!r} is not an operator of rabit2.collective.Op "
                          f"({', '.join(f'{o.name}={o.value}' for o in Op)})") from None
     buf = data.ravel().copy()
+    if not _initialised():
+        # (XGBoost without init: one worker; the checks above still hold)
+        check_op_dtype(rabit_op, buf.dtype)
+        return buf
     return np.asarray(api.allreduce(buf, rabit_op))
+
+
+def _initialised() -> bool:
+    """Whether :func:`init` ran (without it XGBoost's collectives act as one worker's)."""
+    return _state.comm.config is not None
 
 
 def signal_error(msg: str = "signal_error() called") -> None:

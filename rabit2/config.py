@@ -348,6 +348,8 @@ def load_config(  # noqa: C901
                 raise ValueError(f"unknown rabit2 parameter {key!r}")
             else:
                 return
+        if value is None:  # (a keyword given as None is not set, as in XGBoost's init)
+            return
         if field == "mock":
             mocks.append(_parse_mock(str(value)))
             return

@@ -230,8 +230,6 @@ def test_bad_values_raise(key: str, value: str) -> None:
 
 def test_bad_kwarg_types_raise() -> None:
     with pytest.raises(ValueError):
-        load_config(kwargs={"dmlc_tracker_port": None}, environ={})
-    with pytest.raises(ValueError):
         load_config(kwargs={"timeout_sec": [1]}, environ={})
 
 
@@ -357,3 +355,15 @@ def test_task_id_fallback_order_and_restart_count() -> None:
                                 "DMLC_NUM_ATTEMPT": "5"}).num_attempt == 5
     with pytest.raises(ValueError, match="DMLC_NUM_ATTEMPT: expected an integer"):
         load_config(environ={"SLURM_RESTART_COUNT": "many"})
+
+
+def test_a_keyword_given_as_none_is_not_set() -> None:
+    """As XGBoost's init: ``dmlc_tracker_uri=None`` means no tracker, not a host "None"."""
+    cfg = load_config(kwargs={"dmlc_tracker_uri": None, "dmlc_retry": None,
+                              "dmlc_tracker_port": None, "rabit_timeout_sec": None},
+                      environ={})
+    default = load_config(environ={})
+    assert (cfg.tracker_uri, cfg.connect_retry, cfg.tracker_port, cfg.timeout_sec) == (
+        default.tracker_uri, default.connect_retry, default.tracker_port, default.timeout_sec)
+    with pytest.raises(ValueError, match="unknown rabit2 parameter 'rabit_timout_sec'"):
+        load_config(kwargs={"rabit_timout_sec": None}, environ={})

@@ -22,6 +22,10 @@ def main() -> None:
         from rabit2 import collective  # noqa: PLC0415
 
         args = {}
+    # before init: one worker, whose collectives give back what they were given
+    alone = {"sum": collective.allreduce(np.arange(3, dtype=np.float64), collective.Op.SUM
+                                         ).tolist(),
+             "bcast": collective.broadcast({"x": 1}, 0)}
     with collective.CommunicatorContext(**args):
         rank, world = collective.get_rank(), collective.get_world_size()
         out: dict[str, np.ndarray] = {}
@@ -37,10 +41,18 @@ def main() -> None:
         f = np.linspace(0, 1, 7, dtype=np.float32)[::2] * (rank + 1)  # not contiguous
         out["f32"] = collective.allreduce(f, collective.Op.SUM)
         obj = collective.broadcast({"from": rank, "list": [1, 2]} if rank == 0 else None, 0)
+        own = np.zeros(3)  # (a non-root's own array: left as it is, or overwritten?)
+        got = collective.broadcast(np.arange(3.0) if rank == 0 else own, 0)
+        masked = collective.broadcast(
+            np.ma.masked_array([1.0, 2.0, 3.0], mask=[0, 1, 0]) if rank == 0 else None, 0)
         report: dict[str, Any] = {
             name: {"dtype": str(v.dtype), "shape": list(v.shape), "values": v.tolist()}
             for name, v in out.items()
         }
+        report.update(alone=alone, own_after=own.tolist(), got=got.tolist(),
+                      got_is_own=got is own, masked=[type(masked).__name__,
+                                                     np.ma.getmaskarray(masked).tolist(),
+                                                     np.ma.filled(masked, -1.0).tolist()])
         report.update(a_after=a.tolist(), b_after=b.tolist(), f_after=f.tolist(), bcast=obj,
                       is_distributed=[type(collective.is_distributed()).__name__,
                                       collective.is_distributed()],
