@@ -90,6 +90,8 @@ class ClassicJob:
     sort_key: Callable[[str], Any] | None = None  # task id -> order (None: arrival)
     timeout: float = 30.0
     on_rank: Callable[[str, int], None] | None = None  # a task was given its rank
+    on_joined: Callable[[str], None] | None = None  # a task started (or restarted)
+    on_finished: Callable[[str], None] | None = None  # a task shut down
     ranks: dict[str, int] = field(default_factory=dict)  # task id -> rank
     finished: set[int] = field(default_factory=set)
     restarts: dict[str, int] = field(default_factory=dict)  # task id -> starts after the first
@@ -97,10 +99,12 @@ class ClassicJob:
     _waiting: dict[int, _Waiting] = field(default_factory=dict)
     _pending: list[tuple[str, str, _Wire]] = field(default_factory=list)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    _began: bool = False  # a worker started (its task id may be "NULL": not in ranks)
+    _anonymous: set[int] = field(default_factory=set)  # ranks of "NULL" task ids
 
     @property
     def started(self) -> bool:
-        return bool(self.ranks or self._pending)
+        return self._began
 
     def status(self) -> list[dict[str, Any]]:
         """The tasks, as ``Tracker.status`` lists its own (a classic worker holds no tracker
@@ -111,7 +115,9 @@ class ClassicJob:
              "host": self.addresses.get(rank, ("", 0))[0],
              "port": self.addresses.get(rank, ("", 0))[1], "connected": False,
              "finished": rank in self.finished, "losses": self.restarts.get(task_id, 0)}
-            for task_id, rank in sorted(self.ranks.items(), key=lambda item: item[1])
+            for task_id, rank in sorted([*self.ranks.items(),
+                                         *(("NULL", r) for r in self._anonymous)],
+                                        key=lambda item: item[1])
         ]
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
@@ -137,23 +143,19 @@ class ClassicJob:
                 raise ProtocolError(f"shutdown from rank {rank}")
             self.finished.add(rank)
             logger.info("classic rank %d (task %s) shut down", rank, task_id)
+            if self.on_finished is not None and task_id != "NULL":
+                self.on_finished(task_id)
             if len(self.finished) == self.n_workers:
                 self.on_done()
             return
         if command == "recover" and not 0 <= rank < self.n_workers:
             raise ProtocolError(f"recover from rank {rank}")
+        self._began = True
+        if self.on_joined is not None and task_id != "NULL":
+            self.on_joined(task_id)
         known = self.ranks.get(task_id) if task_id != "NULL" else None
         if rank < 0 and known is None:
-            if len(self.ranks) + len(self._pending) >= self.n_workers:
-                raise ProtocolError(f"unknown task id {task_id!r}: the job already has "
-                                    f"{self.n_workers} workers")
-            self._pending.append((task_id, host, wire))
-            if len(self._pending) + len(self.ranks) == self.n_workers:
-                await self._assign_pending()
-            else:
-                # parked until every worker has started (it blocks reading its rank)
-                await wire.writer.drain()
-                await _closed(wire)
+            await self._start(task_id, host, wire)
             return
         target = rank if rank >= 0 else known
         assert target is not None
@@ -166,25 +168,59 @@ class ClassicJob:
         async with self._lock:
             await self._wire_up(wire, target, host)
 
+    async def _start(self, task_id: str, host: str, wire: _Wire) -> None:
+        """A task's first start: parked until every worker has started, then all are given
+        their ranks in task order."""
+        if task_id != "NULL":
+            # a task that starts again while its first start still waits: that one's
+            # process is gone (a live worker starts once)
+            for old in [e for e in self._pending if e[0] == task_id]:
+                self._pending.remove(old)
+                old[2].writer.close()
+        if self._assigned() + len(self._pending) >= self.n_workers:
+            raise ProtocolError(f"unknown task id {task_id!r}: the job already has "
+                                f"{self.n_workers} workers")
+        entry = (task_id, host, wire)
+        self._pending.append(entry)
+        if len(self._pending) + self._assigned() == self.n_workers:
+            await self._assign_pending()
+            return
+        # parked (it blocks reading its rank)
+        try:
+            await wire.writer.drain()
+            kept = await _closed(wire)
+        except OSError:
+            kept = False
+        if not kept and entry in self._pending:  # it left while it waited
+            self._pending.remove(entry)
+            logger.warning("classic task %s left before every worker had started", task_id)
+
     async def _assign_pending(self) -> None:
         pending, self._pending = self._pending, []
         if self.sort_key is not None:
             key = self.sort_key
             pending.sort(key=lambda p: key(p[0]))
-        free = [r for r in range(self.n_workers) if r not in self.ranks.values()]
+        taken = {*self.ranks.values(), *self._anonymous}
+        free = [r for r in range(self.n_workers) if r not in taken]
         async with self._lock:
             for (task_id, host, wire), rank in zip(pending, free, strict=True):
                 if task_id != "NULL":
                     self.ranks[task_id] = rank
+                else:
+                    self._anonymous.add(rank)
                 logger.info("classic task %s -> rank %d", task_id, rank)
                 if self.on_rank is not None:
                     self.on_rank(task_id, rank)
                 try:
                     await self._wire_up(wire, rank, host)
-                except ProtocolError as exc:
+                except (ProtocolError, OSError) as exc:  # (the others are served all the same)
                     logger.warning("classic rank %d (task %s): %s", rank, task_id, exc)
                 finally:
                     wire.writer.close()
+
+    def _assigned(self) -> int:
+        """How many ranks were handed out."""
+        return len(self.ranks) + len(self._anonymous)
 
     async def _wire_up(self, wire: _Wire, rank: int, host: str) -> None:
         """Steps 7-19: the rank, its neighbours, whom to dial and how many to accept."""
@@ -227,8 +263,11 @@ class ClassicJob:
             self._waiting.pop(rank, None)
 
 
-async def _closed(wire: _Wire) -> None:
+async def _closed(wire: _Wire) -> bool:
     """Hold a parked connection open until the job assigns it (the assigning coroutine
-    writes to it and closes it)."""
+    writes to it and closes it: True) or the worker goes away (False)."""
     while not wire.writer.is_closing():
+        if wire.reader.at_eof():
+            return False
         await asyncio.sleep(0.05)
+    return True

@@ -321,10 +321,11 @@ class Tracker:
         """A worker of the classic rabit protocol (XGBoost 1.x/2.0, dmlc/rabit)."""
         why = None
         outcome = self._registry.outcome
-        if self._classic_from == "none" or (
-                self._classic_from == "loopback" and not is_loopback(host)):
-            why = (f"classic rabit workers are served from {self._classic_from} addresses "
-                   "only (the classic protocol has no secret; rabit2-tracker --classic any)")
+        if self._classic_from == "none":
+            why = "this job serves no classic rabit workers (--classic none)"
+        elif self._classic_from == "loopback" and not is_loopback(host):
+            why = ("classic rabit workers are served from loopback addresses only (the "
+                   "classic protocol has no secret; --classic any serves them from anywhere)")
         elif self._registry.tasks:
             why = ("this job's workers speak rabit2's protocol; a classic rabit worker "
                    "(XGBoost 1.x/2.0) cannot join it")
@@ -340,7 +341,9 @@ class Tracker:
                 on_done=lambda: self._apply(self._registry.finish(True, "every rank shut down")),
                 sort_key=(lambda t: (natural_key(t), t)) if self._sortby == "task" else None,
                 timeout=self._handshake_timeout,
-                on_rank=lambda task_id, rank: _call_hook(self.on_rank_assigned, task_id, rank))
+                on_rank=lambda task_id, rank: _call_hook(self.on_rank_assigned, task_id, rank),
+                on_joined=lambda task_id: _call_hook(self.on_task_registered, task_id),
+                on_finished=lambda task_id: _call_hook(self.on_task_finished, task_id))
         streams = await _streams(sock, f"classic connection from {peer}")
         if streams is None:
             return

@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,10 @@ WORKER = textwrap.dedent("""
     rank, world = rabit.get_rank(), rabit.get_world_size()
     if rank == 1 and os.environ.get("CRASH_FIRST") and os.environ.get("DMLC_NUM_ATTEMPT") == "0":
         os._exit(3)  # dies on its first attempt, after it joined
+    mode = os.environ.get("LEAVE")
+    leave = mode if rank == 1 else None
+    if leave == "without-finalize":
+        sys.exit(0)  # a program that ends while the job still needs it
     rng = np.random.default_rng(rank)
     X = rng.standard_normal((2000, 10))
     y = (X[:, 0] + 0.3 * X[:, 1] + 0.1 * rng.standard_normal(2000) > 0).astype(float)
@@ -43,7 +48,12 @@ WORKER = textwrap.dedent("""
     rabit.tracker_print(f"rank {rank} of {world} trained")
     if rank == 0:
         bst.save_model(sys.argv[1])
+    if mode == "failing-after-finalize" and rank == 0:
+        import time
+        time.sleep(3)  # (still in the job when rank 1 exits)
     rabit.finalize()
+    if leave == "failing-after-finalize":
+        sys.exit(5)  # done for good: no restart could rejoin the job
 """)
 
 OWN_TRACKER = textwrap.dedent("""
@@ -145,6 +155,25 @@ def test_a_lost_xgboost_1_7_worker_is_restarted_with_its_job(
     assert all(status == "ok" for _, _, status in rows.values()), job.stderr
 
 
+@pytest.mark.integration
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(("leave", "said"), [
+    ("without-finalize", "task 1 exited with 0 without rabit2.finalize() while the job ran"),
+    ("failing-after-finalize", "task 1 exited with 5 after shutting down; not restarting it"),
+])
+def test_the_launcher_sees_classic_workers_join_and_finish(
+        xgb17: Path, tmp_path: Path, leave: str, said: str) -> None:
+    """The launcher's judgement of a task that ended rests on whether it joined and whether
+    it finished: classic workers tell the tracker both, as rabit2 workers do."""
+    worker, _ = _scripts(tmp_path)
+    started = time.monotonic()
+    job = _submit(xgb17, worker, tmp_path / "model.json", 2, {"LEAVE": leave})
+    assert job.returncode != 0, job.stdout + job.stderr
+    assert said in job.stderr, job.stderr
+    assert not re.search(r"task 1 exited with \d+ \(attempt", job.stderr), job.stderr  # (restarts)
+    assert time.monotonic() - started < 60  # (not the job's 150 s timeout)
+
+
 # ----------------------------------------------------------------------------- protocol
 
 
@@ -212,3 +241,83 @@ async def test_a_job_speaks_one_protocol(caplog: pytest.LogCaptureFixture) -> No
     finally:
         await tracker.close()
 
+
+
+async def _start_as(port: int, task: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A classic worker's start as task ``task``, its answer not read yet."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    command = b"start"
+    writer.write(CLASSIC_MAGIC + (-1).to_bytes(4, "little", signed=True) * 2
+                 + len(task).to_bytes(4, "little") + task
+                 + len(command).to_bytes(4, "little") + command)
+    await writer.drain()
+    return reader, writer
+
+
+async def _rank_of(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> int:
+    """The rank a started worker is given, once it has answered the rest of the tracker's
+    conversation as a worker that holds no links yet and reaches every peer it is told to
+    dial (the tracker serves one worker's conversation at a time)."""
+    async def ints(count: int) -> list[int]:
+        data = await asyncio.wait_for(reader.readexactly(4 * count), 5)
+        return [int.from_bytes(data[i:i + 4], "little", signed=True)
+                for i in range(0, len(data), 4)]
+
+    def send(*values: int) -> None:
+        writer.write(b"".join(v.to_bytes(4, "little", signed=True) for v in values))
+
+    magic, rank, _parent, _world, tree = await ints(5)
+    assert magic.to_bytes(4, "little", signed=True) == CLASSIC_MAGIC
+    await ints(tree + 2)  # the tree neighbours, the ring's previous and next
+    send(0)  # holds no links
+    dial, _accept = await ints(2)
+    for _ in range(dial):
+        (size,) = await ints(1)
+        await asyncio.wait_for(reader.readexactly(size), 5)  # the host
+        await ints(2)  # its port and rank
+    send(0, 9000 + rank)  # reached them all; listens there
+    await writer.drain()
+    return rank
+
+
+@pytest.mark.asyncio
+async def test_a_classic_worker_lost_while_it_waits_for_the_others_hangs_nobody() -> None:
+    """Task 1 starts and dies while it waits, and its restart comes before task 0: every
+    worker gets its rank, by task id, at once."""
+    tracker = Tracker(3, secret=SECRET)
+    await tracker.start()
+    conns = []
+    try:
+        conns.append(await _start_as(tracker.port, b"2"))
+        _, lost = await _start_as(tracker.port, b"1")
+        await asyncio.sleep(0.2)
+        lost.close()  # (the process died: its socket closes)
+        await asyncio.sleep(0.3)
+        conns.append(await _start_as(tracker.port, b"1"))
+        conns.append(await _start_as(tracker.port, b"0"))
+        ranks = await asyncio.gather(*(_rank_of(reader, writer) for reader, writer in conns))
+        assert ranks == [2, 1, 0]
+    finally:
+        for _, writer in conns:
+            writer.close()
+        await tracker.close()
+
+
+@pytest.mark.asyncio
+async def test_a_classic_job_without_task_ids_stays_classic_once_ranked() -> None:
+    """XGBoost's own launchers give no DMLC_TASK_ID: the job is still a classic one after
+    the ranks are handed out (its status says so, and a rabit2 worker is refused)."""
+    tracker = Tracker(2, secret=SECRET)
+    await tracker.start()
+    conns = []
+    try:
+        conns = [await _start_as(tracker.port, b"NULL") for _ in range(2)]
+        ranks = await asyncio.gather(*(_rank_of(reader, writer) for reader, writer in conns))
+        assert sorted(ranks) == [0, 1]
+        status = tracker.status()
+        assert status.get("protocol") == "classic"
+        assert sorted(task["rank"] for task in status["tasks"]) == [0, 1]
+    finally:
+        for _, writer in conns:
+            writer.close()
+        await tracker.close()
