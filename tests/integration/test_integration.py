@@ -91,11 +91,19 @@ def test_a_replay_store_that_overflows_is_reported_once() -> None:
         assert len(said) == 1, out[-3000:]
 
 
+def _async_job(n: int, *mode: str, ok: bool, extra: tuple[str, ...] = ()) -> str:
+    """``async_worker.py`` (in ``mode``) under the launcher: its output; it ended as ``ok``
+    says (exit status 0 or not)."""
+    proc = submit(n, sys.executable, str(WORKERS / "async_worker.py"), *mode, timeout=120,
+                  extra=extra)
+    out = proc.stdout + proc.stderr
+    assert (proc.returncode == 0) == ok, out[-4000:]
+    return out
+
+
 @pytest.mark.integration
 def test_asyncio_api() -> None:
-    proc = submit(3, sys.executable, str(WORKERS / "async_worker.py"))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    out = _async_job(3, ok=True)
     for rank in range(3):
         assert f"ASYNC OK rank={rank}" in out
 
@@ -103,10 +111,7 @@ def test_asyncio_api() -> None:
 @pytest.mark.integration
 def test_an_exception_in_an_asyncio_block_ends_the_job_for_every_rank() -> None:
     # (with restarts, so recovery is on, as in tests/integration/test_program_errors.py)
-    proc = submit(3, sys.executable, str(WORKERS / "async_worker.py"), "raise", timeout=120,
-                  extra=("--max-attempts", "3"))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-4000:]
+    out = _async_job(3, "raise", ok=False, extra=("--max-attempts", "3"))
     # (tasks get ranks in task order here; the abort may reach a task still wiring its links,
     # before it knows its rank)
     for task in (0, 2):
@@ -117,19 +122,14 @@ def test_an_exception_in_an_asyncio_block_ends_the_job_for_every_rank() -> None:
 
 @pytest.mark.integration
 def test_an_asyncio_wait_cancelled_while_queued_leaves_its_call_in_place() -> None:
-    proc = submit(2, sys.executable, str(WORKERS / "async_worker.py"), "cancel", timeout=120)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    out = _async_job(2, "cancel", ok=True)
     for rank in range(2):  # (a/b/c: 1, 10, 100 times rank + 1, summed)
         assert f"ASYNC CANCEL rank={rank} a=3 b=30 c=300" in out, out[-4000:]
 
 
 @pytest.mark.integration
 def test_leaving_an_asyncio_block_after_a_timed_out_wait_ends_the_job_at_once() -> None:
-    proc = submit(2, sys.executable, str(WORKERS / "async_worker.py"), "timeout", timeout=120,
-                  extra=("--env", "RABIT2_TIMEOUT_SEC=60"))
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-4000:]
+    out = _async_job(2, "timeout", ok=False, extra=("--env", "RABIT2_TIMEOUT_SEC=60"))
     left = re.search(r"ASYNC LEFT rank=0 after=([0-9.]+) TimeoutError", out)
     assert left and float(left.group(1)) < 15, out[-4000:]  # (not the 60 s deadline)
     assert re.search(r"ASYNC LEFT rank=1 after=[0-9.]+ JobAbortedError: .*rank 0 raised "
@@ -138,9 +138,7 @@ def test_leaving_an_asyncio_block_after_a_timed_out_wait_ends_the_job_at_once() 
 
 @pytest.mark.integration
 def test_one_asyncio_communicator_serves_two_threads_with_loops_of_their_own() -> None:
-    proc = submit(2, sys.executable, str(WORKERS / "async_worker.py"), "threads", timeout=120)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    out = _async_job(2, "threads", ok=True)
     for rank in range(2):
         assert f"ASYNC THREADS rank={rank} calls=400 all2=True" in out, out[-4000:]
 
