@@ -47,18 +47,11 @@ class Communicator:
         a coroutine that waits for its result."""
         with self._guard:
             if self._worker is None:
+                # (one thread for the communicator's life: a second would break the order)
                 self._worker = concurrent.futures.ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix="rabit2-aio")
             done = self._worker.submit(fn, *args)
         return _result(done)
-
-    def _let_go(self) -> None:
-        """The worker thread ends once the calls issued to it ran (a later call starts
-        another)."""
-        with self._guard:
-            worker, self._worker = self._worker, None
-        if worker is not None:
-            worker.shutdown(wait=False)
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:
         return await self._issue(fn, *args)
@@ -73,10 +66,7 @@ class Communicator:
         """Leave the job: :func:`rabit2.finalize`, and its errors
         (:class:`~rabit2.errors.JobAbortedError` if the job is aborted while this worker
         waits for the others with recovery on)."""
-        try:
-            await self._run(api.finalize)
-        finally:
-            self._let_go()
+        await self._run(api.finalize)
 
     async def __aenter__(self) -> Communicator:
         """:meth:`init`, with its errors; returns this communicator."""
@@ -93,10 +83,7 @@ class Communicator:
         if error is None:
             await self.finalize()
         else:
-            try:
-                await asyncio.to_thread(api.abort_for, error)
-            finally:
-                self._let_go()
+            await asyncio.to_thread(api.abort_for, error)
 
     @property
     def rank(self) -> int:

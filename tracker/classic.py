@@ -151,14 +151,13 @@ class ClassicJob:
         if command == "recover" and not 0 <= rank < self.n_workers:
             raise ProtocolError(f"recover from rank {rank}")
         self._began = True
-        if self.on_joined is not None and task_id != "NULL":
-            self.on_joined(task_id)
         known = self.ranks.get(task_id) if task_id != "NULL" else None
         if rank < 0 and known is None:
             await self._start(task_id, host, wire)
             return
         target = rank if rank >= 0 else known
         assert target is not None
+        self._joined(task_id)
         if rank < 0:
             self.restarts[task_id] = self.restarts.get(task_id, 0) + 1
         self.finished.discard(target)
@@ -180,6 +179,7 @@ class ClassicJob:
         if self._assigned() + len(self._pending) >= self.n_workers:
             raise ProtocolError(f"unknown task id {task_id!r}: the job already has "
                                 f"{self.n_workers} workers")
+        self._joined(task_id)
         entry = (task_id, host, wire)
         self._pending.append(entry)
         if len(self._pending) + self._assigned() == self.n_workers:
@@ -217,6 +217,11 @@ class ClassicJob:
                     logger.warning("classic rank %d (task %s): %s", rank, task_id, exc)
                 finally:
                     wire.writer.close()
+
+    def _joined(self, task_id: str) -> None:
+        """``task_id`` was let in (the launcher judges how its process ends by it)."""
+        if self.on_joined is not None and task_id != "NULL":
+            self.on_joined(task_id)
 
     def _assigned(self) -> int:
         """How many ranks were handed out."""

@@ -392,6 +392,8 @@ class Engine:
         in another thread raises it at once).  Every later call raises it, as after a
         failed call, and finalize ends the job with it.  ``timeout``: how long to wait for
         the loop thread (``timeout_sec`` when None)."""
+        if self.loop.is_closed():
+            return  # (closed: no call is under way, and none can begin)
         self.loop_thread.run(self._fail(error),
                              self.config.timeout_sec if timeout is None else timeout)
 

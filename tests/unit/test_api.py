@@ -375,3 +375,26 @@ def test_rabit2_xgboost_without_xgboost_says_which_extra_to_install() -> None:
                          timeout=60, check=True).stdout
     assert out.startswith("xgboost | rabit2.xgboost needs XGBoost 3: pip install "
                           "'rabit2[xgboost]'"), out
+
+
+@pytest.mark.asyncio
+async def test_an_aio_call_issued_after_a_timed_out_finalize_runs_after_it() -> None:
+    """Calls run in the order issued even when an ``await`` gave up: a call issued after a
+    finalize whose wait timed out finds the communicator finalized."""
+    import asyncio  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    class Slow:
+        def __reduce__(self) -> tuple[Any, ...]:
+            time.sleep(0.5)  # (a checkpoint that takes a while to pickle)
+            return (int, (1,))
+
+    comm = rabit2.aio.Communicator()
+    await comm.init()
+    slow = asyncio.ensure_future(comm.checkpoint(Slow()))
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(comm.finalize(), 0.1)
+    with pytest.raises(NotInitializedError):
+        await comm.allreduce(np.ones(2), rabit2.Op.SUM)
+    await slow
+    assert rabit2.version_number() == 0  # (finalized: not initialised any more)

@@ -118,7 +118,8 @@ class TaskLauncher:
         left_ok = self.options.elastic and result is not None and result.success
         # (an aborted job failed, even where every program caught the error and exited 0)
         ok = (result is None or result.success) and all(
-            task.exit_code == 0 or (left_ok and task.status == "left") for task in self.tasks)
+            (task.exit_code == 0 and task.status != "left early")
+            or (left_ok and task.status == "left") for task in self.tasks)
         self._writer.write(self._err, format_summary(
             self.tasks, job_line(result, ok, interrupted), None if ok else self._root_cause))
         if interrupted:
