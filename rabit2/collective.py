@@ -26,7 +26,6 @@ from typing import Any, TypeVar
 import numpy as np
 
 from rabit2 import api
-from rabit2 import state as _state
 from rabit2.core.ops import Op as _RabitOp
 from rabit2.core.ops import check_op_dtype
 
@@ -144,7 +143,7 @@ def allreduce(data: np.ndarray, op: Op) -> np.ndarray:
 
 def _initialised() -> bool:
     """Whether :func:`init` ran (without it XGBoost's collectives act as one worker's)."""
-    return _state.comm.config is not None
+    return api.current_config() is not None
 
 
 def signal_error(msg: str = "signal_error() called") -> None:
