@@ -15,6 +15,7 @@ from rabit2.core.framing import (
     BROADCAST_HEAD,
     GATHER_INFO,
     HEAD_ARRAY,
+    HEAD_DEVICE,
     HEAD_PICKLE,
     MAX_NDIM,
     CollectiveKind,
@@ -24,6 +25,7 @@ from rabit2.core.framing import (
 )
 from rabit2.core.ops import Op, check_op_dtype, dtype_code, dtype_from_code
 from rabit2.core.records import Call
+from rabit2.device import copy_into, is_device_array, matches, to_device, to_host
 from rabit2.errors import MismatchError
 from rabit2.state import collective as _collective
 from rabit2.state import run as _run
@@ -45,10 +47,11 @@ _VALID: dict[tuple[type, Any, np.dtype], tuple[Op, np.dtype]] = {}
 def allreduce(data: Any, op: Any, prepare_fun: Callable[[Any], None] | None = None) -> Any:
     """Reduce ``data`` element-wise across all ranks; every rank gets the same bytes.
 
-    ``data``: a numpy array of int8..uint64 or float16/32/64, any shape (or a cupy array
-    with the ``gpu`` extra: it is staged through host memory).  A C-contiguous writable
-    array is reduced in place; otherwise a contiguous copy is reduced and written back when
-    ``data`` is writable.  The result (same shape and dtype, never promoted) is returned.
+    ``data``: a numpy array of int8..uint64 or float16/32/64, any shape, or a cupy array
+    (the ``gpu`` extra: staged through host memory, reduced in place, even a strided view).
+    A C-contiguous writable numpy array is reduced in place; otherwise a contiguous copy is
+    reduced and written back when ``data`` is writable.  The result (same shape and dtype,
+    never promoted) is returned.
     ``prepare_fun(data)``, if given, is called right before the data is needed, as in rabit.
 
     Raises ``TypeError`` (not an array, unsupported dtype, bitwise op on floats) or
@@ -64,8 +67,8 @@ def allreduce(data: Any, op: Any, prepare_fun: Callable[[Any], None] | None = No
     # Python call on this path costs microseconds: docs/performance.md, "Per-call cost after
     # compute")
     if not isinstance(data, np.ndarray):
-        if _is_cupy(data):
-            return _allreduce_cupy(data, op, prepare_fun)
+        if is_device_array(data):
+            return _allreduce_device(data, op, prepare_fun)
         raise TypeError(f"allreduce takes a numpy array, got {type(data).__name__}")
     key = (op.__class__, op, data.dtype)  # (the class: True == 1 but only 1 is an op)
     try:
@@ -93,18 +96,18 @@ def allreduce(data: Any, op: Any, prepare_fun: Callable[[Any], None] | None = No
     return work
 
 
-def _is_cupy(data: Any) -> bool:
-    return hasattr(data, "__cuda_array_interface__") and type(data).__module__.startswith("cupy")
-
-
-def _allreduce_cupy(data: Any, op: Any, prepare_fun: Callable[[Any], None] | None) -> Any:
-    import cupy  # noqa: PLC0415 - optional dependency (rabit2[gpu])
-
-    if prepare_fun is not None:
+def _allreduce_device(data: Any, op: Any, prepare_fun: Callable[[Any], None] | None) -> Any:
+    """:func:`allreduce` of a cupy array, with the numpy path's checks and ``prepare_fun``
+    rule: the reduction of a host copy, written back into ``data``."""
+    check_op_dtype(op, np.dtype(data.dtype))
+    engine = _collective().engine
+    if prepare_fun is not None and not (engine is not None and engine.replays_next()):
         prepare_fun(data)
-    host = cupy.asnumpy(data)
+    if engine is None:
+        return data
+    host = to_host(data)
     allreduce(host, op)
-    data[...] = cupy.asarray(host)
+    copy_into(data, host)
     return data
 
 
@@ -116,7 +119,10 @@ def broadcast(data: Any, root: int) -> Any:
 
     A numpy array (C-contiguous after conversion, ndim <= 8) travels as raw bytes; anything
     else is pickled.  Non-root ranks may pass ``None``; a non-root that passes a writable
-    C-contiguous array of the root's dtype and shape receives straight into it.
+    C-contiguous array of the root's dtype and shape receives straight into it.  A cupy
+    array travels as raw bytes too, staged through host memory: non-roots get a new cupy
+    array on their current device (a numpy array where cupy is missing), or their own cupy
+    array of the root's dtype and shape, written in place.
 
     Raises :class:`~rabit2.errors.NotInitializedError` before :func:`init` or after
     :func:`finalize`, ``ValueError`` for a root outside ``[0, world)`` and (on the root)
@@ -137,7 +143,7 @@ def broadcast(data: Any, root: int) -> Any:
         raise ValueError(f"root must be a rank in [0, {comm.world}), got {root!r}")
     root = int(root)
     if comm.engine is None:
-        if not isinstance(data, np.ndarray):
+        if not isinstance(data, np.ndarray) and not is_device_array(data):
             _pickle(data)  # the same TypeError alone as in a job
         return data
     call, result = broadcast_call(data, root, comm.rank == root)
@@ -152,10 +158,13 @@ def broadcast_call(data: Any, root: int, is_root: bool) -> tuple[Call, Callable[
     if is_root:
         # (exactly an ndarray: a subclass, a masked array or a matrix, is pickled, so that
         # every rank gets what the root passed)
-        if type(data) is np.ndarray and data.ndim <= MAX_NDIM and _supported(data.dtype):
-            payload = _flat_bytes(np.ascontiguousarray(data))
-            desc = pack_broadcast_head(HEAD_ARRAY, dtype_code(data.dtype), data.shape,
-                                       len(payload))
+        device = is_device_array(data)
+        if ((device or type(data) is np.ndarray) and data.ndim <= MAX_NDIM
+                and _supported(np.dtype(data.dtype))):
+            host = to_host(data) if device else np.ascontiguousarray(data)
+            payload = _flat_bytes(host)
+            desc = pack_broadcast_head(HEAD_DEVICE if device else HEAD_ARRAY,
+                                       dtype_code(host.dtype), host.shape, len(payload))
         else:
             payload = memoryview(_pickle(data))
             desc = pack_broadcast_head(HEAD_PICKLE, 0, (), len(payload))
@@ -168,16 +177,17 @@ def broadcast_call(data: Any, root: int, is_root: bool) -> tuple[Call, Callable[
         """Called once the head arrived (on the thread that drives the call): where the
         payload goes."""
         kind, code, dims, nbytes = unpack_broadcast_head(head)
-        if kind == HEAD_ARRAY:
+        if kind in (HEAD_ARRAY, HEAD_DEVICE):
             dtype = dtype_from_code(code)
             if math.prod(dims) * dtype.itemsize != nbytes:  # (exact: Python ints)
                 raise ValueError(f"broadcast head: shape {dims} of {dtype} is not {nbytes} B")
-            if (type(data) is np.ndarray and data.dtype == dtype and data.shape == dims
-                    and data.flags.c_contiguous and data.flags.writeable):
+            if (kind == HEAD_ARRAY and type(data) is np.ndarray and data.dtype == dtype
+                    and data.shape == dims and data.flags.c_contiguous
+                    and data.flags.writeable):
                 out = data  # receive straight into the caller's array
             else:
                 out = np.empty(dims, dtype=dtype)
-            received["array"] = out
+            received["array" if kind == HEAD_ARRAY else "device"] = out
             return _flat_bytes(out)
         if kind != HEAD_PICKLE:
             raise ValueError(f"broadcast head of unknown kind {kind}")
@@ -188,6 +198,12 @@ def broadcast_call(data: Any, root: int, is_root: bool) -> tuple[Call, Callable[
     def result() -> Any:
         if "array" in received:
             return received["array"]
+        if "device" in received:
+            host = received["device"]
+            if is_device_array(data) and matches(data, host.dtype, host.shape):
+                copy_into(data, host)
+                return data
+            return to_device(host)
         return pickle.loads(received["pickle"])
 
     return (Call(CollectiveKind.BROADCAST, memoryview(b""), root=root, receive=place,
@@ -217,12 +233,15 @@ def allgather(data: Any) -> np.ndarray:
 
     Ranks may contribute different numbers of rows; dtype and trailing shape must agree
     (:class:`~rabit2.errors.MismatchError` on every rank otherwise).  A 0-d array counts as
-    one row.  Raises ``TypeError`` for a non-array or an unsupported dtype before anything is
+    one row.  A cupy array is staged through host memory and gives a new cupy array on the
+    current device.  Raises ``TypeError`` for a non-array or an unsupported dtype before anything is
     sent, then :class:`~rabit2.errors.NotInitializedError` before :func:`init` or after
     :func:`finalize`; other :class:`~rabit2.errors.RabitError` subclasses when the job fails,
     as :func:`allreduce`.
     """
     if not isinstance(data, np.ndarray):
+        if is_device_array(data):
+            return to_device(allgather(to_host(data)))  # type: ignore[no-any-return]
         raise TypeError(f"allgather takes a numpy array, got {type(data).__name__}")
     code = dtype_code(data.dtype)
     comm = _collective()

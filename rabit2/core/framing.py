@@ -275,8 +275,9 @@ def decode_error(payload: bytes | bytearray | memoryview) -> tuple[str, str, int
 BROADCAST_HEAD = struct.Struct("<BBBxIQ8Q")
 """What an API broadcast sends before its payload, in the same stream: kind, dtype code,
 ndim, pad, reserved, payload bytes, shape[8] (rabit sends a length first)."""
-HEAD_PICKLE, HEAD_ARRAY = 1, 2
-"""A broadcast head's kinds: a pickled object, or a numpy array's raw bytes."""
+HEAD_PICKLE, HEAD_ARRAY, HEAD_DEVICE = 1, 2, 3
+"""A broadcast head's kinds: a pickled object, a numpy array's raw bytes, or a device
+(cupy) array's raw bytes, which receivers put back on their device."""
 MAX_NDIM = 8
 
 
@@ -294,7 +295,7 @@ def unpack_broadcast_head(head: bytes | bytearray | memoryview
     """``(kind, dtype code, shape, payload bytes)``.  Raises ``ValueError`` for more than
     :data:`MAX_NDIM` dimensions."""
     kind, code, ndim, _, nbytes, *shape = BROADCAST_HEAD.unpack(head)
-    if kind == HEAD_ARRAY and ndim > MAX_NDIM:
+    if kind in (HEAD_ARRAY, HEAD_DEVICE) and ndim > MAX_NDIM:
         raise ValueError(f"broadcast head has {ndim} dimensions")
     return kind, code, tuple(shape[:ndim]), nbytes
 
