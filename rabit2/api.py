@@ -30,7 +30,7 @@ from rabit2.checkpoints import (
 )
 from rabit2.config import Config, launcher_task, launcher_world, load_config
 from rabit2.core.ops import Op
-from rabit2.errors import JobAbortedError, RabitError
+from rabit2.errors import JobAbortedError, LiveSetError, RabitError
 from rabit2.state import comm as _comm
 from rabit2.state import job as _job
 
@@ -157,7 +157,13 @@ def abort_for(error: BaseException) -> None:
     member = _comm.membership
     if member is not None:
         # elastic mode: a program error makes this worker lost (restarted, or the job goes
-        # on without it), not the job's end
+        # on without it), not the job's end.  A call of this rank's still under way in
+        # another thread (an await that timed out) ends now and lets go of the lock
+        engine = _comm.engine
+        if engine is not None:
+            with contextlib.suppress(Exception):
+                engine.fail(LiveSetError(f"this rank left its live set: {_reason(error)}"),
+                            ABORT_WAIT_SEC)
         with _comm.lock:
             _comm.engine = _comm.membership = _comm.config = _comm.live = None
         member.close()
@@ -166,9 +172,7 @@ def abort_for(error: BaseException) -> None:
     # asyncio await was cancelled, holds it; signal_error never blocks)
     job = _job()
     if job is not None and not isinstance(error, JobAbortedError):
-        text = " ".join(str(error).split())
-        reason = (f"rank {get_rank()} raised {type(error).__name__}"
-                  + (f": {text}" if text else ""))
+        reason = _reason(error)
         job.signal_error(reason)
         # the tracker tells every other rank; a call of this rank's still under way in
         # another thread (an await that timed out left it running) ends now, not at its
@@ -177,6 +181,11 @@ def abort_for(error: BaseException) -> None:
             job.fail(JobAbortedError(f"this rank ended the job: {reason}"), ABORT_WAIT_SEC)
     with _comm.lock, contextlib.suppress(RabitError):
         finalize()
+
+
+def _reason(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"rank {get_rank()} raised {type(error).__name__}" + (f": {text}" if text else "")
 
 
 def leave(error: BaseException | None) -> None:

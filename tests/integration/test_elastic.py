@@ -162,3 +162,45 @@ def test_the_elastic_training_example_trains_through_a_loss_and_a_rejoin() -> No
     assert {steps for _, steps, _ in finals} == {"80"} and len({m for _, _, m in finals}) == 1
     losses = re.findall(r"step=79 live=\[0, 1, 2, 3\] loss=([\d.]+)", out)
     assert losses and float(losses[0]) < 0.05, out  # it learned, and rank 2 is back
+
+
+def test_a_call_left_running_in_another_thread_does_not_hold_up_abort_for() -> None:
+    """As after an ``await`` that timed out in ``rabit2.aio``: rank 0's allreduce runs on in
+    a thread (rank 1 never makes it) when rank 0 leaves by an error.  Leaving ends that call
+    at once, not at its 10-minute deadline; rank 1's block fails, and it goes on."""
+    code = (
+        "import threading, time, numpy as np, rabit2\n"
+        "from rabit2 import api\n"
+        "rabit2.init()\n"
+        "rank = rabit2.get_rank()\n"
+        "try:\n"
+        "    with rabit2.live_set():\n"
+        "        if rank == 0:\n"
+        "            got = []\n"
+        "            def call():\n"
+        "                try:\n"
+        "                    rabit2.allreduce(np.ones(2), rabit2.Op.SUM)\n"
+        "                except Exception as exc:\n"
+        "                    got.append(type(exc).__name__ + ': ' + str(exc))\n"
+        "            t = threading.Thread(target=call)\n"
+        "            t.start()\n"
+        "            time.sleep(0.5)\n"
+        "            t0 = time.monotonic()\n"
+        "            api.abort_for(RuntimeError('boom'))\n"
+        "            t.join(10)\n"
+        "            print('LEFT after', round(time.monotonic() - t0, 1), got, flush=True)\n"
+        "            raise SystemExit(0)\n"
+        "        time.sleep(2)\n"
+        "except rabit2.LiveSetError as exc:\n"
+        "    print('BLOCK FAILED', exc, flush=True)\n"
+        "rabit2.finalize()\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "-n", "2", "--elastic", "--timeout", "60",
+         "--max-attempts", "1", "--", sys.executable, "-c", code, "rabit_timeout_sec=600"],
+        capture_output=True, text=True, timeout=90, cwd=ROOT, check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    out = done.stdout + done.stderr
+    left = re.search(r"LEFT after ([\d.]+) \['LiveSetError: this rank left its live set: "
+                     r"rank 0 raised RuntimeError: boom'\]", out)
+    assert left is not None and float(left.group(1)) < 6, out
+    assert "BLOCK FAILED live set" in done.stdout, out
