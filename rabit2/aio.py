@@ -20,6 +20,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 from rabit2 import api
+from rabit2.device import on_callers_stream
 
 T = TypeVar("T")
 
@@ -104,15 +105,16 @@ class Communicator:
         :class:`~rabit2.errors.NotInitializedError` before :meth:`init`,
         :class:`~rabit2.errors.MismatchError` when ranks disagree, other
         :class:`~rabit2.errors.RabitError` subclasses when the job fails.  The caller must
-        not touch ``data`` until the ``await`` returns."""
-        return self._issue(api.allreduce, data, op, prepare_fun)
+        not touch ``data`` until the ``await`` returns.  A cupy array is staged on the
+        stream current where the method is called."""
+        return self._issue(on_callers_stream(api.allreduce, data), data, op, prepare_fun)
 
     def broadcast(self, obj: Any, root: int) -> Coroutine[Any, Any, Any]:
         """:func:`rabit2.broadcast`: ``obj`` from ``root`` to every rank, returned.  Raises
         ``ValueError`` for a bad root, ``TypeError`` for an object the root cannot pickle,
         :class:`~rabit2.errors.NotInitializedError` before :meth:`init`, and
         :class:`~rabit2.errors.RabitError` subclasses when ranks disagree or the job fails."""
-        return self._issue(api.broadcast, obj, root)
+        return self._issue(on_callers_stream(api.broadcast, obj), obj, root)
 
     def allgather(self, data: Any) -> Coroutine[Any, Any, Any]:
         """:func:`rabit2.allgather`: every rank's array concatenated along axis 0.  Raises
@@ -120,7 +122,7 @@ class Communicator:
         :class:`~rabit2.errors.NotInitializedError` before :meth:`init`,
         :class:`~rabit2.errors.MismatchError` for different dtypes or trailing shapes, other
         :class:`~rabit2.errors.RabitError` subclasses when the job fails."""
-        return self._issue(api.allgather, data)
+        return self._issue(on_callers_stream(api.allgather, data), data)
 
     def agree(self, flag: bool) -> Coroutine[Any, Any, bool]:
         """:func:`rabit2.agree`: True on every rank iff every rank passed a true ``flag``.

@@ -10,9 +10,12 @@ each call returns.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
+
+T = TypeVar("T")
 
 
 def is_device_array(data: Any) -> bool:
@@ -34,13 +37,16 @@ def to_host(data: Any) -> np.ndarray:
 
 
 def to_device(host: np.ndarray) -> Any:
-    """A new device array of ``host``'s bytes on the current device, or ``host`` itself
-    where cupy cannot be imported (a rank without a GPU receiving a device array)."""
+    """A new device array of ``host``'s bytes on the current device, its copy finished, or
+    ``host`` itself where cupy cannot be imported (a rank without a GPU receiving a device
+    array)."""
     try:
         import cupy  # noqa: PLC0415 - optional dependency (rabit2[gpu])
     except ImportError:
         return host
-    return cupy.asarray(host)
+    out = cupy.asarray(host)
+    cupy.cuda.get_current_stream().synchronize()  # (usable from any stream once returned)
+    return out
 
 
 def copy_into(data: Any, host: np.ndarray) -> None:
@@ -62,4 +68,24 @@ def matches(data: Any, dtype: np.dtype, shape: tuple[int, ...]) -> bool:
     return np.dtype(data.dtype) == dtype and tuple(data.shape) == shape
 
 
-__all__ = ["copy_into", "is_device_array", "matches", "to_device", "to_host"]
+def on_callers_stream(fn: Callable[..., T], data: Any) -> Callable[..., T]:
+    """``fn``, to be run on another thread, on the CUDA stream that is current on this one
+    now, when ``data`` is a device array (cupy's current stream belongs to a thread: the
+    other thread's would not wait for the work queued here); ``fn`` itself otherwise."""
+    if not is_device_array(data):
+        return fn
+    import cupy  # noqa: PLC0415 - optional dependency (rabit2[gpu])
+
+    device = data.device
+    with device:
+        stream = cupy.cuda.get_current_stream()
+
+    def run(*args: Any) -> T:
+        with device, stream:
+            return fn(*args)
+
+    return run
+
+
+__all__ = ["copy_into", "is_device_array", "matches", "on_callers_stream", "to_device",
+           "to_host"]

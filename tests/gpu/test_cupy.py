@@ -97,3 +97,44 @@ def test_bad_device_calls_fail_before_anything_runs() -> None:
     with pytest.raises(TypeError):
         rabit2.allreduce(cp.ones(4, dtype=cp.complex64), rabit2.SUM, calls.append)
     assert calls == []
+
+
+@pytest.mark.integration
+def test_asyncio_calls_stage_on_the_callers_stream() -> None:
+    """``rabit2.aio`` runs its calls on a thread of its own, whose current stream is not the
+    caller's: the copies must still wait for the kernels the caller queued on a non-blocking
+    stream, and the result must be complete for the caller's next kernel."""
+    code = (
+        "import asyncio, sys, cupy as cp, numpy as np, rabit2, rabit2.aio\n"
+        "async def main():\n"
+        "    async with rabit2.aio.Communicator() as comm:\n"
+        "        rank, world = comm.rank, comm.world_size\n"
+        "        bad = 0\n"
+        "        for i in range(20):\n"
+        "            with cp.cuda.Stream(non_blocking=True) as s:\n"
+        "                a = cp.full(4_000_000, float(i), dtype=cp.float64)\n"
+        "                for _ in range(60):\n"
+        "                    a = cp.sqrt(a * a)\n"
+        "                a += rank + 1\n"
+        "                got = await comm.allreduce(a, rabit2.SUM)\n"
+        "                twice = got * 2\n"
+        "                b = await comm.broadcast(a if rank == 0 else None, 0)\n"
+        "                g = await comm.allgather(a[:3].reshape(1, 3))\n"
+        "                s.synchronize()\n"
+        "            want = world * i + world * (world + 1) / 2\n"
+        "            bad += int(cp.asnumpy(twice).min() != 2 * want)\n"
+        "            bad += int(cp.asnumpy(twice).max() != 2 * want)\n"
+        "            bad += int((cp.asnumpy(b) != want).any())\n"
+        "            bad += int((cp.asnumpy(g) != want).any())\n"
+        "        print('AIO rank', rank, 'bad', bad, flush=True)\n"
+        "asyncio.run(main())\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "--cluster", "local", "-n", "2",
+         "--timeout", "100", "--", sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=130, env=env, cwd=ROOT, check=False,
+        stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(re.findall(r"AIO rank (\d) bad (\d+)", proc.stdout)) == [
+        ("0", "0"), ("1", "0")], proc.stdout[-3000:]
