@@ -259,14 +259,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = parse_args(sys.argv[1:] if argv is None else argv)
     # (this process runs only the launcher: what a worker leaves behind is stopped at the end)
     options = dataclasses.replace(options, reap_orphans=orphans.adopt())
-    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    # (SIGHUP: the terminal or the ssh session that ran it went away)
+    previous = {signum: signal.signal(signum, _raise_interrupted)
+                for signum in (signal.SIGTERM, signal.SIGHUP)}
     try:
         return run_job(options)
     except LaunchError as exc:
         print(f"rabit2-submit: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 if __name__ == "__main__":

@@ -286,7 +286,9 @@ def test_timeout_bounds_the_job(worker: Path) -> None:
     assert_all_dead(worker.parent / "pids")
 
 
-def test_cli_interrupt_leaves_no_worker(worker: Path) -> None:
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_cli_interrupt_leaves_no_worker(worker: Path, signum: int) -> None:
+    """Ctrl-C, a kill, or the terminal that ran it going away (SIGHUP)."""
     pid_dir = worker.parent / "pids"
     proc = subprocess.Popen(
         [sys.executable, "-m", "tracker.submit", "--cluster", "local", "-n", "2",
@@ -299,7 +301,7 @@ def test_cli_interrupt_leaves_no_worker(worker: Path) -> None:
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.05)
         time.sleep(0.3)  # let the workers install their SIGTERM handler
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         _, stderr = proc.communicate(timeout=20)
     finally:
         proc.kill()
@@ -363,7 +365,7 @@ def test_a_second_interrupt_kills_at_once_and_leaves_nothing(tmp_path: Path) -> 
         time.sleep(0.5)
         assert proc.poll() is None  # (in the grace: the workers ignore SIGTERM)
         started = time.monotonic()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signum)
         _, stderr = proc.communicate(timeout=20)
         assert time.monotonic() - started < 10
     finally:
