@@ -44,6 +44,11 @@ _NULL_TASK = "NULL"  # what classic workers send when DMLC_TASK_ID is unset
 _MAX_REASON = 64 * 1024  # characters of an abort reason (UTF-8: <= 256 KiB < MAX_FRAME)
 
 
+class WrongJobError(ProtocolError):
+    """A worker of this job (it knows the secret) that was set up for another world size: no
+    restart can fix it, so the tracker ends the job as it refuses the worker."""
+
+
 def natural_key(text: str) -> tuple[tuple[int, int | str], ...]:
     """Sort key that orders digit runs numerically: "2" < "10", "task2" < "task10"."""
     return tuple(
@@ -163,7 +168,7 @@ class Registry(Generic[C]):
         if not 0 < msg["port"] < 65536:
             raise ProtocolError(f"port {msg['port']} is not a TCP port")
         if msg["world_size"] not in (-1, self.n_workers):
-            raise ProtocolError(
+            raise WrongJobError(
                 f"worker expects world size {msg['world_size']}, job has {self.n_workers}"
             )
         if task_id == _NULL_TASK:

@@ -44,7 +44,13 @@ from tracker.decisions import (
     Send,
 )
 from tracker.listener import Listener
-from tracker.registry import REJOIN_GRACE_SEC, SILENCE_REASON, Registry, natural_key
+from tracker.registry import (
+    REJOIN_GRACE_SEC,
+    SILENCE_REASON,
+    Registry,
+    WrongJobError,
+    natural_key,
+)
 from tracker.status import job_status
 
 logger = logging.getLogger("rabit2.tracker")
@@ -409,7 +415,14 @@ class Tracker:
             if self._classic is not None and self._classic.started:
                 raise ProtocolError("this job's workers speak the classic rabit protocol "
                                     "(XGBoost 1.x/2.0); a rabit2 worker cannot join it")
-            self._apply(registry.register(conn, msg, host=conn.host, peer=conn.peer, now=now))
+            try:
+                decisions = registry.register(conn, msg, host=conn.host, peer=conn.peer,
+                                              now=now)
+            except WrongJobError as exc:
+                self._apply(registry.abort(f"task {msg['task_id']!r} was refused, which no "
+                                           f"restart can fix: {exc}"))
+                raise
+            self._apply(decisions)
             joined = registry.task_of(conn)
             if joined is not None:
                 _call_hook(self.on_task_registered, joined.task_id)

@@ -128,6 +128,8 @@ def test_parse_args() -> None:
         (["-n", "0", "--", "x"], "-n must be"),
         (["-n", "2"], "no command"),
         (["-n", "2", "--env", "novalue", "--", "x"], "K=V"),
+        (["-n", "2", "--env", "DMLC_TASK_ID=0", "--", "x"], "sets DMLC_TASK_ID itself"),
+        (["-n", "2", "--env", "RABIT2_SECRET=00ff", "--", "x"], "sets RABIT2_SECRET itself"),
         (["-n", "2", "--max-attempts", "0", "--", "x"], "max-attempts"),
         (["-n", "2", "--restart-delay", "nan", "--", "x"], "--restart-delay must be a finite"),
         (["-n", "2", "--timeout", "nan", "--", "x"], "--timeout must be a finite"),
@@ -145,6 +147,13 @@ def test_parse_args_errors(
         parse_args(argv)
     assert info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_command_without_a_separator_keeps_its_own_options() -> None:
+    """Everything from the first argument that is not an option's belongs to the command."""
+    opts = parse_args(["-n", "2", "python", "-u", "train.py", "-n", "5", "--env", "X=1"])
+    assert opts.num_workers == 2 and opts.env == ()
+    assert opts.command == ("python", "-u", "train.py", "-n", "5", "--env", "X=1")
 
 
 def test_both_commands_say_their_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -365,7 +374,7 @@ def test_a_second_interrupt_kills_at_once_and_leaves_nothing(tmp_path: Path) -> 
         time.sleep(0.5)
         assert proc.poll() is None  # (in the grace: the workers ignore SIGTERM)
         started = time.monotonic()
-        proc.send_signal(signum)
+        proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=20)
         assert time.monotonic() - started < 10
     finally:
@@ -805,6 +814,19 @@ def test_parameters_init_refuses_end_the_job_without_a_restart(bad: str, where: 
     key = bad.partition("=")[0]
     assert re.search(rf"job: task \d failed for good: rabit2.init refused its parameters, "
                      rf"which no restart can fix: .*{key}", proc.stderr), proc.stderr
+    assert time.monotonic() - started < 30
+
+
+def test_a_worker_set_up_for_another_world_size_ends_the_job_without_a_restart() -> None:
+    """The tracker refuses it, which no restart can change: it ends the job at once."""
+    code = "import sys, rabit2\nrabit2.init(sys.argv[1:])\nrabit2.finalize()\n"
+    started = time.monotonic()
+    proc = _run_cli("tracker.submit", "-n", "2", "--max-attempts", "3", "--",
+                    sys.executable, "-c", code, "dmlc_num_worker=3")
+    assert proc.returncode == 1, proc.stderr
+    assert "restarting" not in proc.stderr, proc.stderr
+    assert re.search(r"job: task '\d' was refused, which no restart can fix: worker expects "
+                     r"world size 3, job has 2", proc.stderr), proc.stderr
     assert time.monotonic() - started < 30
 
 

@@ -16,6 +16,11 @@ import rabit2
 CLUSTERS = ("local", "ssh", "slurm", "mpi")
 
 
+LAUNCHER_KEYS = ("DMLC_TRACKER_URI", "DMLC_TRACKER_PORT", "DMLC_NUM_WORKER", "DMLC_TASK_ID",
+                 "DMLC_NUM_ATTEMPT", "DMLC_ROLE", "RABIT2_SECRET")
+"""The variables the launcher gives each worker: ``--env`` cannot change them (a task id or a
+secret set for every worker would break the job in ways no restart can fix)."""
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Host:
     """One line of a ``--host-file``: ``name`` (``[user@]host``), ``:port``, ``slots=N``."""
@@ -188,7 +193,7 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
     parser = argparse.ArgumentParser(
         prog="rabit2-submit",
         description="Launch a rabit2 job: a tracker plus N workers running COMMAND.",
-        usage="%(prog)s --cluster {local,ssh,slurm,mpi} -n N [options] -- command [args...]",
+        usage="%(prog)s [--cluster {local,ssh,slurm,mpi}] -n N [options] -- command [args...]",
     )
     parser.add_argument("--version", action="version",
                         version=f"%(prog)s (rabit2 {rabit2.__version__})")
@@ -268,7 +273,9 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
     group.add_argument("--mpirun", default="mpirun", metavar="CMD",
                        help="mpirun command and options, e.g. 'mpirun --hostfile H' "
                             "(default mpirun)")
-    parser.add_argument("rest", nargs="*", help=argparse.SUPPRESS)
+    # (without "--", the command begins at the first argument that is not an option's, and
+    # every option after it is the command's, as torchrun and mpirun read theirs)
+    parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     command = list(args.rest) + command
     if args.cluster not in CLUSTERS:
@@ -323,6 +330,9 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
         key, sep, value = item.partition("=")
         if not sep or not key:
             parser.error(f"--env expects K=V, got {item!r}")
+        if key in LAUNCHER_KEYS:
+            parser.error(f"--env {key}: rabit2-submit sets {key} itself, for each worker "
+                         f"(its own: {', '.join(LAUNCHER_KEYS)})")
         env.append((key, value))
     if args.elastic and not any(key == "RABIT2_ELASTIC" for key, _ in env):
         env.append(("RABIT2_ELASTIC", "1"))
