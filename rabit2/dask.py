@@ -373,6 +373,11 @@ class _Job:
         """Wait (bounded) for every task to return; the results, or the error that ended
         the job."""
         futures = [rank.future for rank in self.ranks]
+        if reason is not None:
+            # a task that never joined the job has nothing to finish (it may still wait
+            # for a thread of its worker): not waited for
+            self.client.cancel([rank.future for rank in self.ranks if not rank.future.done()
+                                and self.tracker.rank_of(rank.task_id) is None])
         deadline = time.monotonic() + ENDING_GRACE_SEC
         while True:
             running = [rank for rank in self.ranks if not rank.future.done()]

@@ -37,11 +37,15 @@ def shard(rank: int, world: int, rows: int, features: int) -> tuple[np.ndarray, 
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, default=100_000)
-    parser.add_argument("--features", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--depth", type=int, default=6)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="Other arguments of the form k=v go to rabit2.init: rabit's parameters "
+               "(rabit_timeout_sec=600, ...) and mock=RANK,VERSION,CALL,ATTEMPT, which kills "
+               "that rank at that call to show recovery (docs/xgboost.md).")
+    parser.add_argument("--rows", type=int, default=100_000, help="rows in all (100 000)")
+    parser.add_argument("--features", type=int, default=20, help="features (20)")
+    parser.add_argument("--rounds", type=int, default=20, help="boosting rounds (20)")
+    parser.add_argument("--depth", type=int, default=6, help="max_depth (6)")
     opts, rabit_args = parser.parse_known_args(argv)  # k=v arguments go to rabit2
     params = {"tree_method": "hist", "max_depth": opts.depth, "eta": 0.2,
               "objective": "binary:logistic", "eval_metric": "logloss"}

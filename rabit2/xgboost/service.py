@@ -328,8 +328,8 @@ class Endpoint:
                 if sent != _digest(request.send_buffer):
                     message = (f"call {self._replayed} before training, "
                                f"{record.describe()}: this rank's input differs from the "
-                               "original run's (the program must build the same data on a "
-                               "restart)")
+                               "original run's (the program must build the same data, and "
+                               "pass the same params and rounds, on a restart)")
                     self._fail(grpc.StatusCode.FAILED_PRECONDITION, message,
                                MismatchError(message))
                 return expected.result

@@ -2,8 +2,9 @@
 
 What a restarted worker needs to rejoin (``docs/xgboost.md``, "Recovery"):
 
-* the booster after the last checkpoint (``save_raw("ubj")``, loaded bit for bit), the round
-  to go on from, the evaluation history and the callbacks' state;
+* the booster after the last checkpoint (``save_raw("ubj")``, loaded bit for bit) and its
+  parameters then (``save_config``, which callbacks may have changed), the round to go on
+  from, the evaluation history and the callbacks' state;
 * the results of the calls XGBoost made before training: building the DMatrix (the number of
   columns, the data split checks) and, for ``hist``, the quantile sketch.  The sketch happens
   in a booster's first update; ``train`` makes it happen before training with a one-level
@@ -21,10 +22,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import hashlib
+import json
 import logging
 import operator
-from collections.abc import Mapping, Sequence
+import pickle
+import types
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -64,10 +69,13 @@ class TrainingState:
     next_round: int
     stopped: bool
     history: dict[str, Any]
-    # this rank's own, in its local checkpoint: its callbacks' state, and the digests of
-    # what it sent in each call of the prelude
+    # this rank's own, in its local checkpoint: its callbacks' state, the digests of what
+    # it sent in each call of the prelude, and its booster's parameters as they are then
+    # (``save_config``: a callback may have changed them, as LearningRateScheduler does;
+    # this rank's own, since some may differ between ranks, such as nthread)
     callbacks: tuple[dict[str, Any], ...] = ()
     prelude_digests: tuple[bytes, ...] = ()
+    config: str = ""
 
 
 Params = Mapping[str, Any] | Sequence[tuple[str, Any]]
@@ -85,7 +93,10 @@ def _agree_on(params: Params, num_boost_round: int, checkpoint_every: int) -> No
     the calls before training covers it too.  Raises ``MismatchError`` on every rank where
     they differ (XGBoost checks only what changes a call's size; the rest trains a different
     model on each rank, silently)."""
-    items = sorted(params.items()) if isinstance(params, Mapping) else list(params)
+    # (by key, a repeated key's values in their order; numpy scalars as Python's; the keys
+    # that do not change the model left out, so that each host may set its own)
+    items = sorted(((key, _plain(key, value)) for key, value in _items(params)
+                    if key not in _PER_HOST), key=operator.itemgetter(0))
     text = repr((items, num_boost_round, checkpoint_every)).encode()
     digest = np.array([int.from_bytes(hashlib.sha256(text).digest()[:7], "little")], np.int64)
     low = xgboost.collective.allreduce(digest, xgboost.collective.Op.MIN)
@@ -94,6 +105,18 @@ def _agree_on(params: Params, num_boost_round: int, checkpoint_every: int) -> No
         raise MismatchError("rabit2.xgboost.train: the ranks passed different params, "
                             "num_boost_round or checkpoint_every: every rank must train the "
                             "same model")
+
+
+_PER_HOST = frozenset({"nthread", "n_jobs", "verbosity", "silent", "validate_parameters"})
+"""Parameters that may differ between ranks: they do not change the model."""
+
+
+def _plain(key: str, value: Any) -> Any:
+    if isinstance(value, np.generic):
+        value = value.item()
+    if key == "device" and isinstance(value, str):
+        value = value.partition(":")[0]  # (each rank may use a GPU of its own)
+    return value
 
 
 def train(
@@ -141,6 +164,11 @@ def train(
     if checkpoint_every < 1:
         raise ValueError(f"checkpoint_every must be a positive integer, got {given_every!r}")
     active = context.active()
+    if active is None and rabit2.is_distributed() and rabit2.get_world_size() > 1:
+        raise RuntimeError("rabit2.xgboost.train outside rabit2.xgboost.CommunicatorContext "
+                           "in a job of several workers would train a separate model on "
+                           "each rank: train inside the context (rabit2.init does not "
+                           "connect XGBoost's collectives)")
     if active is None or active.endpoint is None:
         return xgboost.train(params, dtrain, num_boost_round, evals=evals, obj=obj,
                              maximize=maximize, early_stopping_rounds=early_stopping_rounds,
@@ -162,17 +190,7 @@ def train(
     given: dict[str, Any] | list[tuple[str, Any]] = (
         dict(params) if isinstance(params, Mapping) else list(params))  # (pairs kept)
     if recover:
-        random = [f"{k} below 1" for k in _SAMPLING if float(lookup.get(k, 1.0)) < 1.0]
-        if lookup.get("booster") == "dart":
-            random.append("booster dart (random dropout)")
-        if lookup.get("feature_selector") in ("random", "shuffle"):
-            random.append(f"feature_selector {lookup['feature_selector']}")
-        if random:
-            raise ValueError(
-                f"{', '.join(random)} cannot be recovered bit-exactly: XGBoost keeps random "
-                "state that no saved model carries, so a restarted worker would draw "
-                "differently. Train without it, or run without recovery (rabit2-submit "
-                "--max-attempts 1)")
+        _refuse_what_cannot_recover(lookup)
     callbacks = [] if callbacks is None else list(callbacks)
     evals = list(evals) if evals else []
     if verbose_eval:
@@ -195,6 +213,27 @@ def train(
         raise
 
 
+def _refuse_what_cannot_recover(lookup: Mapping[str, Any]) -> None:
+    """``ValueError`` for parameters whose training a restarted worker cannot go on with."""
+    random = [f"{k} below 1" for k in _SAMPLING if float(lookup.get(k, 1.0)) < 1.0]
+    if lookup.get("booster") == "dart":
+        random.append("booster dart (random dropout)")
+    if lookup.get("feature_selector") in ("random", "shuffle"):
+        random.append(f"feature_selector {lookup['feature_selector']}")
+    if random:
+        raise ValueError(
+            f"{', '.join(random)} cannot be recovered bit-exactly: XGBoost keeps random "
+            "state that no saved model carries, so a restarted worker would draw "
+            "differently. Train without it, or run without recovery (rabit2-submit "
+            "--max-attempts 1)")
+    if str(lookup.get("lambdarank_unbiased", "0")).lower() in ("1", "true"):
+        raise ValueError(
+            "lambdarank_unbiased cannot be recovered: XGBoost estimates the position "
+            "bias from the first round on and no saved model carries it, so a restarted "
+            "worker's booster refuses to go on. Train without it, or run without "
+            "recovery (rabit2-submit --max-attempts 1)")
+
+
 def _train(restored: TrainingState | None, endpoint: Endpoint, recover: bool,
            params: dict[str, Any] | list[tuple[str, Any]], dtrain: xgboost.DMatrix,
            num_boost_round: int,
@@ -209,6 +248,7 @@ def _train(restored: TrainingState | None, endpoint: Endpoint, recover: bool,
     prelude, digests = endpoint.end_prelude()
     if restored is not None:
         bst = xgboost.Booster(params, cache, model_file=bytearray(restored.model))
+        _restore_params(bst, restored.config)
         start, stopped, first_round = restored.next_round, restored.stopped, restored.first_round
         endpoint.expect_prologue(extras, first_round)
         prelude, digests = restored.prelude, restored.prelude_digests
@@ -239,12 +279,36 @@ def _train(restored: TrainingState | None, endpoint: Endpoint, recover: bool,
             rabit2.lazy_checkpoint(TrainingState(
                 FORMAT, prelude, first_round, bytes(bst.save_raw("ubj")), i + 1, stopped,
                 copy.deepcopy(dict(container.history))),
-                local_model={"callbacks": _snapshot(callbacks), "prelude": digests})
+                local_model={"callbacks": _snapshot(callbacks), "prelude": digests,
+                             "config": bst.save_config()})
     bst = container.after_training(bst)
     if evals_result is not None:
         evals_result.update(container.history)
     booster: xgboost.Booster = bst.reset()
     return booster
+
+
+def _restore_params(bst: xgboost.Booster, saved: str) -> None:
+    """Set on ``bst`` every parameter whose value in ``saved`` (a ``save_config`` of the
+    booster at the checkpoint) differs from ``bst``'s own: what callbacks changed with
+    ``set_param`` since the booster was made.  (``load_config`` does not do it: XGBoost
+    configures a booster again from the parameters it was given, eta among them.)"""
+    now = dict(_leaves(json.loads(bst.save_config())))
+    for path, value in _leaves(json.loads(saved)):
+        if now.get(path) != value and isinstance(path[-1], str):
+            bst.set_param(path[-1], value)
+
+
+def _leaves(tree: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple[str | int, ...],
+                                                                          Any]]:
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _leaves(value, (*path, key))
+    elif isinstance(tree, list):
+        for index, value in enumerate(tree):
+            yield from _leaves(value, (*path, index))
+    else:
+        yield path, tree
 
 
 def _probe(endpoint: Endpoint, params: Params,
@@ -260,7 +324,8 @@ def _probe(endpoint: Endpoint, params: Params,
     MismatchError, never a wrong model)."""
     probe_params = [(key, value) for key, value in _items(params)
                     if key not in ("max_depth", "num_parallel_tree")]
-    probe_params += [("max_depth", 1), ("num_parallel_tree", 1)]
+    # (quiet: XGBoost's warnings about the params are the real booster's to give)
+    probe_params += [("max_depth", 1), ("num_parallel_tree", 1), ("verbosity", 0)]
     first = xgboost.Booster(probe_params, [dtrain])
     first.update(dtrain, 0)
     loaded = xgboost.Booster(probe_params, [dtrain], model_file=first.save_raw("ubj"))
@@ -279,14 +344,35 @@ def _probe(endpoint: Endpoint, params: Params,
 
 
 def _snapshot(callbacks: list[TrainingCallback]) -> tuple[dict[str, Any], ...]:
+    """Each callback's state, copied, for this rank's local checkpoint (which is pickled).
+    Functions are code, not state: a restarted worker keeps those of its own callbacks (a
+    LearningRateScheduler's schedule).  Raises ``TypeError`` naming the callback and the
+    attribute whose value does not copy or pickle."""
     states = []
     for callback in callbacks:
+        state = {key: value for key, value in vars(callback).items()
+                 if not isinstance(value, _CODE)}
         try:
-            states.append(copy.deepcopy(callback.__dict__))
-        except Exception as exc:  # deepcopy raises many unrelated types
-            raise TypeError(f"callback {type(callback).__name__} cannot be checkpointed: its "
-                            f"state does not copy ({exc})") from exc
+            copied = copy.deepcopy(state)
+            pickle.dumps(copied, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # deepcopy and pickle raise many unrelated types
+            raise TypeError(f"callback {type(callback).__name__} cannot be checkpointed: "
+                            f"{_culprit(state)} ({exc})") from exc
+        states.append(copied)
     return tuple(states)
+
+
+_CODE = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial)
+
+
+def _culprit(state: dict[str, Any]) -> str:
+    """Which attribute of a callback's state does not copy or pickle."""
+    for key, value in state.items():
+        try:
+            pickle.dumps(copy.deepcopy(value), protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # (looking for the one that fails)
+            return f"its attribute {key!r} ({type(value).__name__}) does not copy or pickle"
+    return "its state does not copy or pickle"
 
 
 def restored_state(version: int, model: Any, local: Any) -> TrainingState | None:
@@ -299,12 +385,13 @@ def restored_state(version: int, model: Any, local: Any) -> TrainingState | None
             f"checkpoint {version} is not one rabit2.xgboost.train wrote (got "
             f"{type(model).__name__}); a program that checkpoints itself cannot use it")
     if (not isinstance(local, dict) or not isinstance(local.get("callbacks"), tuple)
-            or not isinstance(local.get("prelude"), tuple)):
+            or not isinstance(local.get("prelude"), tuple)
+            or not isinstance(local.get("config"), str)):
         raise rabit2.errors.UnrecoverableError(
             f"checkpoint {version} has no state of this rank's own (got "
             f"{type(local).__name__})")
     return dataclasses.replace(model, callbacks=local["callbacks"],
-                               prelude_digests=local["prelude"])
+                               prelude_digests=local["prelude"], config=local["config"])
 
 
 __all__ = ["TrainingState", "train"]

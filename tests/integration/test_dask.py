@@ -227,3 +227,21 @@ def test_two_jobs_at_once_on_workers_with_two_threads_fail_clearly_not_hang() ->
         assert refused >= 1
         assert time.monotonic() - started < 60
         assert rabit2.dask.run(busy, _sum_after_a_while, 0.0) == [2.0, 2.0]  # (released)
+
+
+def test_a_rank_that_cannot_start_ends_the_job_at_its_join_deadline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker whose only thread is busy never starts its rank: the job ends when the join
+    deadline passes, naming it, without waiting out the grace given to tasks that joined."""
+    monkeypatch.setattr(rabit2.dask, "JOIN_TIMEOUT_SEC", 3.0)
+    cluster = distributed.LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                       dashboard_address=":0")
+    with cluster, distributed.Client(cluster) as busy:
+        second = sorted(busy.scheduler_info(n_workers=-1)["workers"])[1]
+        blocker = busy.submit(time.sleep, 40, workers=[second], pure=False)
+        time.sleep(0.5)
+        started = time.monotonic()
+        with pytest.raises(JobAbortedError, match="did not join the job within 3 s"):
+            rabit2.dask.run(busy, rabit2.get_rank, timeout=60)
+        assert time.monotonic() - started < 20
+        busy.cancel(blocker)

@@ -259,6 +259,15 @@ def test_other_boosters_and_objectives_recover_bit_identically(extra: dict[str, 
     assert models(result.stdout, 2) == clean(2, *base)
 
 
+def test_parameters_a_callback_changed_come_back_with_a_restarted_worker() -> None:
+    """A LearningRateScheduler changes eta after every round; a worker restarted in round 3
+    trains on with the eta the others use, not the one its params name."""
+    result = submit(2, "--lr-decay", "--kill", "1,3,mid")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert models(result.stdout, 2) == clean(2, "--lr-decay") != clean(2)
+    assert models(result.stdout, 2) == xgboost_own(2, "--lr-decay")
+
+
 @pytest.mark.parametrize(("extra", "reason"), [
     ({"subsample": 0.8}, "subsample below 1 cannot be recovered bit-exactly"),
     ({"colsample_bynode": 0.5}, "colsample_bynode below 1 cannot be recovered"),
@@ -338,6 +347,11 @@ def test_bad_requests_fail_every_rank_with_the_reason(mode: str, reason: str) ->
     ("rounds", "MismatchError: rabit2.xgboost.train: the ranks passed different params"),
     ("second", "RuntimeError: this worker already took part in this job and left it"),
     ("finalized", "RuntimeError: XGBoost's communicator is no longer the one rabit2 set up"),
+    ("unpicklable", "TypeError: callback Holder cannot be checkpointed: its attribute 'log' "
+                    "(TextIOWrapper) does not copy or pickle"),
+    ("outside", "RuntimeError: rabit2.xgboost.train outside "
+                "rabit2.xgboost.CommunicatorContext in a job of several workers"),
+    ("unbiased", "ValueError: lambdarank_unbiased cannot be recovered"),
 ])
 def test_misuse_fails_every_rank_typed_at_once(mode: str, expected: str) -> None:
     """Ranks that would train different models (XGBoost itself checks only what changes a
@@ -361,6 +375,17 @@ def test_params_as_pairs_keep_a_repeated_key() -> None:
     assert result.returncode == 0, out[-3000:]
     for rank in (0, 1):
         assert f"metrics rank={rank} ['auc', 'logloss']" in out, out[-3000:]
+
+
+@pytest.mark.parametrize("mode", ["schedule", "per-host"])
+def test_what_needs_no_checkpoint_or_agreement_trains(mode: str) -> None:
+    """A LearningRateScheduler of a list (its schedule is a function: code a restarted
+    worker has, not state), and parameters that do not change the model set per rank."""
+    result = submit(2, mode, script="xgb_misuse.py", timeout=90)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    for rank in (0, 1):
+        assert f"outcome rank={rank} ok" in out, out[-3000:]
 
 
 def test_checkpoint_every_takes_numpy_integers_and_refuses_the_rest() -> None:

@@ -1,10 +1,15 @@
 """Misuses of ``rabit2.xgboost`` inside a real job; every rank prints how it ended.  Modes:
 ``params`` (ranks train with different eta), ``rounds`` (different num_boost_round),
 ``pairs`` (params as pairs that repeat eval_metric), ``second`` (a second context after the
-first), ``finalized`` (xgboost.collective finalized inside the context)."""
+first), ``finalized`` (xgboost.collective finalized inside the context), ``schedule`` (a
+LearningRateScheduler of a list: its function is code, not checkpointed state),
+``unpicklable`` (a callback holding an open file), ``outside`` (``rx.train`` after a plain
+``rabit2.init``), ``per-host`` (nthread and verbosity per rank, eta a numpy float on one),
+``unbiased`` (``lambdarank_unbiased``, which no restart could go on with)."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import numpy as np
@@ -14,6 +19,14 @@ import rabit2
 import rabit2.xgboost as rx
 
 
+class Holder(xgboost.callback.TrainingCallback):
+    """A callback whose state holds an open file."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log = open(os.devnull, "w")  # noqa: SIM115 - held for the whole training
+
+
 def main() -> None:
     mode = sys.argv[1]
     rng = np.random.default_rng(7)
@@ -21,6 +34,15 @@ def main() -> None:
     y = (x[:, 0] > 0).astype(np.float32)
     params: object = {"tree_method": "hist", "max_depth": 2, "objective": "binary:logistic"}
     rank = -1
+    if mode == "outside":
+        rabit2.init()
+        try:
+            rx.train(params, xgboost.DMatrix(x, y), 2, verbose_eval=False)  # type: ignore[arg-type]
+        except RuntimeError as exc:
+            print(f"outcome rank={rabit2.get_rank()} {type(exc).__name__}: "
+                  f"{' '.join(str(exc).split())}", flush=True)
+            rabit2.finalize()
+            sys.exit(3)
     try:
         with rx.CommunicatorContext():
             rank = rabit2.get_rank()
@@ -35,15 +57,25 @@ def main() -> None:
                           ("eval_metric", "logloss")]
             elif mode == "finalized":
                 xgboost.collective.finalize()
+            elif mode == "per-host":
+                params = {**params, "nthread": 1 + rank, "verbosity": rank,  # type: ignore[dict-item]
+                          "eta": np.float64(0.3) if rank else 0.3}
+            elif mode == "unbiased":
+                params = {**params, "lambdarank_unbiased": True}  # type: ignore[dict-item]
+            callbacks: list[xgboost.callback.TrainingCallback] = []
+            if mode == "schedule":
+                callbacks.append(xgboost.callback.LearningRateScheduler([0.3, 0.2, 0.1]))
+            elif mode == "unpicklable":
+                callbacks.append(Holder())
             history: dict[str, dict[str, list[float]]] = {}
             rx.train(params, dtrain, rounds, evals=[(dtrain, "train")],  # type: ignore[arg-type]
-                     evals_result=history, verbose_eval=False)
+                     evals_result=history, verbose_eval=False, callbacks=callbacks)
             print(f"metrics rank={rank} {sorted(history['train'])}", flush=True)
         if mode == "second":
             with rx.CommunicatorContext():
                 pass
         print(f"outcome rank={rank} ok", flush=True)
-    except (RuntimeError, rabit2.RabitError) as exc:
+    except (RuntimeError, TypeError, ValueError, rabit2.RabitError) as exc:
         print(f"outcome rank={rank} {type(exc).__name__}: {' '.join(str(exc).split())}",
               flush=True)
         sys.exit(3)

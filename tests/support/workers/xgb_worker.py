@@ -5,7 +5,8 @@ on the same data.  Prints one line per rank: the model's and the predictions' di
 Options (``--key value``): rows, features, rounds, depth, method, world (for the data split;
 defaults to the job's), kill ``rank,round,when`` (``when``: ``before`` the round's checkpoint,
 ``during`` it, ``after`` it, ``mid`` in the round's update), checkpoint-every, classifier (fit with
-``XGBClassifier`` instead of ``train``).  Other ``k=v`` arguments go to rabit2 (``mock=...``).
+``XGBClassifier`` instead of ``train``), lr-decay (a ``LearningRateScheduler``).  Other ``k=v``
+arguments go to rabit2 (``mock=...``).
 """
 
 from __future__ import annotations
@@ -84,6 +85,8 @@ def main() -> None:
     parser.add_argument("--backend", default="rabit2")
     parser.add_argument("--classifier", action="store_true")
     parser.add_argument("--extra", default="{}")
+    parser.add_argument("--lr-decay", action="store_true",
+                        help="a LearningRateScheduler changes eta after every round")
     parser.add_argument("--diverge", action="store_true",
                         help="a restarted run builds its DMatrix from other data")
     opts, rest = parser.parse_known_args()
@@ -117,9 +120,18 @@ def run(opts, params, rank, world, train, callbacks=()):  # type: ignore[no-unty
         clf.fit(x, y)
         return clf.get_booster(), dtrain
     kwargs = {"checkpoint_every": opts.checkpoint_every} if train is rx.train else {}
+    callbacks = list(callbacks)
+    if opts.lr_decay:
+        callbacks.append(xgboost.callback.LearningRateScheduler(decay))
     booster = train(params, dtrain, opts.rounds, evals=[(dtrain, "train")],
-                    verbose_eval=False, callbacks=list(callbacks), **kwargs)
+                    verbose_eval=False, callbacks=callbacks, **kwargs)
     return booster, dtrain
+
+
+def decay(round_: int) -> float:
+    """The learning rate after ``round_`` (a function of the module: callbacks are pickled
+    into checkpoints)."""
+    return 0.5 * 0.8 ** round_
 
 
 def report(rank: int, world: int, booster: xgboost.Booster, dtrain: xgboost.DMatrix) -> None:
