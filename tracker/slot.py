@@ -45,7 +45,7 @@ from typing import Any
 from rabit2.config import launcher_task, load_config
 from rabit2.errors import RabitError
 from rabit2.io.tracker_query import query_tracker_status
-from tracker.launch.common import LEFT_EARLY_SEC, left_early
+from tracker.launch.common import LEFT_EARLY_SEC, attempts_text, left_early
 from tracker.remote import ChildGroup, command_after, exit_status
 
 QUERY_TIMEOUT = 10.0
@@ -177,10 +177,11 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901
         if code == 0 or stopped.is_set():
             return code
         if run + 1 == args.max_attempts:
-            _note(task, f"exited with {code} after {run + 1} attempts; giving up")
+            _note(task, f"exited with {code} after {attempts_text(run + 1)}; giving up")
             # as rabit2-submit does: the job ends now, rather than the other workers
             # waiting for a replacement that will not come
-            _ask_tracker(env, task, (task, f"exited with {code} after {run + 1} attempts"))
+            _ask_tracker(env, task, (task, f"exited with {code} after "
+                                           f"{attempts_text(run + 1)}"))
             return code
         why = restart_refused(env, task, exited=first_attempt + run)
         if why is not None:

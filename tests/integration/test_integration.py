@@ -172,6 +172,10 @@ def test_paused_worker_fails_its_neighbours_within_the_heartbeat_deadline() -> N
     for rank in (0, 2):
         assert f"LOST {rank}" in out, out[-3000:]
     assert elapsed < 60, out[-3000:]
+    # the summary says why the launcher killed it
+    assert re.search(r"rank 1 \(task 1\) was killed by SIGKILL at [\d:]+ \(attempt 1/\d\), "
+                     r"by the launcher: no heartbeat for 3 s \(--heartbeat-timeout", out), out
+    assert "after 1 attempts" not in out
 
 
 @pytest.mark.integration

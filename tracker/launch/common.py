@@ -61,6 +61,7 @@ class TaskRun:
     restart_at: float = 0.0
     readers: list[threading.Thread] = dataclasses.field(default_factory=list)
     last_error: str = ""  # the last non-empty line its attempt wrote on stderr
+    killed_for: str = ""  # why the launcher killed its attempt, if it did
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -132,6 +133,11 @@ def format_summary(tasks: Sequence[TaskRun], job_reason: str | None = None,
     return "\n".join(lines)
 
 
+def attempts_text(count: int) -> str:
+    """``1 attempt``, ``3 attempts``."""
+    return f"{count} attempt{'' if count == 1 else 's'}"
+
+
 def describe_failure(task: TaskRun, code: int, attempts: int, when: float) -> str:
     """The first failure of a job, as the summary's ``root cause:`` row says it (pure):
     who, how it ended (an exit status, or the signal that killed it), which attempt, when,
@@ -144,9 +150,10 @@ def describe_failure(task: TaskRun, code: int, attempts: int, when: float) -> st
             how = f"was killed by signal {-code}"
     else:
         how = f"exited with {code}"
+    by = f", by the launcher: {task.killed_for}" if task.killed_for else ""
     said = f": {task.last_error}" if task.last_error else ""
     clock = time.strftime("%H:%M:%S", time.localtime(when))
-    return f"{who} {how} at {clock} (attempt {task.attempts}/{attempts}){said}"
+    return f"{who} {how} at {clock} (attempt {task.attempts}/{attempts}){by}{said}"
 
 
 class LineWriter:

@@ -31,6 +31,7 @@ from tracker.launch.common import (
     LaunchError,
     LineWriter,
     TaskRun,
+    attempts_text,
     describe_failure,
     format_summary,
     left_early,
@@ -148,6 +149,10 @@ class TaskLauncher:
             if str(task.task_id) in silent and task.proc is not None and task.status == "running":
                 # a paused or wedged worker keeps its process alive but answers nothing: stop
                 # it, so that the usual restart-or-give-up logic runs instead of waiting
+                task.killed_for = (
+                    f"no heartbeat for {self.options.heartbeat_timeout:g} s "
+                    "(--heartbeat-timeout: a paused process, or one whose Python never let "
+                    "go of the GIL, as in a long call into C that does not release it)")
                 self._note(f"task {task.task_id} went silent; killing it")
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(task.proc.pid, signal.SIGKILL)
@@ -235,7 +240,7 @@ class TaskLauncher:
         else:
             task.status = "failed"
             self._give_up(f"task {task.task_id} exited with {code} after "
-                          f"{task.attempts} attempts", task_id=task.task_id)
+                          f"{attempts_text(task.attempts)}", task_id=task.task_id)
             if self.options.elastic:
                 # the tracker lets the job go on without it while --min-workers remain (or
                 # aborts it: the next step sees that)
@@ -283,7 +288,7 @@ class TaskLauncher:
                 proc.stdin.flush()
         task.proc = proc
         task.attempts += 1
-        task.last_error = ""
+        task.last_error = task.killed_for = ""
         task.status = "running"
         task.exit_code = None
         for pipe, stream in ((proc.stdout, self._out), (proc.stderr, self._err)):
@@ -307,7 +312,7 @@ class TaskLauncher:
             self._note(f"{reason} (attempt {task.attempts}/{self.options.max_attempts})")
             return
         task.status = "failed"
-        self._give_up(f"{reason}, after {task.attempts} attempts", task_id=task.task_id)
+        self._give_up(f"{reason}, after {attempts_text(task.attempts)}", task_id=task.task_id)
         self._abort_seen_at = time.monotonic()
 
     def _relay(self, task: TaskRun, pipe: IO[bytes], stream: TextIO) -> None:
@@ -383,3 +388,4 @@ def _signal_group(task: TaskRun, signum: signal.Signals) -> None:
         pass  # already gone
     except PermissionError:
         task.proc.send_signal(signum)  # the group changed hands (the worker called setsid)
+
