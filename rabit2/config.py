@@ -154,6 +154,7 @@ _LEAST = {
     "rabit2_spin_us": 0,
     "rabit2_drive_ms": 0,
     "rabit_local_replica": 0,
+    "dmlc_worker_connect_retry": 1,
 }
 # accepted for compatibility, no effect in rabit2 (documented in docs/user-guide.md)
 _IGNORED = {
@@ -238,15 +239,18 @@ def _integer(field: str, value: Any) -> int:
         raise ValueError(f"{field}: expected an integer, got {value!r}") from None
 
 
+def secret_bytes(text: str) -> bytes:
+    """A job secret as given in text (``RABIT2_SECRET``, ``rabit2_secret=``, the tracker's
+    ``--secret``): hex is decoded, other text is used as UTF-8."""
+    try:
+        return bytes.fromhex(text)
+    except ValueError:
+        return text.encode()
+
+
 def _convert(field: str, value: Any) -> Any:  # noqa: C901, PLR0911, PLR0912
     if field == "secret":
-        if isinstance(value, bytes):
-            return value
-        text = str(value)
-        try:
-            return bytes.fromhex(text)
-        except ValueError:
-            return text.encode()
+        return value if isinstance(value, bytes) else secret_bytes(str(value))
     if field in ("recover", "elastic", "express", "drive_general"):
         text = str(value).strip().lower()
         if text in ("1", "true", "yes", "on"):
@@ -267,8 +271,11 @@ def _convert(field: str, value: Any) -> Any:  # noqa: C901, PLR0911, PLR0912
                  "reduce_ring_mincount", "ring_min_bytes", "tree_reduce_minsize", "replay_mb",
                  "local_replica", "spin_us", "drive_ms"):
         number = _integer(field, value)
-        if field == "tracker_port" and not 0 <= number <= 65535:
-            raise ValueError(f"tracker_port: expected a port number 0-65535, got {value!r}")
+        if field == "tracker_port" and not 0 < number <= 65535:
+            raise ValueError(f"tracker_port: expected a port number 1-65535, got {value!r}")
+        if field == "world_size" and number != -1 and number < 1:
+            raise ValueError(f"world_size: expected a number of workers (or -1: the "
+                             f"tracker's), got {value!r}")
         return number
     if field in ("timeout_sec", "connect_timeout_sec", "heartbeat_sec", "recover_timeout_sec",
                  "link_timeout_sec"):

@@ -2,7 +2,8 @@
 
 Prints the environment the workers need between ``DMLC_TRACKER_ENV_START`` and
 ``DMLC_TRACKER_ENV_END`` (as dmlc-core's standalone tracker does), then waits for the job.
-Exit status: 0 when every rank shut down, 1 when the job was aborted, 130 on Ctrl-C.
+Exit status: 0 when every rank shut down, 1 when the job was aborted, 130 on Ctrl-C or
+SIGTERM.
 
 ``rabit2-tracker --query [TARGET]`` asks a running tracker for its status instead: ranks,
 hosts, losses, restarts and each worker's progress, as JSON.  TARGET is the job file a
@@ -24,10 +25,13 @@ import json
 import logging
 import os
 import secrets
+import signal
 import sys
 from collections.abc import Sequence
+from types import FrameType
 
 import rabit2
+from rabit2.config import secret_bytes
 from rabit2.errors import TrackerError
 from rabit2.io.tracker_query import query_tracker_status
 from tracker import jobfile
@@ -95,11 +99,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--n must be >= 1")
     if args.secret is None:
         args.secret = secrets.token_hex(32)
-    try:
-        key = bytes.fromhex(args.secret)
-    except ValueError:
-        parser.error("--secret must be hexadecimal")
-    if not key and args.query is None:  # (a key anyone can compute: no authentication)
+    # (as the workers read it: hex decoded, other text as UTF-8)
+    args.secret = secret_bytes(args.secret)
+    if not args.secret and args.query is None:  # (a key anyone can compute: no authentication)
         parser.error("--secret must not be empty (leave it out for a random one)")
     return args
 
@@ -110,7 +112,7 @@ async def run_tracker(args: argparse.Namespace) -> int:
         args.n,
         args.host,
         args.port,
-        secret=bytes.fromhex(args.secret),
+        secret=args.secret,
         sortby=args.sortby,
         heartbeat_timeout=args.heartbeat_timeout,
         classic=args.classic,
@@ -134,8 +136,13 @@ async def run_tracker(args: argparse.Namespace) -> int:
         lines.append("DMLC_TRACKER_ENV_END")
         print("\n".join(lines), flush=True)
         result = await tracker.wait_done(None)
-    except (ImportError, OSError) as exc:  # (the metrics endpoint)
+    except ImportError as exc:  # (the metrics endpoint's extra)
         print(f"rabit2-tracker: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as exc:  # (the metrics endpoint's port)
+        print(f"rabit2-tracker: error: the metrics endpoint cannot listen on "
+              f"{args.metrics_host}:{args.metrics_port}: {exc.strerror or exc}",
+              file=sys.stderr)
         return EXIT_USAGE
     finally:
         if metrics is not None:
@@ -170,13 +177,13 @@ def query(args: argparse.Namespace) -> int:
         host, port = args.query
     else:
         try:
-            host, port, args.secret = _query_target(args.query)
-            bytes.fromhex(args.secret)
+            host, port, written = _query_target(args.query)
+            args.secret = bytes.fromhex(written)  # (the launcher writes it in hex)
         except ValueError as exc:
             print(f"rabit2-tracker: {exc}", file=sys.stderr)
             return EXIT_ABORTED
     try:
-        status = asyncio.run(query_tracker_status(host, port, bytes.fromhex(args.secret),
+        status = asyncio.run(query_tracker_status(host, port, args.secret,
                                                   args.query_timeout))
     except TrackerError as exc:
         print(f"rabit2-tracker: {exc}", file=sys.stderr)
@@ -193,10 +200,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
+    previous = signal.signal(signal.SIGTERM, _interrupt)  # (as Ctrl-C)
     try:
         return asyncio.run(run_tracker(args))
     except KeyboardInterrupt:
+        print("rabit2-tracker: interrupted; the job did not finish", file=sys.stderr)
         return EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

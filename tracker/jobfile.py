@@ -71,6 +71,8 @@ def write(info: dict[str, Any], path: Path | None = None) -> Path:
         _private_dir(folder)
         _prune(folder)
         path = folder / f"{_PREFIX}{_HOST}-{os.getpid()}.json"
+    elif path.is_dir():
+        raise IsADirectoryError(f"{path} is a directory: name a file in it")
     fd, staging = tempfile.mkstemp(prefix=".job-", dir=path.parent)  # created 0600
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -89,9 +91,13 @@ def read(path: str | Path) -> tuple[str, int, str]:
     naming the file and what is wrong with it (including a file this user does not own or
     that others may read or write, and a symbolic link)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        # (non-blocking: a FIFO must not hang the open; a directory is refused below)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError as exc:
         raise ValueError(f"cannot read job file {path}: {exc}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"{path} is not a job file (not a regular file)")
     with os.fdopen(fd, encoding="utf-8") as f:
         owner = os.fstat(f.fileno())
         if owner.st_uid != os.getuid() or owner.st_mode & 0o077:

@@ -876,12 +876,20 @@ async def test_a_held_shutdown_ends_with_an_abort_or_its_deadline(
     assert not (await tracker.wait_done(5)).success
 
 
+def test_the_tracker_reads_a_secret_as_the_workers_do() -> None:
+    """Hex is decoded, other text used as UTF-8 (rabit2.config's rule for RABIT2_SECRET)."""
+    from tracker.cli import parse_args  # noqa: PLC0415
+
+    assert parse_args(["--n", "2", "--secret", "00ff"]).secret == b"\x00\xff"
+    assert parse_args(["--n", "2", "--secret", "pässwörd"]).secret == "pässwörd".encode()
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         ([], "--n is required"),
         (["--n", "0"], "--n must be >= 1"),
-        (["--n", "2", "--secret", "xyz"], "hexadecimal"),
+        (["--n", "2", "--secret", ""], "must not be empty"),
         (["--query", "nohostport"], "HOST:PORT"),
         (["--query", "h:0"], "HOST:PORT"),
         (["--query", "h:99999"], "HOST:PORT"),

@@ -262,6 +262,20 @@ def test_bad_env_value_raises() -> None:
         load_config(environ={"DMLC_TRACKER_PORT": "x"})
 
 
+@pytest.mark.parametrize(("arg", "message"), [
+    ("dmlc_retry=0", "connect_retry must be >= 1"),
+    ("dmlc_worker_connect_retry=-1", "connect_retry must be >= 1"),
+    ("dmlc_num_worker=0", "expected a number of workers"),
+    ("dmlc_num_worker=-5", "expected a number of workers"),
+    ("dmlc_tracker_port=0", "expected a port number 1-65535"),
+])
+def test_numbers_below_their_least_raise(arg: str, message: str) -> None:
+    """A worker told to try the tracker 0 times, expect no workers, or dial port 0."""
+    with pytest.raises(ValueError, match=message):
+        load_config([arg], environ={})
+    assert load_config(["dmlc_num_worker=-1", "dmlc_retry=1"], environ={}).world_size == -1
+
+
 @pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf"])
 @pytest.mark.parametrize("key", ["rabit_timeout_sec", "rabit2_connect_timeout_sec",
                                  "rabit2_heartbeat_sec", "rabit2_link_timeout_sec"])
