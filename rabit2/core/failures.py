@@ -90,8 +90,14 @@ class Failures:
         if active is None:
             return cmds
         if now - agent.last_progress > agent.timeout:
-            self.fail(CollectiveTimeoutError(f"rank {agent.rank}: no progress in call "
-                                             f"{active.call_id} for {agent.timeout:g} s"), cmds)
+            plan = active.plan
+            waiting = [peer for peer, stream in plan.in_streams.items()
+                       if plan.received[peer] < stream.length]
+            self.fail(CollectiveTimeoutError(
+                f"rank {agent.rank}: no progress in call {active.call_id} for "
+                f"{agent.timeout:g} s" + (f", waiting for bytes from rank "
+                                          f"{', '.join(map(str, sorted(waiting)))}"
+                                          if waiting else "")), cmds)
             return cmds
         late = agent.recovery.check_deadline(active, now) if agent.recovery is not None else None
         if late is not None:

@@ -32,6 +32,7 @@ from rabit2.io.handshake import (
 )
 from rabit2.io.links import PeerLink
 from rabit2.io.tracker_client import TrackerClient
+from rabit2.io.tracker_query import query_tracker_status
 
 if TYPE_CHECKING:
     from rabit2.io.engine import Engine
@@ -77,7 +78,10 @@ class Connections:
             self.engine.tracker.on_peer_lost = self.engine.keeper.on_peer_lost
             self.engine.tracker.on_peer_recovered = self.engine.keeper.on_peer_recovered
             self.engine.tracker.progress = self.engine.progress
-            assignment = await self.engine.tracker.wait_assignment(cfg.timeout_sec)
+            try:
+                assignment = await self.engine.tracker.wait_assignment(cfg.timeout_sec)
+            except CollectiveTimeoutError as exc:
+                raise CollectiveTimeoutError(f"{exc}{await _who_joined(cfg)}") from None
             self.engine.assignment = assignment
             logs.set_rank(assignment.rank)
             logger.info("joined the job at tracker %s:%d: rank %d of %d%s", cfg.tracker_uri,
@@ -383,3 +387,21 @@ class Connections:
         self._accepted[peer] = await self._adopt(sock, peer, incarnation)
         if set(self._accepted) >= self._expect_accept and self._all_accepted is not None:
             self._all_accepted.set()
+
+
+async def _who_joined(cfg: Config) -> str:
+    """What the tracker says of a job whose ranks were not assigned in time (which workers
+    registered: the missing ones never reached ``init``), or "" when it cannot say."""
+    assert cfg.tracker_uri is not None
+    try:
+        status = await query_tracker_status(cfg.tracker_uri, cfg.tracker_port, cfg.secret,
+                                            _WHO_JOINED_SEC)
+    except (RabitError, OSError):
+        return ""
+    joined = sorted(str(task.get("task_id")) for task in status.get("tasks", ()))
+    return (f": {status.get('registered')} of {status.get('world_size')} workers registered "
+            f"with the tracker (tasks {', '.join(joined) or 'none'}); the others never "
+            "reached init, or could not reach the tracker")
+
+
+_WHO_JOINED_SEC = 3.0

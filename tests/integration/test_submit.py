@@ -876,3 +876,35 @@ def test_dmlc_submit_and_xgboost_spellings_are_accepted() -> None:
 ])
 def test_the_script_a_python_command_line_runs(args: list[str], script: str | None) -> None:
     assert python_script(args) == script
+
+
+def test_a_worker_that_never_reaches_init_is_named_by_the_others_timeout() -> None:
+    """Task 1 sleeps before init: the others' wait for their ranks times out saying which
+    tasks registered, so the missing one is plain."""
+    code = ("import os, sys, time, rabit2\n"
+            "if os.environ['DMLC_TASK_ID'] == '1':\n"
+            "    time.sleep(60)\n"
+            "rabit2.init(sys.argv[1:])\nrabit2.finalize()\n")
+    started = time.monotonic()
+    proc = _run_cli("tracker.submit", "-n", "3", "--max-attempts", "1", "--kill-grace", "1",
+                    "--", sys.executable, "-c", code, "rabit_timeout_sec=3")
+    assert proc.returncode == 1, proc.stderr
+    assert ("no rank assignment from the tracker within 3.0s: 2 of 3 workers registered "
+            "with the tracker (tasks 0, 2)") in proc.stderr, proc.stderr
+    assert time.monotonic() - started < 30
+
+
+def test_a_call_that_times_out_names_the_rank_it_waits_for() -> None:
+    """Rank 1 never makes the second call: the ranks that wait for it say so."""
+    code = ("import sys, time, numpy as np, rabit2\n"
+            "rabit2.init(sys.argv[1:])\n"
+            "rabit2.allreduce(np.ones(4), rabit2.SUM)\n"
+            "if rabit2.get_rank() == 1:\n"
+            "    time.sleep(60)\n"
+            "rabit2.allreduce(np.ones(4), rabit2.SUM)\n"
+            "rabit2.finalize()\n")
+    proc = _run_cli("tracker.submit", "-n", "3", "--max-attempts", "1", "--kill-grace", "1",
+                    "--", sys.executable, "-c", code, "rabit_timeout_sec=3")
+    assert proc.returncode == 1, proc.stderr
+    assert re.search(r"CollectiveTimeoutError: rank [02]: no progress in call \(0, 1\) for 3 s, "
+                     r"waiting for bytes from rank 1\b", proc.stderr), proc.stderr
