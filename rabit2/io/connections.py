@@ -259,14 +259,19 @@ class Connections:
     # ------------------------------------------------------------------ the peer port
 
     def _listen(self, cfg: Config) -> socket.socket:
-        """Listen on the interface that routes to the tracker (no packet is sent to find it)."""
-        host = "127.0.0.1"
+        """Listen on the interface that routes to the tracker, in its address family (IPv4
+        or IPv6: the tracker hands the peers the address it sees); no packet is sent to find
+        it."""
         assert cfg.tracker_uri is not None
-        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        with contextlib.suppress(OSError), probe:
-            probe.connect((cfg.tracker_uri, cfg.tracker_port))
-            host = probe.getsockname()[0]
-        server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        family, host = socket.AF_INET, "127.0.0.1"
+        with contextlib.suppress(OSError):
+            family, _, _, _, address = socket.getaddrinfo(
+                cfg.tracker_uri, cfg.tracker_port, type=socket.SOCK_DGRAM)[0]
+            host = "::1" if family == socket.AF_INET6 else "127.0.0.1"
+            with socket.socket(family, socket.SOCK_DGRAM) as probe:
+                probe.connect(address)
+                host = probe.getsockname()[0]
+        server = socket.socket(family, socket.SOCK_STREAM)
         server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         # (accepted links inherit it: docs/design.md, "Congestion control")
         set_congestion(server, self.engine.congestion)

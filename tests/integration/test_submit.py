@@ -11,6 +11,7 @@ import io
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.support import ROOT
-from tests.support.jobs import assert_gone, wait_until
+from tests.support.jobs import assert_gone, assert_one_model, wait_until
 from tracker.launch import tasks
 from tracker.launch.common import TaskRun, build_worker_env, format_summary
 from tracker.submit import (
@@ -759,8 +760,6 @@ def _run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_usage_and_environment_errors_are_one_line_with_exit_2(tmp_path: Path) -> None:
-    import socket  # noqa: PLC0415
-
     no_shebang = tmp_path / "no_shebang.py"
     no_shebang.write_text("print(1)\n")
     bad_interpreter = tmp_path / "bad_interpreter.py"
@@ -908,3 +907,24 @@ def test_a_call_that_times_out_names_the_rank_it_waits_for() -> None:
     assert proc.returncode == 1, proc.stderr
     assert re.search(r"CollectiveTimeoutError: rank [02]: no progress in call \(0, 1\) for 3 s, "
                      r"waiting for bytes from rank 1\b", proc.stderr), proc.stderr
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+def test_a_tracker_on_an_ipv6_address_runs_and_recovers_a_job() -> None:
+    """The workers listen in the tracker's address family: the peers dial the address the
+    tracker saw, IPv6 here, and a killed worker recovers over it."""
+    proc = _run_cli("tracker.submit", "-n", "3", "--tracker-host", "::1", "--max-attempts",
+                    "3", "--", sys.executable, "-m", "rabit2.examples.gbdt", "--size", "ci",
+                    "mock=2,3,1,0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_one_model(proc.stdout, 3)
+    assert re.search(r"^2\s+2\s+2\s+0\s+ok", proc.stderr, re.M), proc.stderr[-2000:]
