@@ -103,7 +103,8 @@ def load_checkpoint(with_local: bool = False) -> tuple[Any, ...]:
     else:
         model = None if comm.global_model is None else pickle.loads(comm.global_model)
     if with_local:
-        local = None if comm.local_model is None else pickle.loads(comm.local_model)
+        # (b"": a checkpoint without a local model, as a restarted worker fetches it)
+        local = pickle.loads(comm.local_model) if comm.local_model else None
         return comm.version, model, local
     return comm.version, model
 

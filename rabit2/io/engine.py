@@ -382,8 +382,10 @@ class Engine:
     async def _checkpoint(self, blob: bytes | Callable[[], bytes] | None,
                           local: bytes | None) -> int:
         version = self.agent.checkpoint(blob)
-        if local is not None and self.config.recover:
-            self.execute(self.agent.push_local(local))
+        if self.config.recover:
+            # (an empty blob when there is none: a restarted rank that loads with_local
+            # then learns it had none, rather than that its neighbours lost it)
+            self.execute(self.agent.push_local(b"" if local is None else local))
         return version
 
     def fail(self, error: RabitError, timeout: float | None = None) -> None:

@@ -951,3 +951,25 @@ def test_random_real_process_fault_plans_soak(seed: int) -> None:
     assert sorted(job.digests()) == list(range(world)), (mocks, job.tail())
     assert set(job.digests().values()) == {baseline(world, args)}, mocks
     assert not job.leftovers()
+
+
+@pytest.mark.integration
+def test_a_restart_that_loads_with_local_gets_none_where_no_local_model_was_saved() -> None:
+    """``load_checkpoint(with_local=True)`` in a program that checkpoints no local model: the
+    restarted worker resumes from the checkpoint with ``None``, as a run without the failure
+    returns, instead of from version 0 (which no neighbour could replay)."""
+    code = ("import os, sys, numpy as np, rabit2\n"
+            "rabit2.init(sys.argv[1:])\n"
+            "r = rabit2.get_rank()\n"
+            "v, model, local = rabit2.load_checkpoint(with_local=True)\n"
+            "print('LOADED', r, os.environ['DMLC_NUM_ATTEMPT'], v, model, local, flush=True)\n"
+            "for it in range(v, 4):\n"
+            "    rabit2.allreduce(np.ones(4), rabit2.Op.SUM)\n"
+            "    rabit2.checkpoint({'it': it + 1})\n"
+            "rabit2.finalize()\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "-n", "3", "--max-attempts", "3",
+         "--timeout", "60", "--", sys.executable, "-c", code, "mock=1,2,0,0"],
+        capture_output=True, text=True, timeout=90, env=job_env(), cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "LOADED 1 1 2 {'it': 2} None" in proc.stdout, proc.stdout[-3000:]
