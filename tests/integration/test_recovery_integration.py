@@ -973,3 +973,24 @@ def test_a_restart_that_loads_with_local_gets_none_where_no_local_model_was_save
         capture_output=True, text=True, timeout=90, env=job_env(), cwd=ROOT, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "LOADED 1 1 2 {'it': 2} None" in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.integration
+def test_a_restart_that_never_loads_its_checkpoint_is_told_to() -> None:
+    """A program that checkpoints but never calls load_checkpoint: its restarted worker
+    replays from call (0, 0), which its neighbours dropped at their checkpoints.  The error
+    says what the program must do, not to raise the replay store's size."""
+    code = ("import sys, numpy as np, rabit2\n"
+            "rabit2.init(sys.argv[1:])\n"
+            "for it in range(4):\n"
+            "    rabit2.allreduce(np.ones(4), rabit2.Op.SUM)\n"
+            "    rabit2.checkpoint({'it': it + 1})\n"
+            "rabit2.finalize()\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "-n", "3", "--max-attempts", "3",
+         "--timeout", "60", "--", sys.executable, "-c", code, "mock=1,2,0,0"],
+        capture_output=True, text=True, timeout=90, env=job_env(), cwd=ROOT, check=False)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert ("UnrecoverableError: rank 1 replays call (0, 0), but no live neighbour retains its "
+            "result any more (its neighbours hold checkpoint 2: a restarted worker must call "
+            "load_checkpoint() before its first collective") in proc.stderr, proc.stderr[-3000:]

@@ -223,9 +223,15 @@ class Replay:
         sources = [p for p in finished
                    if self.agent.links[p].up and self.peer_states[p].oldest <= call]
         if not sources:
+            held = [v for st in self.peer_states.values() for v in st.versions]
+            hint = ("raise rabit2_replay_mb, or checkpoint more often" if max(held, default=0)
+                    <= call[0] else
+                    f"its neighbours hold checkpoint {max(held)}: a restarted worker must "
+                    "call load_checkpoint() before its first collective and go on from the "
+                    "version it returns")
             raise UnrecoverableError(
                 f"rank {self.agent.rank} replays call {call}, but no live neighbour retains "
-                "its result any more (raise rabit2_replay_mb, or checkpoint more often)")
+                f"its result any more ({hint})")
         active.has_result = True
         dest = None if active.call.kind is CollectiveKind.BROADCAST else active.call.buf
         self.owner.fetches.request(sources[0], "result", call, 0, -1, dest, cmds, active)
