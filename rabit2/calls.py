@@ -284,10 +284,13 @@ def _gather_mismatch(table: np.ndarray, rank: int, trailing: tuple[int, ...]) ->
 def agree(flag: bool) -> bool:
     """True on every rank iff every rank passed a true ``flag`` (a logical AND).
 
-    One MIN :func:`allreduce` of a byte, with its errors:
+    One MIN :func:`allreduce` of a byte, with its errors (and ``TypeError`` for a flag that
+    is not a bool or an integer, before anything is sent):
     :class:`~rabit2.errors.NotInitializedError` before :func:`init`, other
     :class:`~rabit2.errors.RabitError` subclasses when the job fails.  It is not ULFM's
     agreement: a rank lost for good fails it as it fails any collective."""
+    if not isinstance(flag, (bool, np.bool_, int, np.integer)):
+        raise TypeError(f"agree takes a bool, got {type(flag).__name__}")
     value = np.array([1 if flag else 0], dtype=np.uint8)
     allreduce(value, Op.MIN)
     return bool(value[0])

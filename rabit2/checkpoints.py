@@ -10,6 +10,8 @@ import pickle
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from rabit2.state import Communicator as _Communicator
 from rabit2.state import comm as _comm
 from rabit2.state import mock_hit as _mock_hit
@@ -30,7 +32,7 @@ def checkpoint(global_model: Any, local_model: Any = None) -> None:
     :func:`finalize`, and ``TypeError`` (chained to what ``pickle`` raised) for a model that
     cannot be pickled; then nothing changes (the version, the models kept).
     """
-    comm = _require()
+    comm = _checkpointing("checkpoint")
     blob = _pickled(global_model, "checkpoint")
     local = None if local_model is None else _pickled(local_model, "checkpoint")
     _advance_version(comm, blob, local)
@@ -48,11 +50,22 @@ def lazy_checkpoint(global_model: Any, local_model: Any = None) -> None:
     the version goes up.  A global model that cannot be pickled fails the
     restart that needs it: :class:`~rabit2.errors.UnrecoverableError` naming the pickling
     error, on every rank."""
-    comm = _require()
+    comm = _checkpointing("lazy_checkpoint")
     local = None if local_model is None else _pickled(local_model, "lazy_checkpoint")
     # pickled on the loop thread only if a restarted neighbour asks for it
     _advance_version(comm, lambda: pickle.dumps(global_model, pickle.HIGHEST_PROTOCOL), local)
     comm.global_model, comm.lazy_model, comm.local_model = None, global_model, local
+
+
+def _checkpointing(who: str) -> _Communicator:
+    """The communicator, for a checkpoint call: :class:`~rabit2.errors.NotInitializedError`
+    before :func:`init`, ``RuntimeError`` in elastic mode (which has no checkpoints: a
+    newcomer gets the state from a member, docs/elastic.md)."""
+    comm = _require()
+    if comm.membership is not None:
+        raise RuntimeError(f"{who}: elastic mode has no checkpoints; a worker that joins "
+                           "a live set gets the state from a member (docs/elastic.md)")
+    return comm
 
 
 def _pickled(model: Any, who: str) -> bytes:
@@ -90,7 +103,9 @@ def load_checkpoint(with_local: bool = False) -> tuple[Any, ...]:
     :class:`~rabit2.errors.CollectiveTimeoutError` if nothing arrives within
     ``timeout_sec``, and :class:`~rabit2.errors.JobAbortedError` if the job was aborted.
     """
-    comm = _require()
+    if not isinstance(with_local, (bool, np.bool_)):
+        raise TypeError(f"with_local must be a bool, got {with_local!r}")
+    comm = _checkpointing("load_checkpoint")
     if comm.must_load:
         comm.must_load = False
         version, blob, local = comm.engine.load_checkpoint(with_local)

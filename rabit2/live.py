@@ -19,8 +19,8 @@ logger = logging.getLogger("rabit2")
 
 class LiveSet(tuple[int, ...]):
     """The ranks of a live set, in order, with ``epoch`` (the set's number, from 1) and
-    ``new`` (the ranks that were not in the previous set: the first set's, a restarted
-    worker, one that came back)."""
+    ``new`` (the ranks whose process was not in the last set that succeeded: the first
+    set's, a restarted worker, one that came back)."""
 
     epoch: int
     new: tuple[int, ...]
@@ -43,13 +43,20 @@ class LiveSet(tuple[int, ...]):
         return f"LiveSet({tuple(self)!r}, epoch={self.epoch}, new={self.new!r})"
 
 
+_alone = {"sets": 0, "open": False}
+"""Single-process mode: how many live sets this worker entered, and whether one is open."""
+
+
 class live_set:  # (named as the function it stands for: ``with rabit2.live_set():``)
     """``with rabit2.live_set() as live:`` — wait until every live worker asked for the
     next live set, run the block's collectives over its ranks, and succeed or fail on every
     member together.
 
-    Entering raises ``RuntimeError`` outside elastic mode or inside another live set's
-    block; :class:`~rabit2.errors.LiveSetError` if the set failed before its block began
+    Alone (no tracker: single-process mode) it is a set of this one worker, ``LiveSet((0,),
+    epoch, new)`` with rank 0 new in the first set only, and the block runs as it is.
+
+    Entering raises ``RuntimeError`` in a job outside elastic mode or inside another live
+    set's block; :class:`~rabit2.errors.LiveSetError` if the set failed before its block began
     (a member lost while the set's links came up); what waiting for the set raises
     (:class:`~rabit2.errors.CollectiveTimeoutError` after ``rabit_timeout_sec``,
     :class:`~rabit2.errors.JobAbortedError`, :class:`~rabit2.errors.TrackerError`).
@@ -60,10 +67,19 @@ class live_set:  # (named as the function it stands for: ``with rabit2.live_set(
 
     def __init__(self) -> None:
         self._live: LiveSet | None = None
+        self._alone = False
 
     def __enter__(self) -> LiveSet:
         comm = state.require()
         member = comm.membership
+        if member is None and comm.engine is None:
+            # single-process mode (no tracker): a set of this one worker, as every other
+            # call acts as one worker's; new in the first set only
+            if _alone["open"]:
+                raise RuntimeError("live_set() blocks do not nest")
+            _alone["open"] = self._alone = True
+            _alone["sets"] += 1
+            return LiveSet((0,), _alone["sets"], (0,) if _alone["sets"] == 1 else ())
         if member is None:
             raise RuntimeError("rabit2.live_set() needs elastic mode: rabit2-submit "
                                "--elastic, or rabit2.init(elastic=True) with a tracker")
@@ -86,6 +102,9 @@ class live_set:  # (named as the function it stands for: ``with rabit2.live_set(
 
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  tb: TracebackType | None) -> None:
+        if self._alone:
+            _alone["open"] = self._alone = False
+            return  # (an exception propagates, as a member's own does)
         comm = state.comm
         member = comm.membership
         with comm.lock:

@@ -204,3 +204,27 @@ def test_a_call_left_running_in_another_thread_does_not_hold_up_abort_for() -> N
                      r"rank 0 raised RuntimeError: boom'\]", out)
     assert left is not None and float(left.group(1)) < 6, out
     assert "BLOCK FAILED live set" in done.stdout, out
+
+
+def test_live_sets_and_checkpoints_are_refused_where_they_do_not_belong() -> None:
+    """A live set in a job outside elastic mode; checkpoints in elastic mode, which has
+    none (a newcomer gets the state from a member)."""
+    plain = ("import rabit2\nrabit2.init()\n"
+             "try:\n    rabit2.live_set().__enter__()\n"
+             "except RuntimeError as exc:\n    print('REFUSED', exc)\n"
+             "rabit2.finalize()\n")
+    elastic = ("import rabit2\nrabit2.init()\n"
+               "for call in (lambda: rabit2.checkpoint(1), rabit2.load_checkpoint):\n"
+               "    try:\n        call()\n"
+               "    except RuntimeError as exc:\n        print('REFUSED', exc)\n"
+               "rabit2.finalize()\n")
+    for flags, code, said, times in (
+            ((), plain, "needs elastic mode", 2),  # (each of 2 ranks, once)
+            (("--elastic",), elastic, "elastic mode has no checkpoints", 4)):
+        done = subprocess.run(
+            [sys.executable, "-m", "tracker.submit", "-n", "2", *flags, "--timeout", "60",
+             "--", sys.executable, "-c", code],
+            capture_output=True, text=True, timeout=90, cwd=ROOT, check=False,
+            env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.count(said) == times, done.stdout

@@ -150,6 +150,36 @@ def test_allreduce_calls_prepare_fun(single: None) -> None:
 def test_agree_single_process(single: None) -> None:
     assert rabit2.agree(True) is True
     assert rabit2.agree(False) is False
+    assert rabit2.agree(np.bool_(True)) is True and rabit2.agree(0) is False
+
+
+@pytest.mark.parametrize("flag", ["x", None, 1.0, [True]])
+def test_agree_takes_a_bool(single: None, flag: object) -> None:
+    with pytest.raises(TypeError, match="agree takes a bool"):
+        rabit2.agree(flag)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("with_local", ["no", [], None, 1])
+def test_load_checkpoint_takes_a_bool(single: None, with_local: object) -> None:
+    with pytest.raises(TypeError, match="with_local must be a bool"):
+        rabit2.load_checkpoint(with_local)  # type: ignore[arg-type]
+
+
+def test_a_live_set_alone_is_this_worker(single: None) -> None:
+    """Single-process mode: a set of this one worker, new in the first set only, so an
+    elastic program runs alone as any other rabit2 program does."""
+    import rabit2.live  # noqa: PLC0415
+
+    first = rabit2.live.live_set()
+    with first as live:
+        assert tuple(live) == (0,) and live.new == (0,) and live.source is None
+        assert rabit2.allreduce(np.ones(2), rabit2.SUM).tolist() == [1.0, 1.0]
+        with pytest.raises(RuntimeError, match="do not nest"), rabit2.live_set():
+            pass
+    with rabit2.live_set() as again:
+        assert again.epoch == live.epoch + 1 and again.new == () and again.source == 0
+    with pytest.raises(ValueError, match="raised inside"), rabit2.live_set():
+        raise ValueError("raised inside")
 
 
 @pytest.mark.parametrize("obj", [None, 3, "text", {"a": [1, 2]}, np.arange(5.0)])

@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 
-import rabit2
 from rabit2.errors import ProtocolError
 from tracker.decisions import Decision, EndSet, FormSet, Send
 from tracker.registry import SILENCE_REASON, Registry
@@ -128,15 +127,6 @@ def test_live_messages_need_an_elastic_job() -> None:
                       host="h", peer="p", now=0.0)
     with pytest.raises(ProtocolError, match="elastic"):
         ask(registry, "c0")
-
-
-def test_live_set_outside_elastic_mode_is_a_clear_error() -> None:
-    rabit2.init()  # (no tracker: single-process mode)
-    try:
-        with pytest.raises(RuntimeError, match="needs elastic mode"), rabit2.live_set():
-            pass
-    finally:
-        rabit2.finalize()
 
 
 def test_newcomers_alone_after_the_others_finished_have_nothing_to_join() -> None:
