@@ -953,6 +953,14 @@ def test_random_real_process_fault_plans_soak(seed: int) -> None:
     assert not job.leftovers()
 
 
+def _three_with_rank_1_killed(code: str) -> subprocess.CompletedProcess[str]:
+    """``python -c code`` as a job of 3 with recovery, rank 1 killed at call (2, 0)."""
+    return subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "-n", "3", "--max-attempts", "3",
+         "--timeout", "60", "--", sys.executable, "-c", code, "mock=1,2,0,0"],
+        capture_output=True, text=True, timeout=90, env=job_env(), cwd=ROOT, check=False)
+
+
 @pytest.mark.integration
 def test_a_restart_that_loads_with_local_gets_none_where_no_local_model_was_saved() -> None:
     """``load_checkpoint(with_local=True)`` in a program that checkpoints no local model: the
@@ -967,10 +975,7 @@ def test_a_restart_that_loads_with_local_gets_none_where_no_local_model_was_save
             "    rabit2.allreduce(np.ones(4), rabit2.Op.SUM)\n"
             "    rabit2.checkpoint({'it': it + 1})\n"
             "rabit2.finalize()\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tracker.submit", "-n", "3", "--max-attempts", "3",
-         "--timeout", "60", "--", sys.executable, "-c", code, "mock=1,2,0,0"],
-        capture_output=True, text=True, timeout=90, env=job_env(), cwd=ROOT, check=False)
+    proc = _three_with_rank_1_killed(code)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "LOADED 1 1 2 {'it': 2} None" in proc.stdout, proc.stdout[-3000:]
 
@@ -986,10 +991,7 @@ def test_a_restart_that_never_loads_its_checkpoint_is_told_to() -> None:
             "    rabit2.allreduce(np.ones(4), rabit2.Op.SUM)\n"
             "    rabit2.checkpoint({'it': it + 1})\n"
             "rabit2.finalize()\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tracker.submit", "-n", "3", "--max-attempts", "3",
-         "--timeout", "60", "--", sys.executable, "-c", code, "mock=1,2,0,0"],
-        capture_output=True, text=True, timeout=90, env=job_env(), cwd=ROOT, check=False)
+    proc = _three_with_rank_1_killed(code)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert ("UnrecoverableError: rank 1 replays call (0, 0), but no live neighbour retains its "
             "result any more (its neighbours hold checkpoint 2: a restarted worker must call "
