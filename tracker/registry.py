@@ -255,6 +255,15 @@ class Registry(Generic[C]):
     def error(self, conn: C, text: str) -> list[Decision[C]]:
         """The worker on ``conn`` signalled an error: the job is aborted."""
         task = self._by_conn[conn]
+        if "CollectiveTimeoutError" in text:
+            # who kept the others waiting: the ranks between calls at their last heartbeat
+            idle = sorted(other.rank for other in self.by_rank.values()
+                          if other.rank is not None and not other.finished
+                          and other.progress is not None
+                          and other.progress.get("in_call") is False)
+            if idle:
+                text += (f" (not in a collective call at their last heartbeat: rank "
+                         f"{', '.join(map(str, idle))})")
         return self.abort(f"{describe(task)} signalled an error: {text}", exclude=conn)
 
     def unreachable(self, conn: C, rank: int, reason: str, now: float) -> list[Decision[C]]:

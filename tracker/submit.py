@@ -64,7 +64,7 @@ from tracker.launch.common import (
     LogLines,
 )
 from tracker.launch.group import GroupLauncher, group_argv, group_forward
-from tracker.launch.local import bind_cpus_for
+from tracker.launch.local import local_attempt
 from tracker.launch.options import LaunchOptions, parse_args
 from tracker.launch.ssh import ssh_argv
 from tracker.launch.tasks import TaskLauncher
@@ -81,7 +81,8 @@ def dry_run_lines(options: LaunchOptions) -> list[str]:
     their values (the tracker's address and secret exist only once it runs) (pure)."""
     job = ["DMLC_TRACKER_URI", "DMLC_TRACKER_PORT", "DMLC_NUM_WORKER", "RABIT2_SECRET"]
     lines = [f"# tracker on {options.tracker_host}:{options.tracker_port or '<any free port>'}; "
-             f"every worker gets {', '.join(job)}, DMLC_ROLE=worker"
+             f"every worker gets {', '.join(job)}, DMLC_ROLE=worker, DMLC_NUM_ATTEMPT (0, "
+             "then 1, 2, ... when restarted)"
              + "".join(f", {key}={value}" for key, value in options.env)]
     if options.cluster in ("slurm", "mpi"):
         lines.append(shlex.join(group_argv(options,
@@ -92,9 +93,18 @@ def dry_run_lines(options: LaunchOptions) -> list[str]:
             command = shlex.join(ssh_argv(options, options.hosts[task]))
             lines.append(f"# task {task}: job variables on stdin to tracker.remote\n{command}")
         else:
-            cpus = bind_cpus_for(task, options.num_workers, options.bind)
-            where = "" if cpus is None else f" (CPUs {','.join(map(str, cpus))})"
-            lines.append(f"DMLC_TASK_ID={task} {shlex.join(options.command)}{where}")
+            # what the launcher sets besides the job's variables and --env (recovery, the
+            # CPUs, the settings of workers that share one)
+            attempt = local_attempt(options, dict.fromkeys(job, ""), task, 0)
+            assert attempt.env is not None
+            given = {*job, *dict(options.env), "DMLC_ROLE", "DMLC_NUM_ATTEMPT",
+                     "DMLC_TASK_ID", "RABIT2_LAUNCHER_PID"}
+            own = " ".join(f"{key}={shlex.quote(value)}"
+                           for key, value in sorted(attempt.env.items())
+                           if key not in given and os.environ.get(key) != value)
+            where = ("" if attempt.cpus is None
+                     else f" (CPUs {','.join(map(str, attempt.cpus))})")
+            lines.append(f"DMLC_TASK_ID={task} {own} {shlex.join(options.command)}{where}")
     return lines
 
 

@@ -103,6 +103,7 @@ PROGRESS_FIELDS: Final[Mapping[str, type]] = {
     "replayed": int,  # calls whose result came from a neighbour (a restarted worker)
     "resumed": int,  # calls resumed at a byte offset after a link broke
     "replaying": bool,  # a restarted worker that has not caught up with its neighbours
+    "in_call": bool,  # in a collective call now (not computing between calls)
 }
 _COUNTER_MAX: Final[int] = (1 << 63) - 1
 

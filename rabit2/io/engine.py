@@ -471,7 +471,7 @@ class Engine:
                 "calls": stats.calls_completed, "sent": stats.bytes_sent,
                 "received": stats.bytes_received, "links_reset": recovery["links_up"],
                 "replayed": recovery["replayed_calls"], "resumed": recovery["resumed_calls"],
-                "replaying": agent.restarted}
+                "replaying": agent.restarted, "in_call": agent.active is not None}
 
     # ------------------------------------------------------------------ shutdown
 

@@ -894,7 +894,9 @@ def test_a_worker_that_never_reaches_init_is_named_by_the_others_timeout() -> No
 
 
 def test_a_call_that_times_out_names_the_rank_it_waits_for() -> None:
-    """Rank 1 never makes the second call: the ranks that wait for it say so."""
+    """Rank 1 never makes the second call: the rank that timed out says whose bytes it
+    waited for (rank 1, or rank 0, which waited for rank 1 in its turn), and the job's
+    reason names the rank that was not in a call."""
     code = ("import sys, time, numpy as np, rabit2\n"
             "rabit2.init(sys.argv[1:])\n"
             "rabit2.allreduce(np.ones(4), rabit2.SUM)\n"
@@ -905,8 +907,10 @@ def test_a_call_that_times_out_names_the_rank_it_waits_for() -> None:
     proc = _run_cli("tracker.submit", "-n", "3", "--max-attempts", "1", "--kill-grace", "1",
                     "--", sys.executable, "-c", code, "rabit_timeout_sec=3")
     assert proc.returncode == 1, proc.stderr
-    assert re.search(r"CollectiveTimeoutError: rank [02]: no progress in call \(0, 1\) for 3 s, "
-                     r"waiting for bytes from rank 1\b", proc.stderr), proc.stderr
+    assert re.search(r"job: rank [02] \(task [02]\) signalled an error: rank [02] raised "
+                     r"CollectiveTimeoutError: rank [02]: no progress in call \(0, 1\) for 3 s, "
+                     r"waiting for bytes from rank [01] \(not in a collective call at their "
+                     r"last heartbeat: rank 1\)", proc.stderr), proc.stderr
 
 
 def _ipv6_loopback() -> bool:
