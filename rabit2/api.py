@@ -72,10 +72,12 @@ def init(args: Iterable[str | bytes] | None = None, **kwargs: Any) -> None:
         _comm.global_model = _comm.local_model = _comm.lazy_model = None
         if config.distributed and config.elastic:
             from rabit2.io.membership import Membership  # noqa: PLC0415
+            from rabit2.live import heard_left  # noqa: PLC0415
 
             member = Membership(config)
             member.start()
-            assert member.assignment is not None
+            assert member.assignment is not None and member.tracker is not None
+            member.tracker.on_live_left = heard_left
             _comm.engine, _comm.membership, _comm.live = None, member, None
             _comm.rank = _comm.job_rank = member.assignment.rank
             _comm.world = _comm.job_world = member.assignment.world_size

@@ -8,11 +8,14 @@ on every member.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from types import TracebackType
+from typing import Any
 
 from rabit2 import state
-from rabit2.errors import LiveSetError, RabitError
+from rabit2.errors import LiveSetError, MismatchError, RabitError
 
 logger = logging.getLogger("rabit2")
 
@@ -92,7 +95,7 @@ class live_set:  # (named as the function it stands for: ``with rabit2.live_set(
             try:
                 engine = member.join_set(offer, comm.job_rank)
             except RabitError as exc:
-                _, reason = member.report(False, f"{type(exc).__name__}: {exc}")
+                _, reason = member.report(False, f"{type(exc).__name__}: {exc}", 0)
                 raise LiveSetError(self._message(reason)) from exc
             comm.engine, comm.live = engine, live
             comm.rank, comm.world = live.index(comm.job_rank), len(live)
@@ -110,11 +113,12 @@ class live_set:  # (named as the function it stands for: ``with rabit2.live_set(
         with comm.lock:
             comm.engine, comm.live = None, None
             comm.rank, comm.world = comm.job_rank, comm.job_world
+            calls = comm.seqno
         if member is None:  # (finalize() refuses inside a block; init again is the same)
             raise RuntimeError("the live set's job was left inside its block")
         ok = error is None
         reason = "" if ok else f"{type(error).__name__}: {' '.join(str(error).split())}"
-        settled, why = member.report(ok, reason)
+        settled, why = member.report(ok, reason, calls)
         if settled or (error is not None and not isinstance(error, RabitError)):
             return  # (this member's own exception propagates; the others raise LiveSetError)
         raise LiveSetError(self._message(why)) from error
@@ -125,4 +129,31 @@ class live_set:  # (named as the function it stands for: ``with rabit2.live_set(
         return f"live set {live.epoch} {tuple(live)} failed: {reason}"
 
 
-__all__ = ["LiveSet", "live_set"]
+def heard_left(epoch: int, rank: int, calls: int) -> None:
+    """The tracker says member ``rank`` left the block of set ``epoch`` after ``calls``
+    collective calls (on the tracker connection's loop thread).  A call of this member's
+    beyond them can never complete: it fails now with :class:`~rabit2.errors.MismatchError`,
+    as does any later one in the block, instead of waiting for ``rabit_timeout_sec``."""
+    comm = state.comm
+    member = comm.membership
+    if member is None or epoch != member.epoch:
+        return
+    if member.left is None or calls < member.left[1]:
+        member.left = (rank, calls)
+    engine = member.engine
+    if engine is not None and comm.calling and comm.seqno >= calls:
+        # (a call beyond them waits for that member, whatever the timing: nothing to race)
+        error = MismatchError(state.beyond_the_block(member.left, comm))
+        threading.Thread(target=_fail, args=(engine, error), daemon=True,
+                         name="rabit2-live-left").start()
+
+
+def _fail(engine: Any, error: RabitError) -> None:
+    with contextlib.suppress(RabitError):
+        engine.fail(error, _FAIL_WAIT_SEC)
+
+
+_FAIL_WAIT_SEC = 5.0
+
+
+__all__ = ["LiveSet", "heard_left", "live_set"]

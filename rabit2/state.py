@@ -14,7 +14,7 @@ from typing import Any
 
 from rabit2.config import Config
 from rabit2.core.records import Call
-from rabit2.errors import NotInitializedError
+from rabit2.errors import MismatchError, NotInitializedError
 
 logger = logging.getLogger("rabit2")
 
@@ -40,6 +40,7 @@ class Communicator:
         self.job_rank = 0
         self.job_world = 1
         self.live: Any = None  # rabit2.live.LiveSet
+        self.calling = False  # a collective of this process is under way (under ``lock``)
 
 
 comm = Communicator()
@@ -54,9 +55,13 @@ def require() -> Communicator:
 def collective() -> Communicator:
     """:func:`require`, for a collective (on every call's path: one check when not in
     elastic mode): in elastic mode only inside a live set."""
-    if comm.membership is not None and comm.live is None:
-        raise RuntimeError("in elastic mode collectives run inside `with rabit2.live_set():` "
-                           "(docs/elastic.md)")
+    if comm.membership is not None:
+        if comm.live is None:
+            raise RuntimeError("in elastic mode collectives run inside "
+                               "`with rabit2.live_set():` (docs/elastic.md)")
+        left = comm.membership.left
+        if left is not None and comm.seqno >= left[1]:
+            raise MismatchError(beyond_the_block(left, comm))
     if comm.config is None:
         raise NotInitializedError("call rabit2.init() first")
     return comm
@@ -101,13 +106,26 @@ def run(call: Call) -> None:
     # one collective at a time per process: calls from several threads queue here (their
     # order must still be the same on every rank, or the ranks get a MismatchError)
     with comm.lock:
-        if comm.config is not None and comm.config.mock:
-            engine.run_call(call, *mock_hit(call.kind.name.lower()))
-        else:
-            engine.run_call(call)
+        comm.calling = True
+        try:
+            if comm.config is not None and comm.config.mock:
+                engine.run_call(call, *mock_hit(call.kind.name.lower()))
+            else:
+                engine.run_call(call)
+        finally:
+            comm.calling = False
         comm.seqno += 1
 
 
 
 
-__all__ = ["Communicator", "collective", "comm", "job", "mock_hit", "require", "run"]
+def beyond_the_block(left: tuple[int, int], comm: Communicator) -> str:
+    """Elastic mode: this member is at a call of the block that member ``left[0]``, which
+    left the block after ``left[1]`` calls, never made."""
+    return (f"live set block: rank {left[0]} left it after {left[1]} collective calls, and "
+            f"rank {comm.job_rank} is at call {comm.seqno + 1}: every member must make the "
+            "same calls in a block")
+
+
+__all__ = ["Communicator", "beyond_the_block", "collective", "comm", "job", "mock_hit",
+           "require", "run"]

@@ -44,6 +44,7 @@ class LiveSets(Generic[C]):
         self.holders: dict[int, int] = {}  # rank -> incarnation, of the last good set
         self.asking: set[str] = set()  # task ids asking for the next set
         self.reported: dict[int, bool] = {}  # member -> ok, for the current set
+        self.calls: dict[int, int] = {}  # member -> collective calls it made in the block
         self.answer: dict[int, str] = {}  # members waiting for the outcome (rank -> task id)
         self.outcomes: dict[int, tuple[bool, str]] = {}  # epoch -> outcome, once settled
         self.history: list[tuple[int, ...]] = []  # every set formed, in order
@@ -62,22 +63,38 @@ class LiveSets(Generic[C]):
         self.asking.add(task.task_id)
         return self.try_form()
 
-    def done(self, task: Task[C], epoch: int, ok: bool, reason: str) -> list[Decision[C]]:
-        """``task`` left the block of set ``epoch`` (``ok``: without an error)."""
+    def done(self, task: Task[C], epoch: int, ok: bool, reason: str,
+             calls: int | None = None) -> list[Decision[C]]:
+        """``task`` left the block of set ``epoch`` (``ok``: without an error) after
+        ``calls`` collective calls (None: not said).  The members still in the block hear
+        of it: a call of theirs beyond those never completes, and fails at once."""
         rank = task.rank
         if epoch != self.epoch or rank is None or rank not in self.ranks:
             # (a report of an older set, sent again after a blink: that set's outcome)
             settled = self.outcomes.get(epoch, (False, "that live set is over"))
             return self._send(task, epoch, settled)
         self.answer[rank] = task.task_id
-        if self.outcome is None:
-            self.reported[rank] = ok
-            if not ok:
-                return self._settle(False, f"rank {rank} failed in it: {reason}")
-            if len(self.reported) == len(self.ranks) and all(self.reported.values()):
-                return self._settle(True, "")
+        if self.outcome is not None:
+            return self._send(task, self.epoch, self.outcome)
+        self.reported[rank] = ok
+        if not ok:
+            return self._settle(False, f"rank {rank} failed in it: {reason}")
+        if calls is not None:
+            self.calls[rank] = calls
+            if len(set(self.calls.values())) > 1:
+                made = ", ".join(f"rank {r} {n}" for r, n in sorted(self.calls.items()))
+                return self._settle(False, f"its members made different numbers of "
+                                           f"collective calls in the block ({made})")
+        if len(self.reported) == len(self.ranks) and all(self.reported.values()):
+            return self._settle(True, "")
+        if calls is None:
             return []
-        return self._send(task, self.epoch, self.outcome)
+        return [Send(other.task_id, other.conn, {"t": "live_left", "epoch": epoch,
+                                                 "rank": rank, "calls": calls},
+                     f"rank {rank} left live set {epoch}'s block")
+                for other in self.tasks.values()
+                if other.rank in self.ranks and other.rank not in self.reported
+                and other.conn is not None]
 
     def gone(self, task: Task[C], why: str) -> list[Decision[C]]:
         """``task`` was lost, finished, left, lost its connection or was replaced."""
@@ -116,7 +133,7 @@ class LiveSets(Generic[C]):
         reuse = self.outcome == (True, "") and ranks == self.ranks and not new
         self.epoch += 1
         self.ranks, self.incarnations = ranks, incarnations
-        self.asking, self.reported, self.answer = set(), {}, {}
+        self.asking, self.reported, self.answer, self.calls = set(), {}, {}, {}
         self.history.append(ranks)
         why = f"live set {self.epoch}: ranks {list(ranks)}" + (f", new {list(new)}" if new
                                                                  else "")

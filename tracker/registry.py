@@ -146,7 +146,11 @@ class Registry(Generic[C]):
         task = self._by_conn[conn]
         if self.live is None:
             raise ProtocolError("live_done needs an elastic job")
-        return self.live.done(task, msg["epoch"], msg["ok"], msg["reason"][:_MAX_REASON])
+        calls = msg.get("calls")  # (optional: a worker may not say)
+        if calls is not None and (type(calls) is not int or calls < 0):
+            raise ProtocolError(f"live_done.calls: expected a count, got {calls!r}")
+        return self.live.done(task, msg["epoch"], msg["ok"], msg["reason"][:_MAX_REASON],
+                              calls)
 
     def live_failed(self, epoch: int, reason: str) -> list[Decision[C]]:
         """Live set ``epoch`` cannot run (the tracker could not start its collectives)."""

@@ -78,6 +78,7 @@ MESSAGE_FIELDS: Final[Mapping[str, Mapping[str, type]]] = {
     "status_reply": {"status": dict},
     "live_set": {"epoch": int, "ranks": list, "new": list, "host": str, "port": int},
     "live_result": {"epoch": int, "ok": bool, "reason": str},
+    "live_left": {"epoch": int, "rank": int, "calls": int},
     "peer_lost": {"rank": int, "incarnation": int, "reason": str},
     "peer_recovered": {"rank": int, "incarnation": int, "host": str, "port": int},
     # peer links, recovery protocol (docs/recovery.md): CONTROL frames carry these bodies

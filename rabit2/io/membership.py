@@ -51,6 +51,9 @@ class Membership:
         self.engine: Engine | None = None  # the current set's
         self._engine_at: tuple[str, int] | None = None  # its tracker
         self.epoch = 0  # the last set offered
+        # (rank, calls): a member that left the current set's block after so many calls
+        # (the fewest heard of); None while none did
+        self.left: tuple[int, int] | None = None
 
     def start(self) -> None:
         """Join the job: connect, register, get a rank.  Bounded; raises what
@@ -80,7 +83,7 @@ class Membership:
         msg = self._ask({"t": "live", "epoch": self.epoch}, "live_set")
         if not msg["ranks"]:  # (newcomers only, and the others finished the job)
             raise JobFinishedError(str(msg.get("reason", "there is no live set to join")))
-        self.epoch = msg["epoch"]
+        self.epoch, self.left = msg["epoch"], None
         return SetOffer(msg["epoch"], tuple(msg["ranks"]), tuple(msg["new"]),
                         (msg["host"], msg["port"]), bool(msg.get("same", False)))
 
@@ -103,11 +106,13 @@ class Membership:
         self.engine, self._engine_at = engine, offer.address
         return engine
 
-    def report(self, ok: bool, reason: str) -> tuple[bool, str]:
-        """Tell the tracker this worker left the current set's block; the set's outcome,
-        the same on every member.  A failed set's engine is closed."""
+    def report(self, ok: bool, reason: str, calls: int) -> tuple[bool, str]:
+        """Tell the tracker this worker left the current set's block after ``calls``
+        collective calls; the set's outcome, the same on every member.  A failed set's
+        engine is closed."""
         msg = self._ask({"t": "live_done", "epoch": self.epoch, "ok": ok,
-                         "reason": reason[:1000]}, "live_result")
+                         "reason": reason[:1000], "calls": calls}, "live_result")
+        self.left = None
         if not (ok and msg["ok"]):
             self.leave_set(graceful=False)
         return bool(msg["ok"]), str(msg["reason"])

@@ -110,6 +110,8 @@ class TrackerClient:
         self.abort_log_level = logging.WARNING
         self.on_peer_lost: Callable[[int, int, str], None] | None = None
         self.on_peer_recovered: Callable[[int, int, tuple[str, int]], None] | None = None
+        # elastic mode: a member left the current set's block after so many calls
+        self.on_live_left: Callable[[int, int, int], None] | None = None
         self._replies: dict[str, asyncio.Future[dict[str, Any]]] = {}  # reply type -> waiter
         self._asked: dict[str, dict[str, Any]] = {}  # reply type -> what asked for it
         # what each heartbeat reports of this worker's progress (called on the loop thread)
@@ -449,6 +451,8 @@ class TrackerClient:
         elif kind == "peer_recovered":
             address = (msg["host"], msg["port"])
             self._call(self.on_peer_recovered, msg["rank"], msg["incarnation"], address)
+        elif kind == "live_left":
+            self._call(self.on_live_left, msg["epoch"], msg["rank"], msg["calls"])
         elif kind in ("live_set", "live_result"):
             waiter = self._replies.pop(kind, None)
             self._asked.pop(kind, None)

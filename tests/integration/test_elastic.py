@@ -228,3 +228,46 @@ def test_live_sets_and_checkpoints_are_refused_where_they_do_not_belong() -> Non
             env={**os.environ, "PYTHONPATH": str(ROOT)})
         assert done.returncode == 0, done.stderr
         assert done.stdout.count(said) == times, done.stdout
+
+
+@pytest.mark.parametrize("mode", ["fewer", "later", "caught"])
+def test_members_that_make_different_calls_in_a_block_fail_it_at_once(mode: str) -> None:
+    """Rank 0 makes a call the others never make: at once (``fewer``), after the others
+    left the block (``later``), or because rank 1 caught the error of its own bad call
+    (``caught``).  The block fails on every member with the same MismatchError, within
+    seconds, not at rabit_timeout_sec (600 s here); the next set works."""
+    code = (
+        "import sys, time, numpy as np, rabit2\n"
+        "rabit2.init(sys.argv[1:])\n"
+        "r, mode = rabit2.get_rank(), sys.argv[1]\n"
+        "t = time.monotonic()\n"
+        "try:\n"
+        "    with rabit2.live_set():\n"
+        "        rabit2.allreduce(np.ones(2), rabit2.Op.SUM)\n"
+        "        if mode == 'caught':\n"
+        "            try:\n"
+        "                rabit2.allreduce(np.ones(2, dtype=bool) if r == 1 else np.ones(2),\n"
+        "                                 rabit2.Op.SUM)\n"
+        "            except TypeError:\n"
+        "                pass\n"
+        "        elif r == 0:\n"
+        "            time.sleep(1.0 if mode == 'later' else 0)\n"
+        "            rabit2.allreduce(np.ones(2), rabit2.Op.SUM)\n"
+        "except rabit2.LiveSetError as exc:\n"
+        "    print(f'FAILED {r} after {time.monotonic() - t:.1f}: {exc}', flush=True)\n"
+        "with rabit2.live_set():\n"
+        "    a = rabit2.allreduce(np.ones(2), rabit2.Op.SUM)\n"
+        "print(f'NEXT {r} {a[0]:g}', flush=True)\n"
+        "rabit2.finalize()\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "-n", "3", "--elastic", "--timeout", "60",
+         "--", sys.executable, "-c", code, mode, "rabit_timeout_sec=600"],
+        capture_output=True, text=True, timeout=90, cwd=ROOT, check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    failed = re.findall(r"FAILED (\d) after ([\d.]+): (.*)", done.stdout)
+    assert sorted(int(r) for r, _, _ in failed) == [0, 1, 2], done.stdout
+    assert len({message for _, _, message in failed}) == 1, failed
+    assert "MismatchError: live set block: rank" in failed[0][2], failed
+    assert all(float(after) < 10 for _, after, _ in failed), failed
+    assert sorted(re.findall(r"NEXT (\d) 3", done.stdout)) == ["0", "1", "2"], done.stdout
