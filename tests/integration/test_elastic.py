@@ -271,3 +271,31 @@ def test_members_that_make_different_calls_in_a_block_fail_it_at_once(mode: str)
     assert "MismatchError: live set block: rank" in failed[0][2], failed
     assert all(float(after) < 10 for _, after, _ in failed), failed
     assert sorted(re.findall(r"NEXT (\d) 3", done.stdout)) == ["0", "1", "2"], done.stdout
+
+
+def test_a_member_that_exits_0_inside_a_block_left_the_job_which_goes_on() -> None:
+    """Its block fails on the others, who go on without it; the summary says it left early
+    and the job ends as the others left it."""
+    code = (
+        "import sys, numpy as np, rabit2\n"
+        "rabit2.init()\n"
+        "r = rabit2.get_rank()\n"
+        "for step in range(3):\n"
+        "    try:\n"
+        "        with rabit2.live_set():\n"
+        "            rabit2.allreduce(np.ones(2), rabit2.Op.SUM)\n"
+        "            if r == 1 and step == 1:\n"
+        "                sys.exit(0)\n"
+        "    except rabit2.LiveSetError:\n"
+        "        pass\n"
+        "print('DONE', r, flush=True)\n"
+        "rabit2.finalize()\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "-n", "3", "--elastic", "--max-attempts", "2",
+         "--timeout", "60", "--", sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=90, cwd=ROOT, check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(re.findall(r"DONE (\d)", done.stdout)) == ["0", "2"], done.stdout
+    assert re.search(r"^1\s+1\s+1\s+0\s+left early$", done.stderr, re.M), done.stderr[-2000:]
+    assert "job: every remaining rank shut down" in done.stderr, done.stderr[-2000:]

@@ -111,6 +111,8 @@ class TaskLauncher:
                 for task in self.tasks:
                     for reader in task.readers:
                         reader.join(max(0.0, end - time.monotonic()))
+        if options.elastic and not interrupted:
+            self._left_elastic_job()
         result = self.tracker.result()
         for task in self.tasks:
             task.rank = self.tracker.rank_of(str(task.task_id))
@@ -120,12 +122,29 @@ class TaskLauncher:
         # (an aborted job failed, even where every program caught the error and exited 0)
         ok = (result is None or result.success) and all(
             (task.exit_code == 0 and task.status != "left early")
-            or (left_ok and task.status == "left") for task in self.tasks)
+            or (left_ok and task.status in ("left", "left early")) for task in self.tasks)
         self._writer.write(self._err, format_summary(
             self.tasks, job_line(result, ok, interrupted), None if ok else self._root_cause))
         if interrupted:
             return EXIT_INTERRUPTED
         return EXIT_OK if ok else EXIT_FAILED
+
+    def _left_elastic_job(self) -> None:
+        """Elastic mode, every worker gone: a task whose program ended with status 0 without
+        finalizing left the job, which went on without it (as without a lost worker that is
+        not restarted); the tracker hears so, and the job ends as the others left it."""
+        joined, told = self.tracker.joined(), False
+        for task in self.tasks:
+            tid = str(task.task_id)
+            if task.status == "ok" and tid in joined and not self.tracker.has_finished(tid):
+                task.status = "left early"
+                self._give_up(f"task {tid} exited with 0 without rabit2.finalize(): it left "
+                              "the job", task_id=task.task_id)
+                told = True
+        # (the tracker's thread settles the job: bounded)
+        end = time.monotonic() + LEFT_EARLY_SEC
+        while told and self.tracker.result() is None and time.monotonic() < end:
+            time.sleep(POLL_SEC)
 
     def _step(self, now: float) -> bool:
         """Reap, restart or give up; False when the job is over for good."""
@@ -172,7 +191,8 @@ class TaskLauncher:
         never joined, once others did (they wait for it to be assigned their ranks), or one
         that joined and never finalized (its neighbours wait for it, or for a replacement).
         Restarting a program that ended by itself only ends it again, so the job is given up
-        on, naming it, instead of waiting for the others' deadlines."""
+        on, naming it, instead of waiting for the others' deadlines.  (Elastic mode: the job
+        goes on without it; :meth:`_left_elastic_jobs` says so once the workers exited.)"""
         if (self.options.elastic or self._abort_seen_at is not None
                 or self.tracker.result() is not None):
             return
