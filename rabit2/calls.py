@@ -120,9 +120,10 @@ def broadcast(data: Any, root: int) -> Any:
     A numpy array (C-contiguous after conversion, ndim <= 8) travels as raw bytes; anything
     else is pickled.  Non-root ranks may pass ``None``; a non-root that passes a writable
     C-contiguous array of the root's dtype and shape receives straight into it.  A cupy
-    array travels as raw bytes too, staged through host memory: non-roots get a new cupy
-    array on their current device (a numpy array where cupy is missing), or their own cupy
-    array of the root's dtype and shape, written in place.
+    array travels as raw bytes too, staged through host memory.  A non-root that passes an
+    array of the root's dtype and shape, numpy or cupy, gets it back written in place,
+    whichever the root passed; otherwise it gets a new array of the root's kind (a cupy
+    array on its current device, or a numpy array where cupy or a GPU is missing).
 
     Raises :class:`~rabit2.errors.NotInitializedError` before :func:`init` or after
     :func:`finalize`, ``ValueError`` for a root outside ``[0, world)`` and (on the root)
@@ -181,13 +182,12 @@ def broadcast_call(data: Any, root: int, is_root: bool) -> tuple[Call, Callable[
             dtype = dtype_from_code(code)
             if math.prod(dims) * dtype.itemsize != nbytes:  # (exact: Python ints)
                 raise ValueError(f"broadcast head: shape {dims} of {dtype} is not {nbytes} B")
-            if (kind == HEAD_ARRAY and type(data) is np.ndarray and data.dtype == dtype
-                    and data.shape == dims and data.flags.c_contiguous
-                    and data.flags.writeable):
-                out = data  # receive straight into the caller's array
+            if (type(data) is np.ndarray and data.dtype == dtype and data.shape == dims
+                    and data.flags.c_contiguous and data.flags.writeable):
+                out = data  # receive straight into the caller's array (whatever the root's)
             else:
                 out = np.empty(dims, dtype=dtype)
-            received["array" if kind == HEAD_ARRAY else "device"] = out
+            received["array"], received["kind"] = out, kind
             return _flat_bytes(out)
         if kind != HEAD_PICKLE:
             raise ValueError(f"broadcast head of unknown kind {kind}")
@@ -196,15 +196,15 @@ def broadcast_call(data: Any, root: int, is_root: bool) -> tuple[Call, Callable[
         return memoryview(blob)
 
     def result() -> Any:
-        if "array" in received:
-            return received["array"]
-        if "device" in received:
-            host = received["device"]
-            if is_device_array(data) and matches(data, host.dtype, host.shape):
-                copy_into(data, host)
-                return data
-            return to_device(host)
-        return pickle.loads(received["pickle"])
+        if "array" not in received:
+            return pickle.loads(received["pickle"])
+        out = received["array"]
+        if out is data:
+            return data
+        if is_device_array(data) and matches(data, out.dtype, out.shape):
+            copy_into(data, out)  # (the caller's device array, whatever the root's)
+            return data
+        return to_device(out) if received["kind"] == HEAD_DEVICE else out
 
     return (Call(CollectiveKind.BROADCAST, memoryview(b""), root=root, receive=place,
                  head_size=BROADCAST_HEAD.size), result)

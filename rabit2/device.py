@@ -38,11 +38,13 @@ def to_host(data: Any) -> np.ndarray:
 
 def to_device(host: np.ndarray) -> Any:
     """A new device array of ``host``'s bytes on the current device, its copy finished, or
-    ``host`` itself where cupy cannot be imported (a rank without a GPU receiving a device
-    array)."""
+    ``host`` itself where cupy cannot be imported or finds no GPU (a rank without one
+    receiving a device array)."""
     try:
         import cupy  # noqa: PLC0415 - optional dependency (rabit2[gpu])
     except ImportError:
+        return host
+    if not cupy.cuda.is_available():  # (cupy installed, no GPU or driver here)
         return host
     out = cupy.asarray(host)
     cupy.cuda.get_current_stream().synchronize()  # (usable from any stream once returned)

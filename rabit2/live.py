@@ -142,7 +142,8 @@ def heard_left(epoch: int, rank: int, calls: int) -> None:
         member.left = (rank, calls)
     engine = member.engine
     if engine is not None and comm.calling and comm.seqno >= calls:
-        # (a call beyond them waits for that member, whatever the timing: nothing to race)
+        # (a call beyond them can never complete: failing it is right whatever the timing.
+        # One that has not set ``calling`` yet checks ``left`` itself, under the lock)
         error = MismatchError(state.beyond_the_block(member.left, comm))
         threading.Thread(target=_fail, args=(engine, error), daemon=True,
                          name="rabit2-live-left").start()

@@ -108,6 +108,12 @@ def run(call: Call) -> None:
     with comm.lock:
         comm.calling = True
         try:
+            left = comm.membership.left if comm.membership is not None else None
+            if left is not None and comm.seqno >= left[1]:
+                # (heard while this call waited for the lock or ran prepare_fun: the other
+                # side of the check in rabit2.live.heard_left, which reads ``calling`` after
+                # it set ``left``)
+                raise MismatchError(beyond_the_block(left, comm))
             if comm.config is not None and comm.config.mock:
                 engine.run_call(call, *mock_hit(call.kind.name.lower()))
             else:

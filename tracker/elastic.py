@@ -45,6 +45,7 @@ class LiveSets(Generic[C]):
         self.asking: set[str] = set()  # task ids asking for the next set
         self.reported: dict[int, bool] = {}  # member -> ok, for the current set
         self.calls: dict[int, int] = {}  # member -> collective calls it made in the block
+        self.announced: int | None = None  # the fewest calls the others were told of
         self.answer: dict[int, str] = {}  # members waiting for the outcome (rank -> task id)
         self.outcomes: dict[int, tuple[bool, str]] = {}  # epoch -> outcome, once settled
         self.history: list[tuple[int, ...]] = []  # every set formed, in order
@@ -87,8 +88,9 @@ class LiveSets(Generic[C]):
                                            f"collective calls in the block ({made})")
         if len(self.reported) == len(self.ranks) and all(self.reported.values()):
             return self._settle(True, "")
-        if calls is None:
-            return []
+        if calls is None or (self.announced is not None and calls >= self.announced):
+            return []  # (only a lower count tells the others anything: N messages a set)
+        self.announced = calls
         return [Send(other.task_id, other.conn, {"t": "live_left", "epoch": epoch,
                                                  "rank": rank, "calls": calls},
                      f"rank {rank} left live set {epoch}'s block")
@@ -134,6 +136,7 @@ class LiveSets(Generic[C]):
         self.epoch += 1
         self.ranks, self.incarnations = ranks, incarnations
         self.asking, self.reported, self.answer, self.calls = set(), {}, {}, {}
+        self.announced = None
         self.history.append(ranks)
         why = f"live set {self.epoch}: ranks {list(ranks)}" + (f", new {list(new)}" if new
                                                                  else "")

@@ -415,14 +415,7 @@ class Tracker:
             if self._classic is not None and self._classic.started:
                 raise ProtocolError("this job's workers speak the classic rabit protocol "
                                     "(XGBoost 1.x/2.0); a rabit2 worker cannot join it")
-            try:
-                decisions = registry.register(conn, msg, host=conn.host, peer=conn.peer,
-                                              now=now)
-            except WrongJobError as exc:
-                self._apply(registry.abort(f"task {msg['task_id']!r} was refused, which no "
-                                           f"restart can fix: {exc}"))
-                raise
-            self._apply(decisions)
+            self._register(conn, msg, now)
             joined = registry.task_of(conn)
             if joined is not None:
                 _call_hook(self.on_task_registered, joined.task_id)
@@ -454,6 +447,20 @@ class Tracker:
             raise ProtocolError(f"unexpected {kind} from a registered worker")
         self._apply(decide())
         return True
+
+    def _register(self, conn: _Conn, msg: dict[str, Any], now: float) -> None:
+        """A worker's ``register``: refused (ProtocolError) or joined.  A worker set up for
+        another world size ends a job that has not begun (no restart can fix it); a job
+        under way only refuses it (a stray worker of another job)."""
+        registry = self._registry
+        try:
+            decisions = registry.register(conn, msg, host=conn.host, peer=conn.peer, now=now)
+        except WrongJobError as exc:
+            if not registry.by_rank:
+                self._apply(registry.abort(f"task {msg['task_id']!r} was refused, which no "
+                                           f"restart can fix: {exc}"))
+            raise
+        self._apply(decisions)
 
     def _on_monitor(self, conn: _Conn, kind: str, msg: dict[str, Any]) -> None:
         """What a supervisor (``tracker.slot``) tells of a task: out of attempts, or a run

@@ -269,9 +269,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     options = parse_args(sys.argv[1:] if argv is None else argv)
     # (this process runs only the launcher: what a worker leaves behind is stopped at the end)
     options = dataclasses.replace(options, reap_orphans=orphans.adopt())
-    # (SIGHUP: the terminal or the ssh session that ran it went away)
+    # (SIGHUP: the terminal or the ssh session that ran it went away; not under nohup, which
+    # set it to be ignored)
     previous = {signum: signal.signal(signum, _raise_interrupted)
-                for signum in (signal.SIGTERM, signal.SIGHUP)}
+                for signum in (signal.SIGTERM, signal.SIGHUP)
+                if signal.getsignal(signum) is not signal.SIG_IGN}
     try:
         return run_job(options)
     except LaunchError as exc:

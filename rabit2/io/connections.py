@@ -265,8 +265,12 @@ class Connections:
         assert cfg.tracker_uri is not None
         family, host = socket.AF_INET, "127.0.0.1"
         with contextlib.suppress(OSError):
-            family, _, _, _, address = socket.getaddrinfo(
-                cfg.tracker_uri, cfg.tracker_port, type=socket.SOCK_DGRAM)[0]
+            # IPv4 where the tracker has an IPv4 address, as the tracker connection prefers
+            # it (rabit2.io.handshake.connect): the tracker hands the peers the address that
+            # connection came from, which must be the family listened on here
+            family, _, _, _, address = min(
+                socket.getaddrinfo(cfg.tracker_uri, cfg.tracker_port, type=socket.SOCK_DGRAM),
+                key=lambda info: info[0] != socket.AF_INET)
             host = "::1" if family == socket.AF_INET6 else "127.0.0.1"
             with socket.socket(family, socket.SOCK_DGRAM) as probe:
                 probe.connect(address)
@@ -399,8 +403,9 @@ async def _who_joined(cfg: Config) -> str:
     registered: the missing ones never reached ``init``), or "" when it cannot say."""
     assert cfg.tracker_uri is not None
     try:
+        # (within what start() allows beyond the wait: a connect timeout, at least)
         status = await query_tracker_status(cfg.tracker_uri, cfg.tracker_port, cfg.secret,
-                                            _WHO_JOINED_SEC)
+                                            min(_WHO_JOINED_SEC, cfg.connect_timeout_sec / 2))
     except (RabitError, OSError):
         return ""
     joined = sorted(str(task.get("task_id")) for task in status.get("tasks", ()))

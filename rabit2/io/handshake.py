@@ -360,7 +360,9 @@ async def connect_authenticated(
             ) from None
         raise PeerLostError(f"cannot resolve {host!r}: {exc}") from None
     errors: list[str] = []
-    for family, kind, proto, _, address in infos:
+    # (IPv4 first: a worker listens for its peers in the family it reaches the tracker by,
+    # and prefers IPv4 there too: rabit2.io.connections)
+    for family, kind, proto, _, address in sorted(infos, key=lambda i: i[0] != socket.AF_INET):
         sock = socket.socket(family, kind, proto)
         sock.setblocking(False)
         try:

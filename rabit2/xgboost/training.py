@@ -293,10 +293,19 @@ def _restore_params(bst: xgboost.Booster, saved: str) -> None:
     booster at the checkpoint) differs from ``bst``'s own: what callbacks changed with
     ``set_param`` since the booster was made.  (``load_config`` does not do it: XGBoost
     configures a booster again from the parameters it was given, eta among them.)"""
-    now = dict(_leaves(json.loads(bst.save_config())))
-    for path, value in _leaves(json.loads(saved)):
-        if now.get(path) != value and isinstance(path[-1], str):
-            bst.set_param(path[-1], value)
+    def differing() -> list[tuple[str, Any]]:
+        now = dict(_leaves(json.loads(bst.save_config())))
+        return [(path[-1], value) for path, value in _leaves(json.loads(saved))
+                if now.get(path) != value and isinstance(path[-1], str)
+                and path[-1] not in _PER_HOST and path[-1] != "device"]
+
+    for key, value in differing():
+        bst.set_param(key, value)
+    left = differing()
+    if left:  # (an alias set after it in XGBoost's order would win: never train on so)
+        raise rabit2.errors.UnrecoverableError(
+            f"the restarted worker's booster does not take back the parameters it had at "
+            f"the checkpoint: {', '.join(f'{k}={v}' for k, v in left)}")
 
 
 def _leaves(tree: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple[str | int, ...],

@@ -155,6 +155,10 @@ def test_a_command_without_a_separator_keeps_its_own_options() -> None:
     opts = parse_args(["-n", "2", "python", "-u", "train.py", "-n", "5", "--env", "X=1"])
     assert opts.num_workers == 2 and opts.env == ()
     assert opts.command == ("python", "-u", "train.py", "-n", "5", "--env", "X=1")
+    # a "--" of the command's own stays the command's, with or without the launcher's
+    for argv in (["-n", "2", "python", "t.py", "--", "--data", "x"],
+                 ["-n", "2", "--", "python", "t.py", "--", "--data", "x"]):
+        assert parse_args(argv).command == ("python", "t.py", "--", "--data", "x")
 
 
 def test_both_commands_say_their_version(capsys: pytest.CaptureFixture[str]) -> None:

@@ -185,11 +185,6 @@ def check_process_room(parser: argparse.ArgumentParser, workers: int) -> None:
 def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PLR0915
     """Parse ``[options] -- command...``; exits with status 2 on bad usage (argparse)."""
     argv = list(argv)
-    if "--" in argv:
-        split = argv.index("--")
-        argv, command = argv[:split], argv[split + 1 :]
-    else:
-        command = []
     parser = argparse.ArgumentParser(
         prog="rabit2-submit",
         description="Launch a rabit2 job: a tracker plus N workers running COMMAND.",
@@ -277,7 +272,8 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
     # every option after it is the command's, as torchrun and mpirun read theirs)
     parser.add_argument("rest", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    command = list(args.rest) + command
+    # (argparse keeps the "--" that ends the options; one the command has is the command's)
+    command = args.rest[1:] if args.rest[:1] == ["--"] else list(args.rest)
     if args.cluster not in CLUSTERS:
         parser.error(f"--cluster {args.cluster!r} is not supported; available: "
                      f"{', '.join(CLUSTERS)}")

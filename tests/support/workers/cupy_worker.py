@@ -109,9 +109,19 @@ def iteration(h: Any, rank: int, world: int, it: int, attempt: int) -> None:
     got_obj = rabit2.broadcast(obj, root)
     assert got_obj["it"] == it
     check(got_obj["w"], source[0], "broadcast pickled")
-    # a host array from the root stays a host array, whatever the receiver passed
+    # a host array from the root stays a host array where the receiver passed no array of
+    # its shape; a receiver's own array of the root's dtype and shape, numpy or cupy, is
+    # written in place whichever the root passed
     host_sent = rabit2.broadcast(source if rank == root else cp.empty(1), root)
     assert isinstance(host_sent, np.ndarray) and host_sent.tobytes() == source.tobytes()
+    mine_dev = cp.empty((250, 200), dtype=cp.float16)
+    got = rabit2.broadcast(source if rank == root else mine_dev, root)
+    assert rank == root or got is mine_dev, "a cupy array receives a numpy root's bytes"
+    check(cp.asarray(got), source, "numpy root into cupy")
+    mine_host = np.empty((250, 200), dtype=np.float16)
+    got = rabit2.broadcast(cp.asarray(source) if rank == root else mine_host, root)
+    assert rank == root or got is mine_host, "a numpy array receives a cupy root's bytes"
+    check(cp.asarray(got), source, "cupy root into numpy")
 
     # allgather: rows from every rank, in rank order, on the device
     parts = [np.full((r + 1, 3), r * 10 + it, dtype=np.int32) for r in range(world)]
