@@ -936,3 +936,23 @@ def test_a_tracker_on_an_ipv6_address_runs_and_recovers_a_job() -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert_one_model(proc.stdout, 3)
     assert re.search(r"^2\s+2\s+2\s+0\s+ok", proc.stderr, re.M), proc.stderr[-2000:]
+
+
+def test_under_nohup_a_hangup_does_not_stop_the_job() -> None:
+    """SIGHUP ignored when the launcher starts (as nohup leaves it) stays ignored: the job
+    runs to its end."""
+    code = "import time, rabit2\nrabit2.init()\ntime.sleep(1.5)\nrabit2.finalize()\n"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tracker.submit", "-n", "2", "--", sys.executable, "-c", code],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))  # noqa: PLW1509
+    try:
+        time.sleep(0.8)
+        proc.send_signal(signal.SIGHUP)
+        _, stderr = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proc.returncode == EXIT_OK, stderr
+    assert "job: every rank shut down" in stderr

@@ -179,3 +179,37 @@ def test_a_late_report_of_an_older_set_gets_that_set_s_outcome() -> None:
     formed(ask(registry, "c0", "c1"))
     late = results(done(registry, "c1", 1))["c1"]  # (sent again after a blink)
     assert late == {"t": "live_result", "epoch": 1, "ok": True, "reason": ""}
+
+
+def _left(decisions: Decisions) -> dict[str, dict[str, Any]]:
+    return {d.conn: d.msg for d in decisions
+            if isinstance(d, Send) and d.msg["t"] == "live_left"}
+
+
+def test_members_still_in_a_block_hear_the_fewest_calls_a_member_left_it_after() -> None:
+    """One message per member still in the block when the count goes down: none when the
+    next member left after as many calls (the normal case), so a set costs O(N)."""
+    registry = elastic_job(4)
+    formed(ask(registry, "c0", "c1", "c2", "c3"))
+
+    def leave(conn: str, calls: int) -> Decisions:
+        return registry.live_done(conn, {"t": "live_done", "epoch": 1, "ok": True,
+                                         "reason": "", "calls": calls})
+
+    told = _left(leave("c0", 3))
+    assert sorted(told) == ["c1", "c2", "c3"]
+    assert told["c1"] == {"t": "live_left", "epoch": 1, "rank": 0, "calls": 3}
+    assert _left(leave("c1", 3)) == {}  # (the same count: nothing new)
+    # fewer calls than another made: the set fails on every member
+    out = results(leave("c2", 2))
+    assert {msg["ok"] for msg in out.values()} == {False}
+    assert "different numbers of collective calls in the block (rank 0 3, rank 1 3, rank 2 2)" \
+        in out["c2"]["reason"]
+
+
+def test_a_bad_call_count_is_refused() -> None:
+    registry = elastic_job(2)
+    formed(ask(registry, "c0", "c1"))
+    with pytest.raises(ProtocolError, match="calls"):
+        registry.live_done("c0", {"t": "live_done", "epoch": 1, "ok": True, "reason": "",
+                                  "calls": -1})
