@@ -886,7 +886,7 @@ def test_a_worker_that_never_reaches_init_is_named_by_the_others_timeout() -> No
     tasks registered, so the missing one is plain."""
     code = ("import os, sys, time, rabit2\n"
             "if os.environ['DMLC_TASK_ID'] == '1':\n"
-            "    time.sleep(60)\n"
+            "    time.sleep(6)  # (past the others' 3 s, and less than the abort's grace)\n"
             "rabit2.init(sys.argv[1:])\nrabit2.finalize()\n")
     started = time.monotonic()
     proc = _run_cli("tracker.submit", "-n", "3", "--max-attempts", "1", "--kill-grace", "1",
@@ -905,7 +905,7 @@ def test_a_call_that_times_out_names_the_rank_it_waits_for() -> None:
             "rabit2.init(sys.argv[1:])\n"
             "rabit2.allreduce(np.ones(4), rabit2.SUM)\n"
             "if rabit2.get_rank() == 1:\n"
-            "    time.sleep(60)\n"
+            "    time.sleep(6)  # (past the others' 3 s, and less than the abort's grace)\n"
             "rabit2.allreduce(np.ones(4), rabit2.SUM)\n"
             "rabit2.finalize()\n")
     proc = _run_cli("tracker.submit", "-n", "3", "--max-attempts", "1", "--kill-grace", "1",
