@@ -342,6 +342,8 @@ class _Job:
                             f"{PLACE_TIMEOUT_SEC:g} s after its worker went away")
             elif (rank.attempt == 0 and rank.task_id not in registered
                   and now - rank.submitted_at > JOIN_TIMEOUT_SEC):
+                # (it never began: nothing of it to wait for at the end)
+                self.client.cancel([rank.future])
                 return (f"task {rank.task_id} did not join the job within "
                         f"{JOIN_TIMEOUT_SEC:g} s on Dask worker {rank.address} (are its "
                         f"threads busy with other work?)")
@@ -373,11 +375,6 @@ class _Job:
         """Wait (bounded) for every task to return; the results, or the error that ended
         the job."""
         futures = [rank.future for rank in self.ranks]
-        if reason is not None:
-            # a task that never joined the job has nothing to finish (it may still wait
-            # for a thread of its worker): not waited for
-            self.client.cancel([rank.future for rank in self.ranks if not rank.future.done()
-                                and self.tracker.rank_of(rank.task_id) is None])
         deadline = time.monotonic() + ENDING_GRACE_SEC
         while True:
             running = [rank for rank in self.ranks if not rank.future.done()]

@@ -295,9 +295,8 @@ def _restore_params(bst: xgboost.Booster, saved: str) -> None:
     configures a booster again from the parameters it was given, eta among them.)"""
     def differing() -> list[tuple[str, Any]]:
         now = dict(_leaves(json.loads(bst.save_config())))
-        return [(path[-1], value) for path, value in _leaves(json.loads(saved))
-                if now.get(path) != value and isinstance(path[-1], str)
-                and path[-1] not in _PER_HOST and path[-1] != "device"]
+        return [(str(path[-1]), value) for path, value in _leaves(json.loads(saved))
+                if now.get(path) != value and _settable(path)]
 
     for key, value in differing():
         bst.set_param(key, value)
@@ -306,6 +305,16 @@ def _restore_params(bst: xgboost.Booster, saved: str) -> None:
         raise rabit2.errors.UnrecoverableError(
             f"the restarted worker's booster does not take back the parameters it had at "
             f"the checkpoint: {', '.join(f'{k}={v}' for k, v in left)}")
+
+
+def _settable(path: tuple[str | int, ...]) -> bool:
+    """Whether a ``save_config`` leaf is a training parameter ``set_param`` sets: one of a
+    ``*_param`` section, but not the model's shape (loaded with the model) nor the keys each
+    host may set for itself."""
+    key = path[-1]
+    return (isinstance(key, str) and len(path) >= 2 and isinstance(path[-2], str)
+            and path[-2].endswith("_param") and not path[-2].endswith("model_param")
+            and key not in _PER_HOST and key != "device")
 
 
 def _leaves(tree: Any, path: tuple[str | int, ...] = ()) -> Iterator[tuple[tuple[str | int, ...],
