@@ -71,20 +71,28 @@ def matches(data: Any, dtype: np.dtype, shape: tuple[int, ...]) -> bool:
 
 
 def on_callers_stream(fn: Callable[..., T], data: Any) -> Callable[..., T]:
-    """``fn``, to be run on another thread, on the CUDA stream that is current on this one
-    now, when ``data`` is a device array (cupy's current stream belongs to a thread: the
-    other thread's would not wait for the work queued here); ``fn`` itself otherwise."""
+    """``fn``, to be run on another thread, after the work queued on this thread's current
+    CUDA stream until now, when ``data`` is a device array; ``fn`` itself otherwise.
+
+    cupy's current stream belongs to a thread (and under ``CUPY_CUDA_PER_THREAD_DEFAULT_
+    STREAM`` the default stream does too), so the other thread cannot use it: an event
+    recorded here now, which a stream of the call's own waits for, orders the call after
+    that work and after nothing queued later."""
     if not is_device_array(data):
         return fn
     import cupy  # noqa: PLC0415 - optional dependency (rabit2[gpu])
 
     device = data.device
     with device:
-        stream = cupy.cuda.get_current_stream()
+        queued = cupy.cuda.Event(disable_timing=True)
+        queued.record()  # (on this thread's current stream)
 
     def run(*args: Any) -> T:
-        with device, stream:
-            return fn(*args)
+        with device:
+            stream = cupy.cuda.Stream(non_blocking=True)
+            stream.wait_event(queued)
+            with stream:
+                return fn(*args)
 
     return run
 

@@ -100,18 +100,22 @@ def test_bad_device_calls_fail_before_anything_runs() -> None:
 
 
 @pytest.mark.integration
-def test_asyncio_calls_stage_on_the_callers_stream() -> None:
+@pytest.mark.parametrize("where", ["stream", "per-thread-default"])
+def test_asyncio_calls_stage_on_the_callers_stream(where: str) -> None:
     """``rabit2.aio`` runs its calls on a thread of its own, whose current stream is not the
-    caller's: the copies must still wait for the kernels the caller queued on a non-blocking
-    stream, and the result must be complete for the caller's next kernel."""
+    caller's: the copies must still wait for the kernels the caller queued, on a non-blocking
+    stream or on the default stream where each thread has its own
+    (``CUPY_CUDA_PER_THREAD_DEFAULT_STREAM``), and the result must be complete for the
+    caller's next kernel."""
     code = (
-        "import asyncio, sys, cupy as cp, numpy as np, rabit2, rabit2.aio\n"
+        "import asyncio, contextlib, sys, cupy as cp, numpy as np, rabit2, rabit2.aio\n"
         "async def main():\n"
         "    async with rabit2.aio.Communicator() as comm:\n"
         "        rank, world = comm.rank, comm.world_size\n"
         "        bad = 0\n"
         "        for i in range(20):\n"
-        "            with cp.cuda.Stream(non_blocking=True) as s:\n"
+        "            with (cp.cuda.Stream(non_blocking=True) if sys.argv[1] == 'stream'\n"
+        "                  else contextlib.nullcontext()):\n"
         "                a = cp.full(4_000_000, float(i), dtype=cp.float64)\n"
         "                for _ in range(60):\n"
         "                    a = cp.sqrt(a * a)\n"
@@ -120,7 +124,7 @@ def test_asyncio_calls_stage_on_the_callers_stream() -> None:
         "                twice = got * 2\n"
         "                b = await comm.broadcast(a if rank == 0 else None, 0)\n"
         "                g = await comm.allgather(a[:3].reshape(1, 3))\n"
-        "                s.synchronize()\n"
+        "                cp.cuda.get_current_stream().synchronize()\n"
         "            want = world * i + world * (world + 1) / 2\n"
         "            bad += int(cp.asnumpy(twice).min() != 2 * want)\n"
         "            bad += int(cp.asnumpy(twice).max() != 2 * want)\n"
@@ -130,9 +134,11 @@ def test_asyncio_calls_stage_on_the_callers_stream() -> None:
         "asyncio.run(main())\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)}
+    if where == "per-thread-default":
+        env["CUPY_CUDA_PER_THREAD_DEFAULT_STREAM"] = "1"
     proc = subprocess.run(
         [sys.executable, "-m", "tracker.submit", "--cluster", "local", "-n", "2",
-         "--timeout", "100", "--", sys.executable, "-c", code],
+         "--timeout", "100", "--", sys.executable, "-c", code, where],
         capture_output=True, text=True, timeout=130, env=env, cwd=ROOT, check=False,
         stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
