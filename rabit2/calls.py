@@ -81,8 +81,8 @@ def allreduce(data: Any, op: Any, prepare_fun: Callable[[Any], None] | None = No
         opv, dtype = check_op_dtype(op, data.dtype)
     comm = _collective()
     engine = comm.engine
-    if prepare_fun is not None and not (engine is not None and engine.replays_next()):
-        prepare_fun(data)  # (a restarted worker replaying a finished call gets its result)
+    if prepare_fun is not None:
+        _prepare(prepare_fun, data, engine)
     if engine is None or (data.size == 0 and comm.world == 1):
         return data
     flags = data.flags
@@ -96,13 +96,20 @@ def allreduce(data: Any, op: Any, prepare_fun: Callable[[Any], None] | None = No
     return work
 
 
+def _prepare(prepare_fun: Callable[[Any], None], data: Any, engine: Any) -> None:
+    """rabit's rule: ``prepare_fun(data)`` right before the data is needed, but not where a
+    restarted worker replays a finished call (it gets the call's result from a neighbour)."""
+    if not (engine is not None and engine.replays_next()):
+        prepare_fun(data)
+
+
 def _allreduce_device(data: Any, op: Any, prepare_fun: Callable[[Any], None] | None) -> Any:
     """:func:`allreduce` of a cupy array, with the numpy path's checks and ``prepare_fun``
     rule: the reduction of a host copy, written back into ``data``."""
     check_op_dtype(op, np.dtype(data.dtype))
     engine = _collective().engine
-    if prepare_fun is not None and not (engine is not None and engine.replays_next()):
-        prepare_fun(data)
+    if prepare_fun is not None:
+        _prepare(prepare_fun, data, engine)
     if engine is None:
         return data
     host = to_host(data)

@@ -82,3 +82,17 @@ def _loop_errors_fail_the_test(loop_errors: LoopErrors) -> Iterator[None]:
     if reports := loop_errors.take():
         pytest.fail("an event loop reported an error while this test ran (or collected a task\n"
                     f"an earlier test left with one):\n{reports}", pytrace=False)
+
+
+@pytest.fixture
+def no_job(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No tracker, no inherited rabit2 settings (single-process mode); the communicator
+    finalized before and after the test."""
+    import rabit2  # noqa: PLC0415 - (only where a test asks for it)
+    from rabit2.config import _ENV_KEYS  # noqa: PLC0415
+
+    for key in _ENV_KEYS:
+        monkeypatch.delenv(key, raising=False)
+    rabit2.finalize()
+    yield
+    rabit2.finalize()

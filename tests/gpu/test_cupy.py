@@ -8,13 +8,11 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
 import rabit2
-from rabit2.config import _ENV_KEYS
 from rabit2.errors import NotInitializedError
 from tests.support import ROOT, WORKERS
 
@@ -29,13 +27,7 @@ if not _DEVICES:
 WORKER = WORKERS / "cupy_worker.py"
 
 
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    for key in _ENV_KEYS:
-        monkeypatch.delenv(key, raising=False)
-    rabit2.finalize()
-    yield
-    rabit2.finalize()
+pytestmark = pytest.mark.usefixtures("no_job")  # (tests/conftest.py)
 
 
 def _job(world: int, *args: str, max_attempts: int = 1) -> dict[int, str]:

@@ -29,6 +29,16 @@ def submit(n: int, *args: str, extra: tuple[str, ...] = ()) -> subprocess.Comple
         env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
+def run_code(n: int, code: str, *args: str,
+             flags: tuple[str, ...] = ("--elastic",)) -> subprocess.CompletedProcess[str]:
+    """``python -c code args`` as a job of ``n`` under ``rabit2-submit flags`` (60 s)."""
+    return subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "-n", str(n), *flags, "--timeout", "60",
+         "--", sys.executable, "-c", code, *args],
+        capture_output=True, text=True, timeout=90, cwd=ROOT, check=False,
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
 def sets_seen(out: str) -> dict[int, list[tuple[int, str]]]:
     """rank -> the (epoch, members) of every set it took part in, in order."""
     seen: dict[int, list[tuple[int, str]]] = defaultdict(list)
@@ -138,11 +148,7 @@ def test_collectives_outside_a_live_set_are_refused_in_elastic_mode() -> None:
             "    a = rabit2.allreduce(np.ones(2), rabit2.Op.SUM)\n"
             "print('SUM', int(a[0]), len(live), rabit2.get_world_size())\n"
             "rabit2.finalize()\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "tracker.submit", "-n", "2", "--elastic", "--timeout", "60",
-         "--", sys.executable, "-c", code],
-        capture_output=True, text=True, timeout=90, cwd=ROOT, check=False,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = run_code(2, code)
     assert done.returncode == 0, done.stderr
     assert done.stdout.count("REFUSED in elastic mode collectives run inside") == 2, done.stdout
     assert done.stdout.count("SUM 2 2 2") == 2, done.stdout
@@ -194,11 +200,7 @@ def test_a_call_left_running_in_another_thread_does_not_hold_up_abort_for() -> N
         "except rabit2.LiveSetError as exc:\n"
         "    print('BLOCK FAILED', exc, flush=True)\n"
         "rabit2.finalize()\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "tracker.submit", "-n", "2", "--elastic", "--timeout", "60",
-         "--max-attempts", "1", "--", sys.executable, "-c", code, "rabit_timeout_sec=600"],
-        capture_output=True, text=True, timeout=90, cwd=ROOT, check=False,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = run_code(2, code, "rabit_timeout_sec=600", flags=("--elastic", "--max-attempts", "1"))
     out = done.stdout + done.stderr
     left = re.search(r"LEFT after ([\d.]+) \['LiveSetError: this rank left its live set: "
                      r"rank 0 raised RuntimeError: boom'\]", out)
@@ -221,11 +223,7 @@ def test_live_sets_and_checkpoints_are_refused_where_they_do_not_belong() -> Non
     for flags, code, said, times in (
             ((), plain, "needs elastic mode", 2),  # (each of 2 ranks, once)
             (("--elastic",), elastic, "elastic mode has no checkpoints", 4)):
-        done = subprocess.run(
-            [sys.executable, "-m", "tracker.submit", "-n", "2", *flags, "--timeout", "60",
-             "--", sys.executable, "-c", code],
-            capture_output=True, text=True, timeout=90, cwd=ROOT, check=False,
-            env={**os.environ, "PYTHONPATH": str(ROOT)})
+        done = run_code(2, code, flags=flags)
         assert done.returncode == 0, done.stderr
         assert done.stdout.count(said) == times, done.stdout
 
@@ -259,11 +257,7 @@ def test_members_that_make_different_calls_in_a_block_fail_it_at_once(mode: str)
         "    a = rabit2.allreduce(np.ones(2), rabit2.Op.SUM)\n"
         "print(f'NEXT {r} {a[0]:g}', flush=True)\n"
         "rabit2.finalize()\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "tracker.submit", "-n", "3", "--elastic", "--timeout", "60",
-         "--", sys.executable, "-c", code, mode, "rabit_timeout_sec=600"],
-        capture_output=True, text=True, timeout=90, cwd=ROOT, check=False,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = run_code(3, code, mode, "rabit_timeout_sec=600")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     failed = re.findall(r"FAILED (\d) after ([\d.]+): (.*)", done.stdout)
     assert sorted(int(r) for r, _, _ in failed) == [0, 1, 2], done.stdout
@@ -290,11 +284,7 @@ def test_a_member_that_exits_0_inside_a_block_left_the_job_which_goes_on() -> No
         "        pass\n"
         "print('DONE', r, flush=True)\n"
         "rabit2.finalize()\n")
-    done = subprocess.run(
-        [sys.executable, "-m", "tracker.submit", "-n", "3", "--elastic", "--max-attempts", "2",
-         "--timeout", "60", "--", sys.executable, "-c", code],
-        capture_output=True, text=True, timeout=90, cwd=ROOT, check=False,
-        env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = run_code(3, code, flags=("--elastic", "--max-attempts", "2"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(re.findall(r"DONE (\d)", done.stdout)) == ["0", "2"], done.stdout
     assert re.search(r"^1\s+1\s+1\s+0\s+left early$", done.stderr, re.M), done.stderr[-2000:]

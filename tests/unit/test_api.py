@@ -6,26 +6,16 @@ import logging
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
 import rabit2
-from rabit2.config import _ENV_KEYS
 from rabit2.core.ops import SUPPORTED_DTYPES
 from rabit2.errors import NotInitializedError, RabitError
 
-
-@pytest.fixture(autouse=True)
-def _clean_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """No tracker, no inherited rabit2 settings; always leave the communicator finalized."""
-    for key in _ENV_KEYS:
-        monkeypatch.delenv(key, raising=False)
-    rabit2.finalize()
-    yield
-    rabit2.finalize()
+pytestmark = pytest.mark.usefixtures("no_job")  # (tests/conftest.py)
 
 
 @pytest.fixture
