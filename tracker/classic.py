@@ -120,6 +120,16 @@ class ClassicJob:
                                         key=lambda item: item[1])
         ]
 
+    def abort(self) -> None:
+        """The job ended in failure.  A worker parked until every worker has started would
+        wait for good (the classic protocol has no abort message): its connection is closed,
+        which ends its start with an error at once.  Workers past their start are left to end
+        by themselves; later starts are refused by the caller."""
+        pending, self._pending = self._pending, []
+        for task_id, _host, wire in pending:
+            logger.info("classic task %s: its start ends with the job", task_id)
+            wire.writer.close()
+
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                     host: str) -> None:
         """One classic connection, its magic already read.  Raises ProtocolError on a

@@ -74,6 +74,11 @@ class TrackerThread:
         with self._ranks_lock:
             return task_id in self._finished
 
+    def serves_classic(self) -> bool:
+        """Whether the job's workers speak the classic rabit protocol (no abort reaches
+        them)."""
+        return self.tracker.classic
+
     def take_silent(self) -> list[str]:
         """Task ids the tracker gave up on for silence (a paused or wedged process that
         still holds its connection) since the last call; the launcher stops them."""

@@ -252,6 +252,12 @@ class Tracker:
         Never raises."""
         return self._result
 
+    @property
+    def classic(self) -> bool:
+        """Whether this job's workers speak the classic rabit protocol, which has no abort
+        message: once such a job has failed, its launcher stops the workers itself."""
+        return self._classic is not None and self._classic.started
+
     def abort(self, reason: str) -> None:
         """Abort the job: push ``abort{reason}`` to every connected worker.  Idempotent (the
         first reason stays; nothing happens once the job has ended); never raises."""
@@ -573,6 +579,8 @@ class Tracker:
         # Record the outcome first so that the final status snapshot reports it.
         self._result = JobResult(success, reason, {})
         self._result = dataclasses.replace(self._result, status=self.status())
+        if not success and self._classic is not None:
+            self._classic.abort()
         self._done.set()
 
 

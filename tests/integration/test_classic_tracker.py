@@ -171,7 +171,11 @@ def test_the_launcher_sees_classic_workers_join_and_finish(
     assert job.returncode != 0, job.stdout + job.stderr
     assert said in job.stderr, job.stderr
     assert not re.search(r"task 1 exited with \d+ \(attempt", job.stderr), job.stderr  # (restarts)
-    assert time.monotonic() - started < 60  # (not the job's 150 s timeout)
+    if leave == "without-finalize":  # (the job is given up on: no abort reaches a
+        # classic worker, so the launcher stops the others at once)
+        assert ("speak the classic rabit protocol, which has no abort; stopping them"
+                in job.stderr), job.stderr
+    assert time.monotonic() - started < 30  # (not the job's 150 s timeout, nor a grace)
 
 
 # ----------------------------------------------------------------------------- protocol
@@ -277,6 +281,26 @@ async def _rank_of(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -
     send(0, 9000 + rank)  # reached them all; listens there
     await writer.drain()
     return rank
+
+
+@pytest.mark.asyncio
+async def test_a_classic_start_parked_for_the_others_ends_with_an_aborted_job() -> None:
+    """The classic protocol has no abort message: a worker that waits for the others to
+    start when the job is given up on has its connection closed at once (its start fails),
+    and a start that comes later is refused, instead of both waiting for the launcher to
+    stop them."""
+    tracker = Tracker(2, secret=SECRET)
+    await tracker.start()
+    try:
+        reader, writer = await _start_as(tracker.port, b"0")
+        assert await asyncio.wait_for(reader.readexactly(4), 5) == CLASSIC_MAGIC
+        await asyncio.sleep(0.2)  # (parked: task 1 has not started)
+        tracker.abort("task 1 failed for good")
+        assert await asyncio.wait_for(reader.read(4), 5) == b""  # closed, nothing sent
+        writer.close()
+        assert await _classic_start(tracker.port) == b""
+    finally:
+        await tracker.close()
 
 
 @pytest.mark.asyncio

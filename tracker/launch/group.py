@@ -121,7 +121,12 @@ class GroupLauncher:
                     self._note(f"the job timed out after {options.timeout:g}s")
                     self.tracker.abort(f"the job timed out after {options.timeout:g}s")
                     break
-                if self.tracker.result() is not None:
+                result = self.tracker.result()
+                if result is not None and not result.success and self.tracker.serves_classic():
+                    self._note("the job's workers speak the classic rabit protocol, which "
+                               f"has no abort; stopping {argv[0]}")
+                    break
+                if result is not None:
                     # the job is over (every rank done, or aborted): the workers get the
                     # same grace as rabit2-submit's own to exit before they are stopped
                     over_since = now if over_since is None else over_since

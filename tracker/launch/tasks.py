@@ -152,6 +152,12 @@ class TaskLauncher:
         if result is not None and not result.success and self._abort_seen_at is None:
             self._abort_seen_at = now
             self._note(f"job aborted: {result.reason}")
+        if self._abort_seen_at is not None and self.tracker.serves_classic():
+            # (no abort reaches a classic worker: one still running waits for a peer that
+            # is gone, or trains on in a job that failed)
+            self._note("the job's workers speak the classic rabit protocol, which has no "
+                       "abort; stopping them")
+            return False
         if self._abort_seen_at is not None and now - self._abort_seen_at > ABORT_GRACE_SEC:
             self._note("workers did not exit after the abort; stopping them")
             return False
