@@ -184,7 +184,10 @@ def test_a_worker_that_keeps_failing_ends_the_job_at_once(
     assert time.monotonic() - start < 90
 
 
-@pytest.mark.parametrize("how", ["SIGTERM", "timeout"])
+@pytest.mark.parametrize(("cluster", "how"), [
+    ("slurm", "SIGTERM"), ("slurm", "timeout"), ("mpi", "SIGTERM"),
+    pytest.param("mpi", "timeout", marks=pytest.mark.slow),  # (the soak run)
+], indirect=["cluster"])
 def test_no_worker_outlives_the_launcher(cluster: tuple[str, dict[str, str]], how: str,
                                          tmp_path: Path) -> None:
     kind, env = cluster
@@ -211,6 +214,8 @@ def test_no_worker_outlives_the_launcher(cluster: tuple[str, dict[str, str]], ho
     assert_gone((int(p.name) for p in pids.iterdir()), 20, "worker")
 
 
+@pytest.mark.parametrize("cluster", ["slurm", pytest.param("mpi", marks=pytest.mark.slow)],
+                         indirect=True)  # (mpi: the soak run; the slot code is shared)
 def test_a_paused_worker_is_killed_by_its_slot_and_replaced(
     cluster: tuple[str, dict[str, str]],
 ) -> None:
@@ -266,6 +271,8 @@ def test_xgboost_1_7_workers_under_the_cluster_launchers(
     assert there.read_bytes() == here.read_bytes()
 
 
+@pytest.mark.parametrize("cluster", ["slurm", pytest.param("mpi", marks=pytest.mark.slow)],
+                         indirect=True)  # (mpi: the soak run; the slot code is shared)
 def test_xgboost_training_recovers_under_the_cluster_launchers(
     cluster: tuple[str, dict[str, str]],
 ) -> None:

@@ -24,7 +24,13 @@ def submit(n: int, *cmd: str, loop: str = "uvloop", timeout: float = 240,
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize(("world", "loop_kind"), [
+    *((world, loop) for world in (1, 2, 3) for loop in ("uvloop", "asyncio")),
+    (4, "uvloop"), (8, "uvloop"),
+    # (the asyncio loop's larger worlds: the soak run)
+    pytest.param(4, "asyncio", marks=pytest.mark.slow),
+    pytest.param(8, "asyncio", marks=pytest.mark.slow),
+], indirect=["loop_kind"])
 def test_every_collective(world: int, loop_kind: str) -> None:
     proc = submit(world, sys.executable, str(WORKERS / "collectives.py"), loop=loop_kind)
     out = proc.stdout + proc.stderr

@@ -293,6 +293,7 @@ BCAST_ARGS = ("--calls=bts", "--bcast-count=4000000")  # a 16 MB broadcast first
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # (the next test makes the same points over three broadcasts)
 def test_survivors_do_not_wait_for_a_leaf_killed_in_a_broadcast() -> None:
     """Rank 2 (a leaf) dies inside the 16 MB broadcast at (1, 0); its replacement starts
     3 s later.  Every other rank's broadcast returns before the replacement even starts
@@ -344,9 +345,13 @@ def test_survivors_run_ahead_of_a_lost_leaf_through_the_next_broadcasts() -> Non
               "s before the restart")
     mine = job.stats()[victim, 1]
     assert mine["replayed_calls"] >= 3, mine  # the three broadcasts, copied from its parent
+    # fetched, each once, not sent again
+    assert 3 * 4_000_000 * 4 <= mine["fetched_bytes"] <= 3 * (4_000_000 * 4 + 80) + CHECKPOINT_SLACK
+    check_survivor_stats(job, 4, {victim: 1}, max_resent=TREE_BYTES)
 
 
 @pytest.mark.integration
+@pytest.mark.slow  # (the leaf's case above, and tests/sim's inner rank, in the default run)
 def test_survivors_run_ahead_of_a_lost_inner_rank_through_the_next_broadcasts() -> None:
     """The same with rank 1, whose child is rank 2: ranks 0 and 3 return from all three
     broadcasts before the replacement starts (rank 0 does not wait for rank 1's announce);
@@ -407,7 +412,8 @@ def test_rank_0_and_a_non_neighbour_killed_at_once(seqno: int, after: int) -> No
 
 @pytest.mark.integration
 @pytest.mark.parametrize(("world", "victims", "seqno", "after"),
-                         [(4, (1, 2), S, -1), (8, (0, 1), R, MIB), (8, (1, 2), R, 3 * MIB)],
+                         [(4, (1, 2), S, -1), (8, (0, 1), R, MIB),
+                          pytest.param(8, (1, 2), R, 3 * MIB, marks=pytest.mark.slow)],
                          ids=["4-before-a-call", "8-rank-0-mid-ring", "8-mid-ring-late"])
 def test_two_adjacent_ranks_killed_at_once_recover(world: int, victims: tuple[int, int],
                                                    seqno: int, after: int) -> None:
