@@ -22,7 +22,7 @@ if not xgboost.build_info().get("USE_FEDERATED"):
                 allow_module_level=True)
 
 import rabit2  # noqa: E402
-from rabit2.xgboost import _proto  # noqa: E402
+from rabit2.xgboost import _proto, service  # noqa: E402
 from rabit2.xgboost.service import Endpoint  # noqa: E402
 from tests.support import WORKERS  # noqa: E402
 
@@ -111,8 +111,10 @@ def test_an_xgboost_without_the_federated_communicator_is_refused_at_entry(
 
 
 @pytest.fixture
-def alone() -> object:
+def alone(monkeypatch: pytest.MonkeyPatch) -> object:
     """rabit2 alone (world 1) with an endpoint, and a client for it."""
+    # (an early sequence number's wait for the calls before it, shortened)
+    monkeypatch.setattr(service, "SEQUENCE_WAIT_SEC", 1.0)
     rabit2.init()
     endpoint = Endpoint(0, 1)
     port = endpoint.start()

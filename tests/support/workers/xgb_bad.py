@@ -14,6 +14,7 @@ import numpy as np
 import xgboost
 
 import rabit2
+from rabit2.xgboost import service
 from rabit2.xgboost._proto import DATA_TYPES, MESSAGES, SERVICE
 from rabit2.xgboost.service import Endpoint
 
@@ -28,6 +29,9 @@ def call(port: int, method: str, **fields: object) -> None:
 
 def main() -> None:
     mode = sys.argv[1]
+    # (how long an early sequence number waits for the calls before it: the refusal after
+    # the wait is what is tested, not its length)
+    service.SEQUENCE_WAIT_SEC = 1.0
     rabit2.init()
     rank, world = rabit2.get_rank(), rabit2.get_world_size()
     endpoint = Endpoint(rank, world)
