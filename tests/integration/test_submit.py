@@ -139,6 +139,9 @@ def test_parse_args() -> None:
         (["-n", "2", "--timeout", "0", "--", "x"], "--timeout must be > 0"),
         (["-n", "2", "--tracker-port", "70000", "--", "x"], "--tracker-port must be a TCP port"),
         (["-n", "10000000", "--", "x"], "(ulimit -n)"),
+        (["-n", "2", "--status-file", "/tmp", "--", "x"], "is a directory: name a file in it"),
+        (["-n", "2", "--status-file", "/nonexistent/job.json", "--", "x"],
+         "no folder /nonexistent"),
     ],
 )
 def test_parse_args_errors(

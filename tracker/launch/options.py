@@ -10,6 +10,7 @@ import resource
 import shlex
 import socket
 from collections.abc import Sequence
+from pathlib import Path
 
 import rabit2
 
@@ -298,6 +299,12 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
         parser.error("--metrics-port must be a TCP port (0: any free one)")
     if not command:
         parser.error("no command given (put it after --)")
+    if args.status_file:
+        status_path = Path(args.status_file)
+        if status_path.is_dir():
+            parser.error(f"--status-file {args.status_file} is a directory: name a file in it")
+        if not status_path.parent.is_dir():
+            parser.error(f"--status-file {args.status_file}: no folder {status_path.parent}")
     hosts: tuple[Host, ...] = ()
     tracker_host = args.tracker_host
     if args.cluster == "ssh":
