@@ -119,14 +119,31 @@ class live_set:  # (named as the function it stands for: ``with rabit2.live_set(
         ok = error is None
         reason = "" if ok else f"{type(error).__name__}: {' '.join(str(error).split())}"
         settled, why = member.report(ok, reason, calls)
+        if isinstance(error, RabitError) and self._positions():
+            error.add_note(self._positions())
         if settled or (error is not None and not isinstance(error, RabitError)):
             return  # (this member's own exception propagates; the others raise LiveSetError)
-        raise LiveSetError(self._message(why)) from error
+        failed = LiveSetError(self._message(why))
+        if self._positions():
+            failed.add_note(self._positions())
+        raise failed from error
 
     def _message(self, reason: str) -> str:
         live = self._live
         assert live is not None
         return f"live set {live.epoch} {tuple(live)} failed: {reason}"
+
+    def _positions(self) -> str:
+        """What a rank named by the engine's messages means: the set's own engine numbers
+        its members by their position in the set, while ``get_rank()`` and ``root=`` speak
+        job ranks ("" where the two agree)."""
+        live = self._live
+        assert live is not None
+        if tuple(live) == tuple(range(len(live))):
+            return ""
+        pairs = ", ".join(f"{i} is job rank {r}" for i, r in enumerate(live))
+        return (f"(the ranks this error names inside live set {live.epoch}'s block are "
+                f"positions in the set: {pairs})")
 
 
 def heard_left(epoch: int, rank: int, calls: int) -> None:

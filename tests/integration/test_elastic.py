@@ -267,6 +267,33 @@ def test_members_that_make_different_calls_in_a_block_fail_it_at_once(mode: str)
     assert sorted(re.findall(r"NEXT (\d) 3", done.stdout)) == ["0", "1", "2"], done.stdout
 
 
+def test_an_error_in_a_block_says_which_job_rank_each_position_is() -> None:
+    """The engine of a live set names its members by their positions in the set, while
+    ``get_rank()`` says job ranks: once the set is not every rank in order, a block's error
+    carries a note that maps them."""
+    code = (
+        "import os, numpy as np, rabit2\n"
+        "rabit2.init()\n"
+        "r = rabit2.get_rank()\n"
+        "if r == 1:\n"
+        "    os._exit(3)\n"
+        "for step in range(50):\n"
+        "    try:\n"
+        "        with rabit2.live_set() as live:\n"
+        "            size = 2 + rabit2.get_rank() if tuple(live) == (0, 2) else 2\n"
+        "            rabit2.allreduce(np.ones(size), rabit2.Op.SUM)\n"
+        "    except rabit2.RabitError as exc:\n"
+        "        if tuple(live) == (0, 2):\n"
+        "            print('NOTES', r, type(exc).__name__, exc.__notes__, flush=True)\n"
+        "            break\n"
+        "rabit2.finalize()\n")
+    done = run_code(3, code, flags=("--elastic", "--max-attempts", "1"))
+    notes = re.findall(r"NOTES (\d) (\w+) (.*)", done.stdout)
+    assert sorted(int(r) for r, _, _ in notes) == [0, 2], done.stdout + done.stderr[-3000:]
+    for _, _, note in notes:
+        assert "are positions in the set: 0 is job rank 0, 1 is job rank 2" in note, note
+
+
 def test_a_member_that_exits_0_inside_a_block_left_the_job_which_goes_on() -> None:
     """Its block fails on the others, who go on without it; the summary says it left early
     and the job ends as the others left it."""
