@@ -38,7 +38,7 @@ from rabit2.core.framing import (
     pack_header,
 )
 from rabit2.core.fsm import Mode, Phase
-from rabit2.core.ops import ufunc_of
+from rabit2.core.ops import apply, ufunc_of
 from rabit2.core.planning import Planner
 from rabit2.core.records import Call, Link
 from rabit2.core.recovery.component import Recovery
@@ -219,7 +219,7 @@ class Express:
             if keep is not None:
                 out = keep.view(dtype)
             mine = np.frombuffer(call.buf, dtype)
-            ufunc(*((mine, landing) if lower else (landing, mine)), out=out, casting="no")
+            apply(ufunc, *((mine, landing) if lower else (landing, mine)), out)
         else:
             out = (keep if keep is not None else self._scratch(nbytes)).view(dtype)
             size = dtype.itemsize
@@ -227,8 +227,7 @@ class Express:
                 lo, hi = offset // size, (offset + length) // size
                 mine = np.frombuffer(call.buf[offset : offset + length], dtype)
                 theirs = np.frombuffer(xc.payload(i), dtype)
-                ufunc(*((mine, theirs) if lower else (theirs, mine)), out=out[lo:hi],
-                      casting="no")
+                apply(ufunc, *((mine, theirs) if lower else (theirs, mine)), out[lo:hi])
         agent.go(Event.CALL_ALLREDUCE)
         agent.seqno += 1
         # what the general path leaves on the link after the frames of a pair call

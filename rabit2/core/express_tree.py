@@ -37,7 +37,7 @@ from rabit2.core.framing import (
     pack_header,
 )
 from rabit2.core.fsm import Event, Mode, Phase, State
-from rabit2.core.ops import Op, ufunc_of
+from rabit2.core.ops import Op, apply, ufunc_of
 from rabit2.core.records import Call
 from rabit2.core.topology import topology
 
@@ -322,11 +322,11 @@ class ExpressTrees:
             stream = xt.ins[child]
             theirs = stream.whole(dtype)
             if theirs is not None:
-                ufunc(out, theirs, out=out, casting="no")
+                apply(ufunc, out, theirs, out)
                 continue
             for offset, data in stream.payloads():
                 lo, hi = offset // size, (offset + len(data)) // size
-                ufunc(out[lo:hi], np.frombuffer(data, dtype), out=out[lo:hi], casting="no")
+                apply(ufunc, out[lo:hi], np.frombuffer(data, dtype), out[lo:hi])
         xt.up = keep.data
         if xt.parent < 0:
             xt.result = xt.up

@@ -41,6 +41,34 @@ def test_every_collective(world: int, loop_kind: str) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_callers_errstate_changes_no_result_and_raises_nothing(world: int) -> None:
+    """inf - inf and a float16 overflow under the caller's ``np.errstate(all="raise")``, in
+    calls made on the caller's thread and on the loop thread: every rank gets the IEEE
+    result (what numpy gives with errors ignored), and nothing warns or raises midway (which
+    left the other ranks waiting for bytes that never came)."""
+    code = (
+        "import sys, warnings, numpy as np, rabit2\n"
+        "warnings.simplefilter('error')\n"
+        "rabit2.init(sys.argv[1:])\n"
+        "r = rabit2.get_rank()\n"
+        "for n in (16, 300_000):\n"
+        "    for dtype, value in ((np.float64, np.inf), (np.float16, 60000.0)):\n"
+        "        a = np.full(n, value if r == 0 else -value if dtype == np.float64 else value,\n"
+        "                    dtype=dtype)\n"
+        "        with np.errstate(all='raise'):\n"
+        "            rabit2.allreduce(a, rabit2.Op.SUM)\n"
+        "        want = 'nan' if dtype == np.float64 else 'inf'\n"
+        "        assert str(a[0]) == want and (a == a[0]).all() | np.isnan(a).all(), a\n"
+        "        print(f'OK rank={r} n={n} {np.dtype(dtype).name} {a[0]}', flush=True)\n"
+        "rabit2.finalize()\n")
+    proc = submit(world, sys.executable, "-c", code, "rabit_timeout_sec=30", timeout=150)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert len(re.findall(r"^\[rank \d\] OK rank=", proc.stdout, re.M)) == world * 4, out[-4000:]
+
+
+@pytest.mark.integration
 def test_gbdt_digest_is_the_same_for_1_2_and_4_workers() -> None:
     digests = {}
     for world in (1, 2, 4):
