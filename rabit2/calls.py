@@ -87,7 +87,7 @@ def allreduce(data: Any, op: Any, prepare_fun: Callable[[Any], None] | None = No
         return data
     flags = data.flags
     inplace = flags.c_contiguous and flags.writeable
-    work = data if inplace else np.ascontiguousarray(data).copy()
+    work = data if inplace else np.array(data, order="C")  # (a copy, 0-d kept 0-d)
     buf = _flat_bytes(work)
     _run(Call(engine.choose_allreduce(len(buf), dtype.itemsize), buf, dtype, opv))
     if not inplace and data.flags.writeable:
@@ -169,7 +169,8 @@ def broadcast_call(data: Any, root: int, is_root: bool) -> tuple[Call, Callable[
         device = is_device_array(data)
         if ((device or type(data) is np.ndarray) and data.ndim <= MAX_NDIM
                 and _supported(np.dtype(data.dtype))):
-            host = to_host(data) if device else np.ascontiguousarray(data)
+            # (ascontiguousarray makes a 0-d array 1-d: the shape sent is the caller's)
+            host = to_host(data) if device else np.ascontiguousarray(data).reshape(data.shape)
             payload = _flat_bytes(host)
             desc = pack_broadcast_head(HEAD_DEVICE if device else HEAD_ARRAY,
                                        dtype_code(host.dtype), host.shape, len(payload))

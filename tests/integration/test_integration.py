@@ -69,6 +69,34 @@ def test_a_callers_errstate_changes_no_result_and_raises_nothing(world: int) -> 
 
 
 @pytest.mark.integration
+def test_0_d_arrays_keep_their_shape_on_every_rank() -> None:
+    """A 0-d array broadcast (to a rank that passes None, or its own 0-d array, which is
+    filled in place), one through rabit2.collective, and a read-only 0-d allreduce: 0-d
+    results everywhere, with the root's value and the sum."""
+    code = (
+        "import numpy as np, rabit2, rabit2.collective as coll\n"
+        "rabit2.init()\n"
+        "r = rabit2.get_rank()\n"
+        "got = rabit2.broadcast(np.array(7.5) if r == 0 else None, root=0)\n"
+        "assert type(got) is np.ndarray and got.shape == () and got == 7.5, repr(got)\n"
+        "mine = np.array(0.0)\n"
+        "got = rabit2.broadcast(np.array(2.5) if r == 0 else mine, root=0)\n"
+        "assert got.shape == () and got == 2.5, repr(got)\n"
+        "assert r == 0 or (got is mine and mine == 2.5), repr(mine)\n"
+        "got = coll.broadcast(np.array(1.5) if r == 0 else None, 0)\n"
+        "assert got.shape == () and got == 1.5, repr(got)\n"
+        "ro = np.array(float(r + 1))\n"
+        "ro.flags.writeable = False\n"
+        "got = rabit2.allreduce(ro, rabit2.Op.SUM)\n"
+        "assert got.shape == () and got == 3.0 and ro == r + 1, repr(got)\n"
+        "print(f'OK {r}', flush=True)\n"
+        "rabit2.finalize()\n")
+    proc = submit(2, sys.executable, "-c", code)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert sorted(re.findall(r"OK (\d)", proc.stdout)) == ["0", "1"], proc.stdout
+
+
+@pytest.mark.integration
 def test_gbdt_digest_is_the_same_for_1_2_and_4_workers() -> None:
     digests = {}
     for world in (1, 2, 4):
