@@ -106,6 +106,7 @@ class Engine:
         self.keeper = LinkKeeper(self)
         self._pending: Waiter | None = None
         self._completed = False  # the agent finished the call; waiting for writes to drain
+        self.calling = 0  # collectives under way in run_call (the callers' threads)
         self._sent_at = 0.0  # when bytes last left on a link, or a drain wait began
         self._tick_handle: asyncio.TimerHandle | None = None
         self._writelines = self.loop_thread.is_uvloop
@@ -144,14 +145,22 @@ class Engine:
         flips the bits of one byte that arrives from that rank).
         """
         waiter = Waiter()
-        if not self.driver.run(call, waiter, kill_after_bytes, reset_peer, damage):
-            self.loop_thread.call_soon_threadsafe(self.begin_call, call, waiter,
-                                                  kill_after_bytes, reset_peer, damage)
-        # the agent's progress deadline fails a stuck call; this outer bound only guards
-        # against a dead loop thread
-        bound = self.config.timeout_sec * 2 + 60
-        if not waiter.finished and not self._poller.wait(waiter, bound):
-            raise CollectiveTimeoutError(f"the loop thread did not answer within {bound:g} s")
+        # (the heartbeats say so until the caller has the outcome: a call failed on the loop
+        # thread is still this rank's call in the heartbeat sent in the same turn, before
+        # the caller could report its error)
+        self.calling += 1
+        try:
+            if not self.driver.run(call, waiter, kill_after_bytes, reset_peer, damage):
+                self.loop_thread.call_soon_threadsafe(self.begin_call, call, waiter,
+                                                      kill_after_bytes, reset_peer, damage)
+            # the agent's progress deadline fails a stuck call; this outer bound only guards
+            # against a dead loop thread
+            bound = self.config.timeout_sec * 2 + 60
+            if not waiter.finished and not self._poller.wait(waiter, bound):
+                raise CollectiveTimeoutError(
+                    f"the loop thread did not answer within {bound:g} s")
+        finally:
+            self.calling -= 1
         if waiter.error is not None:
             raise self._root_cause(waiter.error)
 
@@ -471,7 +480,8 @@ class Engine:
                 "calls": stats.calls_completed, "sent": stats.bytes_sent,
                 "received": stats.bytes_received, "links_reset": recovery["links_up"],
                 "replayed": recovery["replayed_calls"], "resumed": recovery["resumed_calls"],
-                "replaying": agent.restarted, "in_call": agent.active is not None}
+                "replaying": agent.restarted,
+                "in_call": agent.active is not None or self.calling > 0}
 
     # ------------------------------------------------------------------ shutdown
 
