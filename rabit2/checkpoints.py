@@ -62,7 +62,7 @@ def _checkpointing(who: str) -> _Communicator:
     before :func:`init`, ``RuntimeError`` in elastic mode (which has no checkpoints: a
     newcomer gets the state from a member, docs/elastic.md)."""
     comm = _require()
-    if comm.membership is not None:
+    if comm.membership is not None or (comm.config is not None and comm.config.elastic):
         raise RuntimeError(f"{who}: elastic mode has no checkpoints; a worker that joins "
                            "a live set gets the state from a member (docs/elastic.md)")
     return comm

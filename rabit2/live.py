@@ -82,7 +82,9 @@ class live_set:  # (named as the function it stands for: ``with rabit2.live_set(
                 raise RuntimeError("live_set() blocks do not nest")
             _alone["open"] = self._alone = True
             _alone["sets"] += 1
-            return LiveSet((0,), _alone["sets"], (0,) if _alone["sets"] == 1 else ())
+            # (inside it, as in a job: collectives run, finalize and checkpoints refuse)
+            comm.live = LiveSet((0,), _alone["sets"], (0,) if _alone["sets"] == 1 else ())
+            return comm.live
         if member is None:
             raise RuntimeError("rabit2.live_set() needs elastic mode: rabit2-submit "
                                "--elastic, or rabit2.init(elastic=True) with a tracker")
@@ -107,6 +109,7 @@ class live_set:  # (named as the function it stands for: ``with rabit2.live_set(
                  tb: TracebackType | None) -> None:
         if self._alone:
             _alone["open"] = self._alone = False
+            state.comm.live = None
             return  # (an exception propagates, as a member's own does)
         comm = state.comm
         member = comm.membership

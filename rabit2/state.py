@@ -64,6 +64,10 @@ def collective() -> Communicator:
             raise MismatchError(beyond_the_block(left, comm))
     if comm.config is None:
         raise NotInitializedError("call rabit2.init() first")
+    if comm.live is None and comm.engine is None and comm.config.elastic:
+        # (alone, as in a job: a program checked alone meets the same rules under --elastic)
+        raise RuntimeError("in elastic mode collectives run inside "
+                           "`with rabit2.live_set():` (docs/elastic.md)")
     return comm
 
 

@@ -172,6 +172,25 @@ def test_a_live_set_alone_is_this_worker(single: None) -> None:
         raise ValueError("raised inside")
 
 
+def test_elastic_mode_alone_keeps_the_rules_of_a_job() -> None:
+    """``init(elastic=True)`` alone: collectives outside a block, checkpoints, and finalize
+    inside a block are refused as under ``rabit2-submit --elastic``, so a program checked
+    alone does not first fail in the job."""
+    rabit2.init(elastic=True)
+    with pytest.raises(RuntimeError, match="collectives run inside"):
+        rabit2.allreduce(np.ones(2), rabit2.SUM)
+    with pytest.raises(RuntimeError, match="elastic mode has no checkpoints"):
+        rabit2.checkpoint(1)
+    with pytest.raises(RuntimeError, match="elastic mode has no checkpoints"):
+        rabit2.load_checkpoint()
+    with rabit2.live_set():
+        assert rabit2.allreduce(np.ones(2), rabit2.SUM).tolist() == [1.0, 1.0]
+        assert rabit2.broadcast("x", root=0) == "x"
+        with pytest.raises(RuntimeError, match="inside a live set's block"):
+            rabit2.finalize()
+    rabit2.finalize()
+
+
 @pytest.mark.parametrize("obj", [None, 3, "text", {"a": [1, 2]}, np.arange(5.0)])
 def test_broadcast_returns_the_object(single: None, obj: object) -> None:
     assert rabit2.broadcast(obj, 0) is obj
