@@ -83,8 +83,9 @@ class live_set:  # (named as the function it stands for: ``with rabit2.live_set(
             _alone["open"] = self._alone = True
             _alone["sets"] += 1
             # (inside it, as in a job: collectives run, finalize and checkpoints refuse)
-            comm.live = LiveSet((0,), _alone["sets"], (0,) if _alone["sets"] == 1 else ())
-            return comm.live
+            alone = LiveSet((0,), _alone["sets"], (0,) if _alone["sets"] == 1 else ())
+            comm.live = alone
+            return alone
         if member is None:
             raise RuntimeError("rabit2.live_set() needs elastic mode: rabit2-submit "
                                "--elastic, or rabit2.init(elastic=True) with a tracker")
