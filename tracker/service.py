@@ -463,7 +463,7 @@ class Tracker:
             decisions = registry.register(conn, msg, host=conn.host, peer=conn.peer, now=now)
         except WrongJobError as exc:
             if not registry.by_rank:
-                self._apply(registry.abort(f"task {msg['task_id']!r} was refused, which no "
+                self._apply(registry.abort(f"task {msg['task_id']} was refused, which no "
                                            f"restart can fix: {exc}"))
             raise
         self._apply(decisions)

@@ -831,8 +831,11 @@ def test_a_worker_set_up_for_another_world_size_ends_the_job_without_a_restart()
                     sys.executable, "-c", code, "dmlc_num_worker=3")
     assert proc.returncode == 1, proc.stderr
     assert "restarting" not in proc.stderr, proc.stderr
-    assert re.search(r"job: task '\d' was refused, which no restart can fix: worker expects "
+    assert re.search(r"job: task \d was refused, which no restart can fix: worker expects "
                      r"world size 3, job has 2", proc.stderr), proc.stderr
+    # (the task the tracker refused first is the root cause, as for any other failure)
+    assert re.search(r"^root cause: task \d exited with 1 .*worker expects world size 3",
+                     proc.stderr, re.M), proc.stderr
     assert time.monotonic() - started < 30
 
 
