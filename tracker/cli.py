@@ -57,7 +57,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=0, help="port to listen on (0: any free)")
     parser.add_argument(
         "--secret",
-        help="job secret as hex; a fresh random one is generated when omitted",
+        help="job secret, read as the workers read RABIT2_SECRET (hex is decoded, other "
+             "text used as UTF-8); a fresh random one is generated when omitted",
     )
     parser.add_argument("--sortby", choices=("task", "arrival"), default="task")
     parser.add_argument("--heartbeat-timeout", type=float, default=30.0)

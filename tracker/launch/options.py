@@ -217,8 +217,9 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
                              "than CPUs); core: worker i on CPU i mod ncpu; none: no pinning")
     parser.add_argument("--log-level", type=str.upper, default=None,
                         choices=("DEBUG", "INFO", "WARNING", "ERROR"),
-                        help="the tracker's log level (its lines read [tracker] LEVEL ...); "
-                             "also RABIT2_LOG_LEVEL for the workers, unless set")
+                        help="the tracker's log level (its lines read [tracker] LEVEL ...; "
+                             "WARNING when not given); also RABIT2_LOG_LEVEL for the workers, "
+                             "unless set (not given: their logging is left alone)")
     parser.add_argument("--log-file", default=None, metavar="F",
                         help="append every line of the launcher's output (workers, tracker, "
                              "summary) to F, each with its date and time")
