@@ -152,7 +152,7 @@ def broadcast(data: Any, root: int) -> Any:
     root = int(root)
     if comm.engine is None:
         if not isinstance(data, np.ndarray) and not is_device_array(data):
-            _pickle(data)  # the same TypeError alone as in a job
+            pickled(data)  # the same TypeError alone as in a job
         return data
     call, result = broadcast_call(data, root, comm.rank == root)
     _run(call)
@@ -175,7 +175,7 @@ def broadcast_call(data: Any, root: int, is_root: bool) -> tuple[Call, Callable[
             desc = pack_broadcast_head(HEAD_DEVICE if device else HEAD_ARRAY,
                                        dtype_code(host.dtype), host.shape, len(payload))
         else:
-            payload = memoryview(_pickle(data))
+            payload = memoryview(pickled(data))
             desc = pack_broadcast_head(HEAD_PICKLE, 0, (), len(payload))
         # one call: the head (kind, dtype, shape, size) and the payload as one stream
         return (Call(CollectiveKind.BROADCAST, memoryview(b""), root=root,
@@ -218,7 +218,7 @@ def broadcast_call(data: Any, root: int, is_root: bool) -> tuple[Call, Callable[
                  head_size=BROADCAST_HEAD.size), result)
 
 
-def _pickle(data: Any) -> bytes:
+def pickled(data: Any) -> bytes:
     try:
         return pickle.dumps(data, protocol=pickle.HIGHEST_PROTOCOL)
     except Exception as exc:  # pickling raises many unrelated types
@@ -305,4 +305,4 @@ def agree(flag: bool) -> bool:
 
 
 
-__all__ = ["agree", "allgather", "allreduce", "broadcast"]
+__all__ = ["agree", "allgather", "allreduce", "broadcast", "pickled"]

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from rabit2 import api
+from rabit2.calls import pickled
 from rabit2.core.ops import Op as _RabitOp
 from rabit2.core.ops import check_op_dtype
 
@@ -106,7 +107,13 @@ def broadcast(data: _T, root: int) -> _T:
     if rank == root and data is None:
         raise ValueError("broadcast: the root must pass the data")
     if not _initialised():
-        return data  # (XGBoost without init: one worker, nothing to send)
+        # (XGBoost without init: one worker, nothing to send; what a job would refuse is
+        # refused here too, so that a program tried alone does not first fail in the job)
+        if isinstance(root, bool) or not isinstance(root, (int, np.integer)) or root != 0:
+            raise ValueError(f"root must be a rank in [0, 1), got {root!r}")
+        if not isinstance(data, np.ndarray):
+            pickled(data)
+        return data
     # (a non-root's own object is left as it is: the root's comes back as a new one)
     result: _T = api.broadcast(data if rank == root else None, root)
     return result
@@ -116,18 +123,22 @@ def allreduce(data: np.ndarray, op: Op) -> np.ndarray:
     """Reduce ``data`` across all ranks and return the result as a new 1-D array of the same
     dtype; ``data`` itself is not changed.
 
-    Raises ``TypeError`` for anything but a numpy array, a dtype XGBoost does not reduce, or
-    a ``rabit2.Op`` (whose integers differ); ``ValueError`` for an integer that is not an
-    :class:`Op` value; then what :func:`rabit2.allreduce` raises
+    Raises ``TypeError`` for anything but a numpy array, a dtype XGBoost does not reduce, an
+    operator that is not an integer (a flag, a string, None) or is a ``rabit2.Op`` (whose
+    integers differ); ``ValueError`` for an integer that is not an :class:`Op` value; then what :func:`rabit2.allreduce` raises
     (:class:`~rabit2.errors.MismatchError` when ranks disagree, other
     :class:`~rabit2.errors.RabitError` subclasses when the job fails).  Before :func:`init`
     (as XGBoost: one worker) the copy is returned."""
     if not isinstance(data, np.ndarray):
         raise TypeError("allreduce only takes in numpy.ndarray")
-    if isinstance(op, (_RabitOp, bool)):
+    if isinstance(op, (bool, np.bool_)):  # (True == 1, which is MIN here)
+        raise TypeError(f"allreduce: a flag is no operator, got {op!r}")
+    if isinstance(op, _RabitOp):
         # rabit2.Op.BITOR is 3, which here is BITWISE_AND: refuse rather than guess
         raise TypeError(f"allreduce: pass a rabit2.collective.Op, not {op!r} (the integers "
                         "of rabit2.Op and XGBoost's Op differ)")
+    if not isinstance(op, (int, np.integer)):
+        raise TypeError(f"allreduce: the operator must be a rabit2.collective.Op, not {op!r}")
     try:
         rabit_op = _TO_RABIT[Op(op)]
     except ValueError:

@@ -75,7 +75,10 @@ def test_ops_have_xgboost_values_and_rabit_spellings() -> None:
     ([1, 2], collective.Op.SUM, TypeError, "only takes in numpy.ndarray"),
     (np.ones(2), 9, ValueError, "9 is not an operator"),
     (np.ones(2, dtype=np.int32), rabit2.Op.BITOR, TypeError, "integers of rabit2.Op"),
-    (np.ones(2, dtype=np.int32), True, TypeError, "not True"),
+    (np.ones(2, dtype=np.int32), True, TypeError, "a flag is no operator, got True"),
+    (np.ones(2), np.True_, TypeError, "a flag is no operator"),
+    (np.ones(2), None, TypeError, "must be a rabit2.collective.Op, not None"),
+    (np.ones(2), "2", TypeError, "must be a rabit2.collective.Op, not '2'"),
 ])
 def test_bad_arguments_are_refused_before_anything_is_sent(
         data: object, op: object, error: type[Exception], message: str) -> None:
@@ -85,6 +88,21 @@ def test_bad_arguments_are_refused_before_anything_is_sent(
             collective.allreduce(data, op)  # type: ignore[arg-type]
     finally:
         rabit2.finalize()
+
+
+@pytest.mark.parametrize(("data", "root", "message"), [
+    (5, 1, r"root must be a rank in \[0, 1\), got 1"),
+    (5, "0", "root must be a rank"),
+    (lambda: 1, 0, "cannot pickle function"),
+])
+def test_a_broadcast_before_init_refuses_what_a_job_would(
+        data: object, root: object, message: str) -> None:
+    """Before init XGBoost's broadcast acts as one worker's: so does rabit2.collective's, and
+    a root that is no rank, or an object that cannot travel, fails here as in a job."""
+    error = TypeError if callable(data) else ValueError
+    with pytest.raises(error, match=message):
+        collective.broadcast(data, root)  # type: ignore[arg-type]
+    assert collective.broadcast(5, 0) == 5
 
 
 def test_print_strips_and_the_context_returns_its_arguments(
