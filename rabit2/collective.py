@@ -125,8 +125,9 @@ def allreduce(data: np.ndarray, op: Op) -> np.ndarray:
 
     Raises ``TypeError`` for anything but a numpy array, a dtype XGBoost does not reduce, an
     operator that is not an integer (a flag, a string, None) or is a ``rabit2.Op`` (whose
-    integers differ); ``ValueError`` for an integer that is not an :class:`Op` value; then what :func:`rabit2.allreduce` raises
-    (:class:`~rabit2.errors.MismatchError` when ranks disagree, other
+    integers differ); ``ValueError`` for an integer that is not an :class:`Op` value; then
+    what :func:`rabit2.allreduce` raises (:class:`~rabit2.errors.MismatchError` when ranks
+    disagree, other
     :class:`~rabit2.errors.RabitError` subclasses when the job fails).  Before :func:`init`
     (as XGBoost: one worker) the copy is returned."""
     if not isinstance(data, np.ndarray):
