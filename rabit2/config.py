@@ -345,6 +345,13 @@ def load_config(  # noqa: C901
 
     def apply(key: str, value: Any) -> None:
         lower = key.lower()
+        if lower in ("dmlc_communicator", "xgboost_communicator") and str(value).strip(
+                ).lower() == "federated":
+            # (accepted for "rabit"; XGBoost's federated mode would train alone here, as
+            # rank 0 of 1, without a word)
+            raise ValueError(f"{key}='federated' asks for XGBoost's own federated "
+                             "communicator, which rabit2.init does not start: rabit2 is the "
+                             "communicator (rabit2.xgboost connects XGBoost to it)")
         if lower in _IGNORED:
             return
         field = _ALIASES.get(lower)
@@ -381,7 +388,10 @@ def load_config(  # noqa: C901
             "init(args) takes a list of 'k=v' strings (such as sys.argv), got "
             f"{type(args).__name__}; pass a dict of parameters as keywords: init(**params)")
     for arg in args or ():
-        text = arg.decode() if isinstance(arg, bytes) else str(arg)
+        if not isinstance(arg, (str, bytes)):
+            raise TypeError(f"init(args) takes 'k=v' strings, got {type(arg).__name__} "
+                            f"{arg!r} among them")
+        text = arg.decode() if isinstance(arg, bytes) else arg
         key, sep, value = text.partition("=")
         if sep and key:
             apply(key.strip(), value.strip())

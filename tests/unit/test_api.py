@@ -367,6 +367,11 @@ def test_bad_init_kwargs_raise_value_error() -> None:
         rabit2.init(dmlc_foo=1)
     with pytest.raises(ValueError):
         rabit2.init(rabit_reduce_ring_mincount="many")
+    # XGBoost's federated mode is not what rabit2.init starts: not run alone in silence
+    with pytest.raises(ValueError, match="dmlc_communicator='federated'"):
+        rabit2.init(dmlc_communicator="federated", federated_world_size=2, federated_rank=1)
+    with pytest.raises(TypeError, match="takes 'k=v' strings, got int 1"):
+        rabit2.init([1, 2])  # type: ignore[list-item]
     rabit2.init(dmlc_communicator="rabit")  # compatibility keys are fine
     assert rabit2.get_world_size() == 1
 
