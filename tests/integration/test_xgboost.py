@@ -257,7 +257,8 @@ def test_lost_workers_recover_with_a_bit_identical_model_at_4(
 
 @pytest.mark.parametrize("extra", [
     {"objective": "reg:squarederror", "eval_metric": "rmse"},
-    {"objective": "multi:softprob", "num_class": 3, "eval_metric": "mlogloss"},
+    pytest.param({"objective": "multi:softprob", "num_class": 3, "eval_metric": "mlogloss"},
+                 marks=pytest.mark.slow),  # (the soak run)
 ], ids=["regression", "multiclass"])
 def test_other_boosters_and_objectives_recover_bit_identically(extra: dict[str, object]) -> None:
     base = ("--extra", json.dumps(extra))
