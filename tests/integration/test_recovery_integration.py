@@ -428,7 +428,8 @@ def test_two_adjacent_ranks_killed_at_once_recover(world: int, victims: tuple[in
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("victims", [(1, 2, 3), (2, 3, 4, 5)], ids=["1-3", "2-5"])
+@pytest.mark.parametrize("victims", [
+    (1, 2, 3), pytest.param((2, 3, 4, 5), marks=pytest.mark.slow)], ids=["1-3", "2-5"])
 def test_three_neighbours_killed_together_end_typed_or_recover(
         victims: tuple[int, ...]) -> None:
     """World 8, ranks 1-3 (or 2-5) die before the same call (2's only neighbours are 1 and

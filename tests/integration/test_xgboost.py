@@ -205,6 +205,7 @@ def test_same_model_as_xgboosts_own_collectives_at_2_workers() -> None:
     assert clean(2) == xgboost_own(2)
 
 
+@pytest.mark.slow  # (at 2 workers against XGBoost's own, and at 4 against a clean run, by default)
 def test_every_rank_holds_the_same_model_at_4_workers(tmp_path: Path) -> None:
     """Bit-identical on every rank (``models``); against XGBoost's own collectives, whose
     reduction order differs, the predictions agree to 1e-6 (docs/xgboost.md has the figure:
@@ -221,7 +222,8 @@ def test_every_rank_holds_the_same_model_at_4_workers(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("args", [
     ("--kill", "1,2,mid"),  # SIGKILL in the middle of boosting round 2
-    ("--kill", "1,2,before"),  # after round 2's last call, before its checkpoint
+    # after round 2's last call, before its checkpoint (the soak run)
+    pytest.param(("--kill", "1,2,before"), marks=pytest.mark.slow),
     ("--kill", "1,2,during"),  # inside round 2's checkpoint
     ("--kill", "0,2,after"),  # right after the checkpoint (rank 0, the broadcasts' root)
     ("--kill", "1,0,mid"),  # before the first checkpoint: replayed from the neighbours
@@ -278,8 +280,10 @@ def test_parameters_a_callback_changed_come_back_with_a_restarted_worker() -> No
 
 @pytest.mark.parametrize(("extra", "reason"), [
     ({"subsample": 0.8}, "subsample below 1 cannot be recovered bit-exactly"),
-    ({"colsample_bynode": 0.5}, "colsample_bynode below 1 cannot be recovered"),
-    ({"booster": "dart"}, "booster dart (random dropout) cannot be recovered"),
+    pytest.param({"colsample_bynode": 0.5}, "colsample_bynode below 1 cannot be recovered",
+                 marks=pytest.mark.slow),  # (the same check as subsample's: the soak run)
+    pytest.param({"booster": "dart"}, "booster dart (random dropout) cannot be recovered",
+                 marks=pytest.mark.slow),
 ])
 def test_random_training_is_refused_before_training_when_recovery_is_on(
         extra: dict[str, object], reason: str) -> None:
@@ -352,7 +356,8 @@ def test_bad_requests_fail_every_rank_with_the_reason(mode: str, reason: str) ->
 
 @pytest.mark.parametrize(("mode", "expected"), [
     ("params", "MismatchError: rabit2.xgboost.train: the ranks passed different params"),
-    ("rounds", "MismatchError: rabit2.xgboost.train: the ranks passed different params"),
+    pytest.param("rounds", "MismatchError: rabit2.xgboost.train: the ranks passed different "
+                 "params", marks=pytest.mark.slow),  # (the check of "params")
     ("second", "RuntimeError: this worker already took part in this job and left it"),
     ("finalized", "RuntimeError: XGBoost's communicator is no longer the one rabit2 set up"),
     ("unpicklable", "TypeError: callback Holder cannot be checkpointed: its attribute 'log' "
