@@ -123,13 +123,14 @@ class live_set:  # (named as the function it stands for: ``with rabit2.live_set(
         ok = error is None
         reason = "" if ok else f"{type(error).__name__}: {' '.join(str(error).split())}"
         settled, why = member.report(ok, reason, calls)
-        if isinstance(error, RabitError) and self._positions():
-            error.add_note(self._positions())
+        positions = self._positions()
+        if isinstance(error, RabitError) and positions:
+            error.add_note(positions)
         if settled or (error is not None and not isinstance(error, RabitError)):
             return  # (this member's own exception propagates; the others raise LiveSetError)
         failed = LiveSetError(self._message(why))
-        if self._positions():
-            failed.add_note(self._positions())
+        if positions:
+            failed.add_note(positions)
         raise failed from error
 
     def _message(self, reason: str) -> str:
