@@ -272,6 +272,43 @@ def test_xgboost_1_7_workers_under_the_cluster_launchers(
 
 
 @pytest.mark.parametrize("cluster", ["slurm", pytest.param("mpi", marks=pytest.mark.slow)],
+                         indirect=True)  # (mpi: the soak run; the group code is shared)
+def test_a_failed_classic_job_is_stopped_at_once_under_the_cluster_launchers(
+    cluster: tuple[str, dict[str, str]], tmp_path: Path,
+) -> None:
+    """XGBoost 1.7 workers cannot be told that the job was given up on (the classic
+    protocol has no abort): when rank 1 leaves without finalizing, srun or mpirun is stopped
+    at once rather than left until the others' own timeouts, and no worker outlives it."""
+    from tests.integration.test_classic_tracker import WORKER as CLASSIC_WORKER  # noqa: PLC0415
+    from tests.integration.test_classic_tracker import xgb17_python  # noqa: PLC0415
+
+    python = xgb17_python()
+    kind, env = cluster
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    worker = tmp_path / "classic_worker.py"
+    # (each worker leaves its pid; the others then wait in XGBoost 1.7's first collective
+    # for rank 1, which never comes)
+    worker.write_text(f"import os\nopen(os.path.join({str(pids)!r}, str(os.getpid())), "
+                      "'w').close()\n" + CLASSIC_WORKER)
+    launcher = ("--mpirun", _mpirun()) if kind == "mpi" else ()
+    start = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "--cluster", kind, "-n", "3",
+         "--tracker-host", "127.0.0.1", "--kill-grace", "1", *launcher,
+         "--remote-python", sys.executable, "--", str(python), str(worker),
+         str(tmp_path / "model.json")],
+        env={**env, "LEAVE": "without-finalize"}, capture_output=True, text=True,
+        timeout=170, check=False)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert ("the job's workers speak the classic rabit protocol, which has no abort; "
+            "stopping") in done.stderr, done.stderr
+    assert "without rabit2.finalize() while the job ran" in done.stderr, done.stderr
+    assert time.monotonic() - start < 60, done.stderr
+    assert_gone((int(p.name) for p in pids.iterdir()), 20, "worker")
+
+
+@pytest.mark.parametrize("cluster", ["slurm", pytest.param("mpi", marks=pytest.mark.slow)],
                          indirect=True)  # (mpi: the soak run; the slot code is shared)
 def test_xgboost_training_recovers_under_the_cluster_launchers(
     cluster: tuple[str, dict[str, str]],
