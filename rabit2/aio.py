@@ -132,8 +132,8 @@ class Communicator:
 
     def checkpoint(self, global_model: Any, local_model: Any = None) -> Coroutine[Any, Any, None]:
         """:func:`rabit2.checkpoint`: pickle and keep the models; the version goes up by
-        one.  Raises :class:`~rabit2.errors.NotInitializedError` before :meth:`init` and what
-        ``pickle`` raises for a model that cannot be pickled."""
+        one.  Raises :class:`~rabit2.errors.NotInitializedError` before :meth:`init`, and
+        ``TypeError`` or ``ValueError`` as :func:`rabit2.checkpoint` does."""
         return self._issue(api.checkpoint, global_model, local_model)
 
     def load_checkpoint(self, with_local: bool = False) -> Coroutine[Any, Any, tuple[Any, ...]]:

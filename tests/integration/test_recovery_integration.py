@@ -742,6 +742,7 @@ import rabit2
 
 rabit2.init()
 rank, world = rabit2.get_rank(), rabit2.get_world_size()
+open(f"{sys.argv[1]}/{rank}", "w").close()  # (in the job: the test may kill the tracker)
 for it in range(60):  # about 6 s
     data = np.full(1000, rank + it, dtype=np.int64)
     rabit2.allreduce(data, rabit2.Op.SUM)
@@ -770,14 +771,20 @@ def test_a_tracker_restarted_at_its_address_takes_the_job_over(tmp_path: Path) -
     env.pop("RABIT2_RECOVER", None)
     script = tmp_path / "worker.py"
     script.write_text(TRACKER_RESTART_WORKER)
+    joined = tmp_path / "joined"
+    joined.mkdir()
     first = subprocess.Popen(tracker_cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                              text=True, env=env)
-    workers = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True,
+    workers = [subprocess.Popen([sys.executable, str(script), str(joined)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env={**env, "DMLC_TASK_ID": str(i)}) for i in range(4)]
     second = None
     try:
-        time.sleep(2.0)
+        # (every worker in the job, however slowly a loaded machine started them)
+        deadline = time.monotonic() + 60
+        while len(list(joined.iterdir())) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # (a few collectives under way)
         first.kill()
         first.wait(10)
         time.sleep(1.0)
@@ -985,6 +992,91 @@ def test_a_restart_that_loads_with_local_gets_none_where_no_local_model_was_save
     proc = _three_with_rank_1_killed(code)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "LOADED 1 1 2 {'it': 2} None" in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.integration
+def test_a_restart_that_asks_for_its_local_model_after_loading_without_it_is_told() -> None:
+    """``load_checkpoint()`` then ``load_checkpoint(with_local=True)``: the ranks that were
+    not restarted answer both from what they kept, but the restarted worker fetched its
+    checkpoint without its local model; it is told so instead of getting ``None``."""
+    code = ("import os, sys, numpy as np, rabit2\n"
+            "rabit2.init(sys.argv[1:])\n"
+            "r = rabit2.get_rank()\n"
+            "v, model = rabit2.load_checkpoint()\n"
+            "try:\n"
+            "    _, _, local = rabit2.load_checkpoint(with_local=True)\n"
+            "except RuntimeError as exc:\n"
+            "    print('REFUSED', r, exc, flush=True)\n"
+            "    os._exit(7)\n"
+            "print('LOADED', r, v, local, flush=True)\n"
+            "for it in range(v, 4):\n"
+            "    rabit2.allreduce(np.ones(4), rabit2.Op.SUM)\n"
+            "    rabit2.checkpoint({'it': it + 1}, {'rank': r, 'it': it + 1})\n"
+            "rabit2.finalize()\n")
+    proc = _three_with_rank_1_killed(code)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert ("REFUSED 1 load_checkpoint(with_local=True): this restarted worker fetched "
+            "checkpoint 2 from its neighbours in an earlier load_checkpoint() without its local "
+            "model") in proc.stdout, proc.stdout[-3000:]
+    assert "LOADED 1 2" not in proc.stdout, proc.stdout[-3000:]  # (only its first attempt)
+
+
+@pytest.mark.integration
+def test_a_local_model_is_refused_where_no_neighbour_would_keep_it() -> None:
+    """``rabit_local_replica=0`` with recovery on: a checkpoint's local model, or a load that
+    asks for one, is a ``ValueError`` on every rank at once (rabit's rule), not a restarted
+    worker resuming from version 0 that no neighbour can replay."""
+    code = ("import sys, numpy as np, rabit2\n"
+            "rabit2.init(sys.argv[1:])\n"
+            "for call in (lambda: rabit2.load_checkpoint(with_local=True),\n"
+            "             lambda: rabit2.checkpoint(1, {'local': 1}),\n"
+            "             lambda: rabit2.lazy_checkpoint(1, {'local': 1})):\n"
+            "    try:\n"
+            "        call()\n"
+            "    except ValueError as exc:\n"
+            "        print('REFUSED', rabit2.get_rank(), exc, flush=True)\n"
+            "rabit2.checkpoint(1)\n"  # (the global model alone is kept as ever)
+            "assert rabit2.load_checkpoint() == (1, 1)\n"
+            "rabit2.finalize()\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "-n", "2", "--max-attempts", "2",
+         "--timeout", "60", "--", sys.executable, "-c", code, "rabit_local_replica=0"],
+        capture_output=True, text=True, timeout=90, env=job_env(), cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for who in ("load_checkpoint", "checkpoint", "lazy_checkpoint"):
+        for rank in range(2):
+            assert (f"REFUSED {rank} {who}: a local model with recovery on needs "
+                    "rabit_local_replica >= 1") in proc.stdout, proc.stdout[-3000:]
+
+
+@pytest.mark.integration
+def test_a_checkpoint_waits_for_a_collective_of_another_thread() -> None:
+    """One collective at a time per process: a checkpoint made while another thread's
+    collective is under way (its peer still computing) waits for it, as a collective would,
+    instead of failing the job."""
+    code = ("import sys, threading, time, numpy as np, rabit2\n"
+            "rabit2.init(sys.argv[1:])\n"
+            "a = np.ones(4)\n"
+            "if rabit2.get_rank() == 0:\n"
+            "    t = threading.Thread(target=rabit2.allreduce, args=(a, rabit2.Op.SUM))\n"
+            "    t.start()\n"
+            "    time.sleep(0.3)\n"
+            "    rabit2.checkpoint({'v': 1})\n"
+            "    t.join()\n"
+            "else:\n"
+            "    time.sleep(1.5)\n"
+            "    rabit2.allreduce(a, rabit2.Op.SUM)\n"
+            "    rabit2.checkpoint({'v': 1})\n"
+            "rabit2.allreduce(a, rabit2.Op.SUM)\n"
+            "assert a.tolist() == [4.0] * 4 and rabit2.version_number() == 1, a\n"
+            "print('DONE', rabit2.get_rank(), flush=True)\n"
+            "rabit2.finalize()\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "-n", "2", "--max-attempts", "2",
+         "--timeout", "60", "--", sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=90, env=job_env(), cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "DONE 0" in proc.stdout and "DONE 1" in proc.stdout, proc.stdout[-3000:]
 
 
 @pytest.mark.integration
