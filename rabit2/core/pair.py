@@ -389,7 +389,15 @@ class Receiver:
         msg = decode_body(body)
         kind = msg["t"]
         if kind == "progress":
-            progress.heard(self.agent, peer, msg, now, cmds)
+            agent = self.agent
+            if agent.active is None and agent.state is State.TASK_COMPLETE:
+                # a neighbour in a call this rank, finalized, never made: one whose input it
+                # waits for first (a leaf of a tree) sends it no frame to meet, so its note
+                # is the only word of it here; waiting would hang both to the deadline
+                call, ours = progress.call_of(peer, msg), (agent.version, agent.seqno)
+                if call >= ours:
+                    raise after_finalize(peer, call, agent.rank, ours)
+            progress.heard(agent, peer, msg, now, cmds)
         elif (recovery := self.agent.recovery) is None or not recovery.on_control(
                 peer, link, msg, cmds):
             if recovery is None and kind in Recovery.KINDS:

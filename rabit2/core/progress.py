@@ -45,6 +45,16 @@ def tell(agent: Owner, active: ActiveCall, now: float, cmds: list[Command],
             agent.send_control(peer, msg, cmds)
 
 
+def call_of(peer: int, msg: dict[str, Any]) -> tuple[int, int]:
+    """The call a progress note is about; ``ProtocolError`` if it names none."""
+    call = msg.get("call")
+    if (not isinstance(call, list) or len(call) != 2
+            or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0
+                       for x in call)):
+        raise ProtocolError(f"rank {peer} sent a malformed progress note")
+    return call[0], call[1]
+
+
 def heard(agent: Owner, peer: int, msg: dict[str, Any], now: float,
           cmds: list[Command]) -> None:
     """A neighbour says the call moved ``age_us`` ago somewhere: progress here too."""
@@ -52,7 +62,7 @@ def heard(agent: Owner, peer: int, msg: dict[str, Any], now: float,
     age = msg["age_us"]
     if not isinstance(age, int) or isinstance(age, bool) or age < 0:
         raise ProtocolError(f"rank {peer} sent a malformed progress note")
-    if active is None or tuple(msg["call"]) != active.call_id:
+    if active is None or call_of(peer, msg) != active.call_id:
         return  # (about a call this rank is not in)
     moved = now - age / 1e6
     if moved > agent.last_progress:

@@ -416,6 +416,36 @@ def test_an_extra_call_after_the_other_rank_finalized_is_a_mismatch_on_both(
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize(("world", "early"), [(3, 1), pytest.param(7, 5, marks=pytest.mark.slow)])
+def test_a_leaf_that_finalized_before_a_call_of_the_others_is_a_mismatch_on_every_rank(
+        world: int, early: int) -> None:
+    """A leaf of the tree finalizes while the others make a call: no frame ever reaches it
+    (its parent waits for its input first), so only the parent's progress notes tell it of
+    the call.  It fails the call everywhere within seconds, not at the deadline."""
+    code = (
+        "import sys, numpy as np, rabit2\n"
+        "rabit2.init()\n"
+        "r = rabit2.get_rank()\n"
+        "try:\n"
+        f"    if r != {early}:\n"
+        "        rabit2.allreduce(np.ones(3), rabit2.SUM)\n"
+        "    rabit2.finalize()\n"
+        "except rabit2.errors.MismatchError as exc:\n"
+        "    print('MISMATCH', r, exc, flush=True)\n"
+        "    sys.exit(3)\n"
+    )
+    started = time.monotonic()
+    proc = submit(world, sys.executable, "-c", code, timeout=120, extra=("--max-attempts", "2"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    for rank in range(world):
+        assert re.search(rf"MISMATCH {rank} sequence mismatch: rank \d+ began call \(0, 0\) "
+                         rf".*after rank {early} finalized at call \(0, 0\)", out), out[-3000:]
+    assert "restarting" not in out
+    assert time.monotonic() - started < 30
+
+
+@pytest.mark.integration
 def test_diverging_call_sequences_fail_fast_with_a_sequence_mismatch() -> None:
     """Rank 1 checkpoints where the others do not: a typed error everywhere, not a hang."""
     code = (

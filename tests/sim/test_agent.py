@@ -951,6 +951,16 @@ def test_without_progress_notes_the_waiting_leaf_would_time_out(
     assert any(isinstance(e, CollectiveTimeoutError) for e in net.failed.values())
 
 
+@pytest.mark.parametrize("bad", [[], [1], [1, 2, 3], ["a", 0], [True, 0], [-1, 0], [0.5, 0]])
+def test_a_progress_note_that_names_no_call_is_a_protocol_error(bad: list[object]) -> None:
+    """(A finalized rank compares the call a note names with its own last one.)"""
+    from rabit2.core import progress  # noqa: PLC0415
+
+    with pytest.raises(ProtocolError, match="rank 3 sent a malformed progress note"):
+        progress.call_of(3, {"t": "progress", "call": bad, "age_us": 0})
+    assert progress.call_of(3, {"t": "progress", "call": [2, 7], "age_us": 0}) == (2, 7)
+
+
 def test_a_call_where_nothing_moves_still_times_out_everywhere() -> None:
     """Notes passed round carry ages, which only grow: they never keep a stuck call alive."""
     net, _ = _tree_job_with_a_slow_link(stall=True)
