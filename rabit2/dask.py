@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import secrets
 import socket
 import threading
@@ -55,7 +56,11 @@ JOIN_TIMEOUT_SEC = 120.0
 """How long a rank's task may take to join the job once submitted (a Dask worker whose
 threads are all busy with other work does not start it)."""
 ENDING_GRACE_SEC = 30.0
-"""After the job ended (done or aborted), how long the tasks get to return."""
+"""After the job ended (done, or aborted by a rank), how long the tasks get to return."""
+GIVEN_UP_GRACE_SEC = 5.0
+"""After :func:`run` gave the job up (``timeout``, a rank lost for good, ...), how long the
+tasks get to return: a rank in a collective raises at once, and one busy in ``func`` is
+stopped with its worker (below) rather than waited for."""
 
 
 @dataclasses.dataclass
@@ -97,11 +102,15 @@ def run(client: Any, func: Callable[..., Any], *args: Any,
     the cluster does not have, two ranks that would share a process), ``TypeError`` for
     ``workers`` of another type; ``RuntimeError`` from a rank placed on a worker process
     that runs a rank of another job (a process joins one job at a time); an exception
-    ``func`` raised (of the lowest rank that raised one not of rabit2's own);
+    ``func`` raised (that of the rank whose error ended the job, else of the lowest rank
+    that raised one not of rabit2's own);
     :class:`~rabit2.errors.JobAbortedError` when the job is given up (a rank lost more
     than ``max_attempts`` times, no free worker for a lost rank within 60 s, a rank that
     does not start, a silent worker without a nanny, ``timeout``); ``ImportError`` without
-    ``distributed``.
+    ``distributed``.  Once the job ended, the ranks get 30 s to return (5 s after it was
+    given up, so ``timeout`` is kept to within a few seconds); a rank still busy in ``func``
+    then has its Dask worker restarted by its nanny, since nothing else stops a running
+    task, and the error says so.
     """
     from tracker.server import TrackerThread  # noqa: PLC0415 (a launcher: see the docstring)
 
@@ -175,9 +184,12 @@ def _choose_workers(client: Any, wanted: int | Sequence[str] | None) -> list[str
     else:
         chosen = list(wanted)
         unknown = [address for address in chosen if address not in available]
-        if unknown or not chosen or len(set(chosen)) != len(chosen):
-            raise ValueError(f"workers must name distinct workers of the cluster; unknown: "
-                             f"{unknown}, available: {available}")
+        twice = sorted({address for address in chosen if chosen.count(address) > 1})
+        if unknown or not chosen or twice:
+            what = (f"named twice: {twice}" if twice and not unknown
+                    else f"unknown: {unknown}" if chosen else "none named")
+            raise ValueError(f"workers must name distinct workers of the cluster ({what}); "
+                             f"available: {available}")
     pids = client.run(_process_id, workers=chosen)
     if len(set(pids.values())) != len(chosen):
         raise ValueError("several Dask workers share one process, and rabit2 runs one rank "
@@ -363,6 +375,34 @@ class _Job:
             return f"restarting the silent Dask workers {addresses} failed: {exc}"
         return None
 
+    def _stop(self, stuck: list[_Rank]) -> str:
+        """Cancel the tasks that did not return, and have the nannies restart their workers
+        (a task busy in ``func`` keeps its worker's thread, and rabit2's process-wide state,
+        for good otherwise); what was done, for the error."""
+        self._cancel_all()
+        # (only where the attempt joined does func run: a task still queued behind other
+        # work is cancelled, and that work left alone)
+        joined = {(str(task["task_id"]), task.get("incarnation"))
+                  for task in (self.tracker.status() or {}).get("tasks", ())}
+        workers = _worker_processes(self.client)
+        addresses = [rank.address for rank in stuck if rank.address in workers
+                     and (rank.task_id, rank.attempt) in joined]
+        nannied = [address for address in addresses if workers[address].get("nanny")]
+        said = (f"; tasks {', '.join(rank.task_id for rank in stuck)} had not returned"
+                + (f" (the Dask workers {nannied} were restarted to stop them)" if nannied
+                   else ""))
+        if nannied:
+            try:
+                self.client.restart_workers(nannied, timeout=PLACE_TIMEOUT_SEC,
+                                            raise_for_error=False)
+            except Exception as exc:  # (any failure: said in the error)
+                said += f" (restarting them failed: {exc})"
+        others = sorted(set(addresses) - set(nannied))
+        if others:
+            said += (f"; Dask workers {others} have no nanny to restart them: they stay busy "
+                     "until their tasks return")
+        return said
+
     def _give_up(self, reason: str) -> str:
         self.tracker.abort(reason)
         return reason
@@ -375,7 +415,8 @@ class _Job:
         """Wait (bounded) for every task to return; the results, or the error that ended
         the job."""
         futures = [rank.future for rank in self.ranks]
-        deadline = time.monotonic() + ENDING_GRACE_SEC
+        grace = ENDING_GRACE_SEC if reason is None else GIVEN_UP_GRACE_SEC
+        deadline = time.monotonic() + grace
         while True:
             running = [rank for rank in self.ranks if not rank.future.done()]
             if running:
@@ -387,23 +428,25 @@ class _Job:
             if not running or time.monotonic() >= deadline:
                 break
             time.sleep(POLL_SEC)
-        errors = [future.exception() for future in futures if future.status == "error"]
-        not_done = [future for future in futures if not future.done()]
-        if not_done:
-            self._cancel_all()
-        program = [error for error in errors if not isinstance(error, RabitError)]
-        if program:  # the root cause: what func raised on the rank that ended the job
-            raise program[0]
+        failed = [(rank.task_id, rank.future.exception()) for rank in self.ranks
+                  if rank.future.status == "error"]
+        errors = [error for _, error in failed]
+        stuck = [rank for rank in self.ranks if not rank.future.done()]
+        stopped = self._stop(stuck) if stuck else ""
         result = self.tracker.result()
         if reason is None and result is not None and not result.success:
             reason = result.reason
+        program = [(task, error) for task, error in failed if not isinstance(error, RabitError)]
+        if program:  # the root cause: what func raised on the rank that ended the job
+            origin = _origin(reason or "")
+            raise next((error for task, error in program if task == origin), program[0][1])
         if reason is not None:
-            raise JobAbortedError(reason)
+            raise JobAbortedError(reason + stopped)
         if errors:
             raise errors[0]
-        if not_done:
-            raise JobAbortedError(f"the job's tasks did not return within "
-                                  f"{ENDING_GRACE_SEC:g} s after it ended")
+        if stuck:
+            raise JobAbortedError(f"the job's tasks did not return within {grace:g} s after "
+                                  f"it ended{stopped}")
         lost = [rank.task_id for rank in self.ranks if rank.future.status != "finished"]
         if lost:  # (a worker that went away after its rank had finished for good)
             raise JobAbortedError(f"the results of tasks {', '.join(lost)} were lost with "
@@ -418,6 +461,13 @@ class _Job:
                                       "Dask worker after the job ended") from None
             by_rank[int(rank.task_id) if placed is None else placed] = value
         return [by_rank[i] for i in range(len(self.ranks))]
+
+
+def _origin(reason: str) -> str | None:
+    """The task whose error ended the job, as the tracker's reason names it (``rank R (task
+    T) signalled an error: ...``) or :func:`run`'s own (``task T raised ...``)."""
+    found = re.match(r"(?:rank \d+ \()?task (\S+?)\)? (?:signalled an error:|raised )", reason)
+    return found.group(1) if found else None
 
 
 __all__ = ["run"]

@@ -128,6 +128,46 @@ def test_an_exception_in_func_ends_the_job_and_is_raised(full: Any) -> None:
     assert rabit2.dask.run(full, rabit2.get_rank) == list(range(N_WORKERS))
 
 
+def two_errors(delay: float) -> None:
+    rank = rabit2.get_rank()
+    if rank == 2:
+        raise KeyError("rank 2 first")
+    if rank == 1:
+        time.sleep(delay)
+        raise ValueError("rank 1 later")
+    rabit2.allreduce(np.ones(2), rabit2.Op.SUM)
+
+
+def test_the_error_raised_is_the_one_that_ended_the_job(full: Any) -> None:
+    """Rank 2's error ends the job; rank 1 raises its own later, unaware: ``run`` raises
+    rank 2's, the root cause, not the lowest rank's."""
+    with pytest.raises(KeyError, match="rank 2 first"):
+        rabit2.dask.run(full, two_errors, 1.0)
+
+
+def stuck_in_func_on_rank_1() -> int:
+    rabit2.allreduce(np.ones(3), rabit2.Op.SUM)
+    if rabit2.get_rank() == 1:
+        time.sleep(600)  # (user code that no abort reaches)
+    return rabit2.get_rank()
+
+
+def test_a_given_up_job_ends_near_its_timeout_and_frees_a_rank_stuck_in_func(
+        full: Any) -> None:
+    """``timeout`` ends the job within a few seconds of it, though rank 1 is busy in its own
+    code: Dask cannot stop a running task, so its worker is restarted, and the next job
+    gets every worker (instead of waiting out its join deadline for the busy one)."""
+    started = time.monotonic()
+    with pytest.raises(JobAbortedError, match=r"timed out after 4 s; tasks 1 had not returned "
+                                              r"\(the Dask workers .* were restarted"):
+        rabit2.dask.run(full, stuck_in_func_on_rank_1, timeout=4)
+    assert time.monotonic() - started < 4 + 5 + 30  # (the timeout, the grace, a restart)
+    full.wait_for_workers(N_WORKERS, timeout=60)
+    started = time.monotonic()
+    assert rabit2.dask.run(full, rabit2.get_rank) == list(range(N_WORKERS))
+    assert time.monotonic() - started < 20
+
+
 def refuses_task_1(**params: Any) -> Any:
     """A context whose rank 1 fails before it joins (as an init error would)."""
     if params["dmlc_task_id"] == "1":
@@ -153,12 +193,16 @@ def test_a_rank_lost_once_too_often_ends_the_job(full: Any) -> None:
 @pytest.mark.parametrize("kwargs, message", [
     ({"workers": N_WORKERS + 1}, "the cluster has 3 workers"),
     ({"workers": ["tcp://10.255.255.1:1"]}, "unknown"),
+    ({"workers": "__twice__"}, r"named twice: \['tcp://"),
     ({"max_attempts": 0}, "max_attempts"),
     ({"config": {"rabit_timout_sec": 5}}, "rabit_timout_sec"),
     ({"config": {"dmlc_task_id": "7"}}, "may not set dmlc_task_id"),
 ])
 def test_bad_arguments_are_refused_before_anything_runs(full: Any, kwargs: dict[str, Any],
                                                         message: str) -> None:
+    if kwargs.get("workers") == "__twice__":
+        first = sorted(full.scheduler_info(n_workers=-1)["workers"])[0]
+        kwargs = {"workers": [first, first]}
     with pytest.raises(ValueError, match=message):
         rabit2.dask.run(full, rabit2.get_rank, **kwargs)
 
