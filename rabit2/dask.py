@@ -243,6 +243,9 @@ def _rank_main(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
                                "outside rabit2.dask")
         with context(**params):
             return func(*args, **kwargs)
+    except SystemExit as exc:  # (out of a task it would end the Dask worker's process)
+        raise RuntimeError(f"func called sys.exit({exc.code!r}) in rank "
+                           f"{params['dmlc_task_id']}'s task") from exc
     finally:
         _ONE_RANK.release()
 

@@ -5,6 +5,8 @@ recovered (plain rabit2 and XGBoost through rabit2), errors that end the job, ba
 from __future__ import annotations
 
 import hashlib
+import os
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -166,6 +168,20 @@ def test_a_given_up_job_ends_near_its_timeout_and_frees_a_rank_stuck_in_func(
     started = time.monotonic()
     assert rabit2.dask.run(full, rabit2.get_rank) == list(range(N_WORKERS))
     assert time.monotonic() - started < 20
+
+
+def exits_on_rank_1() -> int:
+    if rabit2.get_rank() == 1:
+        sys.exit(2)
+    rabit2.allreduce(np.ones(2), rabit2.Op.SUM)
+    return rabit2.get_rank()
+
+
+def test_sys_exit_in_func_ends_the_job_but_not_the_dask_worker(full: Any) -> None:
+    before = full.run(os.getpid)
+    with pytest.raises(RuntimeError, match=r"func called sys.exit\(2\) in rank 1's task"):
+        rabit2.dask.run(full, exits_on_rank_1)
+    assert full.run(os.getpid) == before  # (the same worker processes: none ended)
 
 
 def refuses_task_1(**params: Any) -> Any:
