@@ -271,6 +271,10 @@ class TrackerClient:
             if self._lost is not None:
                 raise self._lost
             self._closing = True
+            if self.progress is not None:
+                # (the last word on this worker's progress: a hold that every rank's finalize
+                # ends at once may leave no heartbeat to bring the final counters)
+                self._send({"t": "heartbeat", "progress": self.progress()})
             self._send({"t": "shutdown", "hold": hold})
             try:
                 await self._wait_bye(timeout)

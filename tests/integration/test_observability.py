@@ -149,6 +149,41 @@ def test_metrics_and_query_follow_a_job_through_a_kill_and_its_recovery(
     assert gone.returncode == 1 and "cannot read job file" in gone.stderr, gone.stderr
 
 
+def test_the_job_s_final_status_has_every_worker_s_final_progress(tmp_path: Path) -> None:
+    """Each worker's last counters reach the tracker with its shutdown: the status (and so
+    the metrics) at the end of a job show every call and checkpoint it made, not those of
+    its last periodic heartbeat."""
+    from tracker.server import TrackerThread  # noqa: PLC0415
+
+    iterations = 7
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER.replace(f"range(version, {ITERATIONS})",
+                                     f"range(version, {iterations})"))
+    tracker = TrackerThread(3, secret=bytes(range(32)))
+    tracker.start()
+    try:
+        env = {**os.environ, **tracker.worker_env(), "PYTHONPATH": str(ROOT),
+               "RABIT2_RECOVER": "1", "RABIT2_HEARTBEAT_SEC": "5"}
+        workers = [subprocess.Popen([sys.executable, str(script)], env={**env,
+                                    "DMLC_TASK_ID": str(i)}, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.PIPE, text=True) for i in range(3)]
+        for worker in workers:
+            _, err = worker.communicate(timeout=60)
+            assert worker.returncode == 0, err
+        deadline = time.monotonic() + 10
+        while tracker.result() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        result = tracker.result()
+        assert result is not None and result.success, result
+        status = tracker.status()
+    finally:
+        tracker.stop()
+    assert status is not None
+    for task in status["tasks"]:
+        assert task["progress"]["calls"] == iterations, task
+        assert task["progress"]["version"] == iterations, task
+
+
 def test_a_standalone_tracker_serves_metrics_until_it_stops(tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, "-m", "tracker.cli", "-n", "2", "--metrics-port", "0",
