@@ -2,8 +2,10 @@
 
 Prints the environment the workers need between ``DMLC_TRACKER_ENV_START`` and
 ``DMLC_TRACKER_ENV_END`` (as dmlc-core's standalone tracker does), then waits for the job.
-Exit status: 0 when every rank shut down, 1 when the job was aborted, 130 on Ctrl-C or
-SIGTERM.
+Exit status: 0 when every rank shut down, 1 when the job was aborted, 130 on Ctrl-C (which
+aborts the job: its workers raise ``JobAbortedError`` at once) or SIGTERM (which does not:
+its workers go on and rejoin a tracker restarted at the same address within 30 s, as a
+supervisor restarts it).
 
 ``rabit2-tracker --query [TARGET]`` asks a running tracker for its status instead: ranks,
 hosts, losses, restarts and each worker's progress, as JSON.  TARGET is the job file a
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -136,7 +139,22 @@ async def run_tracker(args: argparse.Namespace) -> int:
         lines += [f"{key}={value}" for key, value in tracker.worker_env().items()]
         lines.append("DMLC_TRACKER_ENV_END")
         print("\n".join(lines), flush=True)
+        # Ctrl-C stops the job: the workers hear it at once.  SIGTERM (what a supervisor
+        # sends to restart it) leaves them to rejoin a tracker restarted at this address.
+        interrupted = asyncio.Event()
+
+        def on_sigint() -> None:
+            if interrupted.is_set():
+                raise KeyboardInterrupt  # (a second Ctrl-C: at once)
+            interrupted.set()
+            tracker.abort("rabit2-tracker was interrupted (Ctrl-C)")
+
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # (not the main thread)
+            asyncio.get_running_loop().add_signal_handler(signal.SIGINT, on_sigint)
         result = await tracker.wait_done(None)
+        if interrupted.is_set():
+            print("rabit2-tracker: interrupted; the job was aborted", file=sys.stderr)
+            return EXIT_INTERRUPTED
     except ImportError as exc:  # (the metrics endpoint's extra)
         print(f"rabit2-tracker: error: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -804,6 +804,50 @@ def test_a_tracker_restarted_at_its_address_takes_the_job_over(tmp_path: Path) -
     assert tracker_err.count("joined this tracker from a previous one") == 4, tracker_err
 
 
+@pytest.mark.integration
+def test_ctrl_c_on_a_standalone_tracker_ends_its_job_at_once(tmp_path: Path) -> None:
+    """Ctrl-C stops the job, not only the tracker: the workers hear the abort and raise at
+    once, instead of dialing for a tracker that no supervisor will restart (30 s) or
+    finishing as if the job had gone on."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    secret = os.urandom(32).hex()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DMLC_TRACKER_URI": "127.0.0.1",
+           "DMLC_TRACKER_PORT": str(port), "RABIT2_SECRET": secret, "DMLC_NUM_WORKER": "2"}
+    env.pop("RABIT2_RECOVER", None)
+    script = tmp_path / "worker.py"
+    script.write_text(TRACKER_RESTART_WORKER)
+    joined = tmp_path / "joined"
+    joined.mkdir()
+    tracker = subprocess.Popen([sys.executable, "-m", "tracker.cli", "--n", "2", "--port",
+                                str(port), "--secret", secret], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True, env=env)
+    workers = [subprocess.Popen([sys.executable, str(script), str(joined)],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**env, "DMLC_TASK_ID": str(i)}) for i in range(2)]
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(joined.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        started = time.monotonic()
+        tracker.send_signal(signal.SIGINT)
+        _, tracker_err = tracker.communicate(timeout=30)
+        outs = [w.communicate(timeout=30) for w in workers]
+        took = time.monotonic() - started
+    finally:
+        for proc in [tracker, *workers]:
+            with proc:
+                proc.kill()
+    assert tracker.returncode == 130, tracker_err
+    assert "interrupted; the job was aborted" in tracker_err, tracker_err
+    for worker, (_, err) in zip(workers, outs, strict=True):
+        assert worker.returncode != 0, err
+        assert ("JobAbortedError: the tracker aborted the job: rabit2-tracker was interrupted "
+                "(Ctrl-C)") in err, err
+    assert took < 10
+
+
 # ----------------------------------------------------------------------------- 9. GBDT
 
 
