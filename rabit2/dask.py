@@ -395,11 +395,12 @@ class _Job:
                 + (f" (the Dask workers {nannied} were restarted to stop them)" if nannied
                    else ""))
         if nannied:
+            # (a graceful restart waits for the running task's thread, which is the one that
+            # does not return: the process ends at once, and its nanny starts it afresh)
             try:
-                self.client.restart_workers(nannied, timeout=PLACE_TIMEOUT_SEC,
-                                            raise_for_error=False)
+                self.client.run(_end_process, workers=nannied, wait=False)
             except Exception as exc:  # (any failure: said in the error)
-                said += f" (restarting them failed: {exc})"
+                said += f" (stopping them failed: {exc})"
         others = sorted(set(addresses) - set(nannied))
         if others:
             said += (f"; Dask workers {others} have no nanny to restart them: they stay busy "
@@ -464,6 +465,14 @@ class _Job:
                                       "Dask worker after the job ended") from None
             by_rank[int(rank.task_id) if placed is None else placed] = value
         return [by_rank[i] for i in range(len(self.ranks))]
+
+
+async def _end_process() -> None:
+    """Run by a Dask worker's event loop (``Client.run`` waits for a plain function): the
+    process ends a moment later, once its answer is out, whatever its task threads do."""
+    import asyncio  # noqa: PLC0415
+
+    asyncio.get_running_loop().call_later(0.2, os._exit, 1)
 
 
 def _origin(reason: str) -> str | None:

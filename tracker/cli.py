@@ -78,9 +78,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--metrics-port", type=int, default=None, metavar="P",
                         help="serve the job's metrics in the Prometheus text format at "
                              "http://HOST:P/metrics (0: any free port)")
-    parser.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST")
+    parser.add_argument("--metrics-host", default=None, metavar="HOST",
+                        help="address of the metrics endpoint (default 127.0.0.1; with "
+                             "--metrics-port)")
     parser.add_argument("--query-timeout", type=float, default=10.0, metavar="S")
     args = parser.parse_args(argv)
+    if args.metrics_host is not None and args.metrics_port is None:
+        parser.error("--metrics-host needs --metrics-port (the endpoint is served only then)")
+    args.metrics_host = args.metrics_host or "127.0.0.1"
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         parser.error("--metrics-port must be a TCP port (0: any free one)")
     if not 0 <= args.port < 65536:

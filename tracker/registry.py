@@ -197,6 +197,16 @@ class Registry(Generic[C]):
         else:
             if task.finished:
                 raise ProtocolError(f"task {task_id!r} already shut down")
+            if (task.conn is not None and task.pending_loss is None
+                    and msg["attempt"] <= task.attempt and now - task.heard <= _ALIVE_WITHIN_SEC):
+                # a second process of a running task (launched twice by mistake), not its
+                # restart: a restart comes with a later attempt, or after the old one went
+                # quiet.  Replacing the live one would fail the job.
+                raise ProtocolError(
+                    f"{describe(task)} runs already (attempt {task.attempt}, heard from "
+                    f"{now - task.heard:.1f} s ago): another process with task id "
+                    f"{task_id!r} and attempt {msg['attempt']} is not its restart (a restart "
+                    "has a higher DMLC_NUM_ATTEMPT)")
             if task.pending_loss is not None:
                 # a restart within the grace: the old process is lost after all (its
                 # neighbours hear of that incarnation before they hear of the new one)

@@ -7,7 +7,7 @@ import asyncio
 from typing import Any
 
 from rabit2.core.control import FrameDecoder, encode_frame
-from rabit2.errors import ProtocolError, RabitError, TrackerError
+from rabit2.errors import PeerLostError, ProtocolError, RabitError, TrackerError
 from rabit2.io.handshake import connect_authenticated
 
 _READ_SIZE = 65536
@@ -31,7 +31,12 @@ async def query_tracker_status(
     try:
         sock, _ = await connect_authenticated(host, port, secret, {"role": "monitor"}, timeout)
     except RabitError as exc:
-        raise TrackerError(f"cannot query the tracker at {host}:{port}: {exc}") from exc
+        # (a handshake that fails past the connect: something else listens there, or a
+        # tracker that does not take this secret)
+        hint = ("" if isinstance(exc, PeerLostError) and str(exc).startswith("cannot connect")
+                else " (is that a rabit2 tracker, and its secret?)" if secret
+                else " (no secret was given: --secret or RABIT2_SECRET)")
+        raise TrackerError(f"cannot query the tracker at {host}:{port}: {exc}{hint}") from exc
     reader, writer = await asyncio.open_connection(sock=sock)
     try:
         if exited is not None:

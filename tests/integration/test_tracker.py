@@ -387,17 +387,40 @@ async def test_a_rejoin_after_the_grace_or_of_another_incarnation_is_refused(
 
 @pytest.mark.asyncio
 async def test_zombie_connection_is_fenced(make_tracker: Callable[..., Any]) -> None:
+    """A restart (a later attempt) of a task whose old connection still looks open: the
+    newer process wins, and the old one's connection is closed."""
     tracker = await make_tracker(1)
     (old,) = await join_job(tracker, ["0"])
     reasons: list[str] = []
     old.on_abort = reasons.append
     await old.wait_assignment(5)
-    new = await TrackerClient.connect(config(tracker, "0"), 20001)
+    new = await TrackerClient.connect(config(tracker, "0", num_attempt=1), 20001)
     assert (await new.wait_assignment(5)).incarnation == 1
     await wait_until(lambda: bool(reasons))  # the tracker closed the old process's link
     assert "lost the tracker connection" in reasons[0]
     await new.shutdown(5)
     await old.close()
+
+
+@pytest.mark.asyncio
+async def test_a_second_process_of_a_live_task_is_refused_not_taken_for_its_restart(
+        make_tracker: Callable[..., Any]) -> None:
+    """The same task id and attempt while that task's worker heartbeats (a worker launched
+    twice): refused, and the running one goes on, instead of being fenced off and failing
+    its job."""
+    tracker = await make_tracker(1)
+    (live,) = await join_job(tracker, ["0"])
+    reasons: list[str] = []
+    live.on_abort = reasons.append
+    await live.wait_assignment(5)
+    twin = await TrackerClient.connect(config(tracker, "0"), 20002)
+    with pytest.raises(TrackerError, match=r"rank 0 \(task 0\) runs already \(attempt 0, "
+                                           r"heard from .* is not its restart"):
+        await twin.wait_assignment(5)
+    await asyncio.sleep(0.5)  # (a few heartbeats)
+    assert not reasons
+    await live.shutdown(5)
+    await twin.close()
 
 
 @pytest.mark.asyncio
@@ -917,6 +940,24 @@ def test_tracker_cli_query_of_no_tracker_fails_typed() -> None:
                            "--secret", "ab", "--query-timeout", "2"],
                           capture_output=True, text=True, timeout=30, check=False)
     assert done.returncode == 1 and "cannot query the tracker" in done.stderr
+
+
+def test_tracker_cli_query_of_something_else_says_it_may_not_be_a_tracker() -> None:
+    """A listener that never answers the handshake (another service at that port): exit 1
+    within the timeout, saying what to check; without a secret, that none was given."""
+    import socket  # noqa: PLC0415
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        target = f"127.0.0.1:{silent.getsockname()[1]}"
+        for secret, said in ((["--secret", "ab"], "(is that a rabit2 tracker, and its secret?)"),
+                             ([], "(no secret was given: --secret or RABIT2_SECRET)")):
+            done = subprocess.run(
+                [sys.executable, "-m", "tracker.cli", "--query", target, *secret,
+                 "--query-timeout", "1"], capture_output=True, text=True, timeout=30,
+                check=False, env={k: v for k, v in os.environ.items() if k != "RABIT2_SECRET"})
+            assert done.returncode == 1 and said in done.stderr, done.stderr
 
 
 @pytest.mark.asyncio

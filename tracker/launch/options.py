@@ -229,8 +229,9 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
                         help="serve the job's metrics in the Prometheus text format at "
                              "http://HOST:P/metrics while it runs (0: any free port; "
                              "needs the metrics extra)")
-    parser.add_argument("--metrics-host", default="127.0.0.1", metavar="HOST",
-                        help="address of the metrics endpoint (default 127.0.0.1)")
+    parser.add_argument("--metrics-host", default=None, metavar="HOST",
+                        help="address of the metrics endpoint (default 127.0.0.1; with "
+                             "--metrics-port)")
     parser.add_argument("--status-file", default=None, metavar="F",
                         help="where to write the job file that rabit2-tracker --query reads "
                              "(default: job-HOST-PID.json in $RABIT2_RUN_DIR, $XDG_RUNTIME_DIR/"
@@ -296,6 +297,8 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
         parser.error("--min-workers must be between 1 and -n")
     if args.min_workers != 1 and not args.elastic:
         parser.error("--min-workers is for --elastic")
+    if args.metrics_host is not None and args.metrics_port is None:
+        parser.error("--metrics-host needs --metrics-port (the endpoint is served only then)")
     if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
         parser.error("--metrics-port must be a TCP port (0: any free one)")
     if not command:
@@ -361,7 +364,7 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
         log_file=args.log_file,
         timestamps=args.timestamps,
         metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host,
+        metrics_host=args.metrics_host or "127.0.0.1",
         status_file=args.status_file,
         elastic=args.elastic,
         min_workers=args.min_workers,
