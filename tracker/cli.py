@@ -31,6 +31,7 @@ import secrets
 import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from types import FrameType
 
 import rabit2
@@ -210,7 +211,11 @@ def query(args: argparse.Namespace) -> int:
         status = asyncio.run(query_tracker_status(host, port, args.secret,
                                                   args.query_timeout))
     except TrackerError as exc:
-        print(f"rabit2-tracker: {exc}", file=sys.stderr)
+        gone = (isinstance(args.query, str) and args.query
+                and jobfile.launcher_alive(Path(args.query)) is False)
+        print(f"rabit2-tracker: {exc}" + (
+            "; the launcher that wrote that job file no longer runs (it was killed before it "
+            "could remove it): its job has ended" if gone else ""), file=sys.stderr)
         return EXIT_ABORTED
     print(json.dumps(status, indent=2, sort_keys=True))
     return EXIT_OK

@@ -115,7 +115,7 @@ def read(path: str | Path) -> tuple[str, int, str]:
     return host, port, secret
 
 
-def _launcher_alive(path: Path) -> bool | None:
+def launcher_alive(path: Path) -> bool | None:
     """Whether the launcher that wrote job file ``path`` on this host still runs (None:
     not a job file name of this host)."""
     host, _, pid_text = path.stem[len(_PREFIX):].rpartition("-")
@@ -133,7 +133,7 @@ def _launcher_alive(path: Path) -> bool | None:
 def _prune(folder: Path) -> None:
     """Remove the job files of launchers that were killed before they could."""
     for path in folder.glob(f"{_PREFIX}*.json"):
-        if _launcher_alive(path) is False:
+        if launcher_alive(path) is False:
             with contextlib.suppress(OSError):
                 path.unlink()
 
@@ -148,7 +148,7 @@ def running(folder: Path | None = None) -> list[Path]:
         return []
     found: list[tuple[float, Path]] = []
     for path in folder.glob(f"{_PREFIX}*.json"):
-        if _launcher_alive(path):
+        if launcher_alive(path):
             with contextlib.suppress(OSError):
                 found.append((path.stat().st_mtime, path))
     return [path for _, path in sorted(found)]
@@ -160,4 +160,4 @@ def remove(path: Path) -> None:
         path.unlink()
 
 
-__all__ = ["read", "remove", "run_dir", "running", "write"]
+__all__ = ["launcher_alive", "read", "remove", "run_dir", "running", "write"]

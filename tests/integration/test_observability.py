@@ -225,6 +225,28 @@ def test_a_query_that_finds_no_job_says_so(tmp_path: Path, argv: list[str],
     assert "Traceback" not in done.stderr
 
 
+def test_a_query_of_a_job_file_left_by_a_killed_launcher_says_the_job_ended(
+        tmp_path: Path) -> None:
+    """A launcher killed with SIGKILL leaves its job file; asking through it says that its
+    launcher is gone, not only that nothing listens at the tracker's address."""
+    import socket  # noqa: PLC0415
+
+    from tracker import jobfile  # noqa: PLC0415
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    left = jobfile.write({"host": "127.0.0.1", "port": port, "secret": "00ff"},
+                         tmp_path / f"job-{jobfile._HOST}-{gone.pid}.json")
+    done = subprocess.run([sys.executable, "-m", "tracker.cli", "--query", str(left)],
+                          capture_output=True, text=True, timeout=30, cwd=ROOT, check=False)
+    assert done.returncode == 1, done.stderr
+    assert ("the launcher that wrote that job file no longer runs (it was killed before it "
+            "could remove it): its job has ended") in done.stderr, done.stderr
+
+
 def test_a_taken_metrics_port_is_a_one_line_error(tmp_path: Path) -> None:
     import socket  # noqa: PLC0415
 
