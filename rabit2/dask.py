@@ -86,7 +86,8 @@ def run(client: Any, func: Callable[..., Any], *args: Any,
     ``distributed.Client``); return the per-rank results, in rank order.
 
     ``workers``: how many ranks (each on its own Dask worker, the first ones in address
-    order) or which worker addresses, one rank each; default: every worker, one rank each.
+    order) or which workers, one rank each (addresses, with or without ``tcp://``, or worker
+    names, as Dask's ``workers=`` takes them); default: every worker, one rank each.
     ``max_attempts``: runs per rank in all, the first included (a rank's worker lost that
     often ends the job).  ``timeout``: give up on the whole job after that many seconds.
     ``config``: rabit2 parameters for every rank (``init``'s keyword arguments, e.g.
@@ -166,8 +167,11 @@ def _identities(workers: dict[str, Any]) -> dict[str, str]:
 
 
 def _choose_workers(client: Any, wanted: int | Sequence[str] | None) -> list[str]:
-    """One Dask worker address per rank (``ValueError`` when that cannot be)."""
-    available = sorted(_worker_processes(client))
+    """One Dask worker address per rank (``ValueError`` when that cannot be).  A worker may
+    be named as Dask's own ``workers=`` names it: by its address, its address without the
+    ``tcp://`` scheme, or its name."""
+    processes = _worker_processes(client)
+    available = sorted(processes)
     if not available:
         raise ValueError("the Dask cluster has no workers")
     if isinstance(wanted, str):
@@ -182,7 +186,13 @@ def _choose_workers(client: Any, wanted: int | Sequence[str] | None) -> list[str
             raise ValueError(f"workers={wanted}: the cluster has {len(available)} workers")
         chosen = available[:wanted]
     else:
-        chosen = list(wanted)
+        aliases: dict[str, str] = {}
+        for address, info in processes.items():
+            aliases.setdefault(str(info.get("name", address)), address)
+            aliases.setdefault(address.partition("://")[2] or address, address)
+        for address in available:
+            aliases[address] = address  # (an address is itself first)
+        chosen = [aliases.get(str(worker), str(worker)) for worker in wanted]
         unknown = [address for address in chosen if address not in available]
         twice = sorted({address for address in chosen if chosen.count(address) > 1})
         if unknown or not chosen or twice:

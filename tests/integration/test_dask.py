@@ -251,6 +251,18 @@ def test_workers_may_be_one_address_and_not_a_bool_or_a_float(full: Any) -> None
             rabit2.dask.run(full, rabit2.get_rank, workers=bad)  # type: ignore[arg-type]
 
 
+def test_workers_may_be_named_as_dask_names_them(full: Any) -> None:
+    """By name, or by address without its scheme, as Dask's own ``workers=`` takes them."""
+    info = rabit2.dask._worker_processes(full)
+    first, second = sorted(info)[:2]
+    by_name = [info[second]["name"], info[first]["name"]]
+    where = rabit2.dask.run(full, lambda: distributed.get_worker().address, workers=by_name)
+    assert where == [second, first]
+    bare = first.partition("://")[2]
+    assert rabit2.dask.run(full, lambda: distributed.get_worker().address,
+                           workers=[bare]) == [first]
+
+
 def test_a_closed_client_is_refused() -> None:
     cluster = distributed.LocalCluster(n_workers=1, processes=True, dashboard_address=":0")
     with cluster:
