@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 import secrets
 import socket
 import threading
@@ -286,6 +285,7 @@ class _Job:
         if not any(key.lower() in ("recover", "rabit2_recover") for key in params):
             params["rabit2_recover"] = max_attempts > 1
         self.token = secrets.token_hex(4)  # makes the task keys of this job unique
+        self.origin: str | None = None  # the task whose error ended the job, if one did
         # the workers at the last look: address -> the worker process's id
         self.present = _identities(_worker_processes(client))
 
@@ -324,6 +324,7 @@ class _Job:
                 return self._give_up(f"the job timed out after {self.timeout:g} s")
             failed = next((rank for rank in self.ranks if rank.future.status == "error"), None)
             if failed is not None:  # (raised there, maybe before it joined: end the job)
+                self.origin = failed.task_id
                 error = failed.future.exception()
                 return self._give_up(f"task {failed.task_id} raised "
                                      f"{type(error).__name__}: {error}")
@@ -452,7 +453,7 @@ class _Job:
             reason = result.reason
         program = [(task, error) for task, error in failed if not isinstance(error, RabitError)]
         if program:  # the root cause: what func raised on the rank that ended the job
-            origin = _origin(reason or "")
+            origin = self.origin or (result.origin if result is not None else None)
             raise next((error for task, error in program if task == origin), program[0][1])
         if reason is not None:
             raise JobAbortedError(reason + stopped)
@@ -483,13 +484,6 @@ async def _end_process() -> None:
     import asyncio  # noqa: PLC0415
 
     asyncio.get_running_loop().call_later(0.2, os._exit, 1)
-
-
-def _origin(reason: str) -> str | None:
-    """The task whose error ended the job, as the tracker's reason names it (``rank R (task
-    T) signalled an error: ...``) or :func:`run`'s own (``task T raised ...``)."""
-    found = re.match(r"(?:rank \d+ \()?task (\S+?)\)? (?:signalled an error:|raised )", reason)
-    return found.group(1) if found else None
 
 
 __all__ = ["run"]

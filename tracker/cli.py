@@ -39,7 +39,7 @@ from rabit2.config import secret_bytes
 from rabit2.errors import TrackerError
 from rabit2.io.tracker_query import query_tracker_status
 from tracker import jobfile
-from tracker.launch.options import check_seconds
+from tracker.launch.options import check_metrics, check_seconds
 from tracker.metrics import MetricsServer
 from tracker.server import Tracker, status_on_loop
 
@@ -84,11 +84,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                              "--metrics-port)")
     parser.add_argument("--query-timeout", type=float, default=10.0, metavar="S")
     args = parser.parse_args(argv)
-    if args.metrics_host is not None and args.metrics_port is None:
-        parser.error("--metrics-host needs --metrics-port (the endpoint is served only then)")
-    args.metrics_host = args.metrics_host or "127.0.0.1"
-    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
-        parser.error("--metrics-port must be a TCP port (0: any free one)")
+    args.metrics_host = check_metrics(parser, args.metrics_host, args.metrics_port)
     if not 0 <= args.port < 65536:
         parser.error("--port must be a TCP port (0: any free one)")
     check_seconds(parser, "--heartbeat-timeout", args.heartbeat_timeout, None)

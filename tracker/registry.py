@@ -112,6 +112,7 @@ class Registry(Generic[C]):
         self._adopted = False  # some worker rejoined from a previous tracker
         self._grace_tokens = 0  # handed out so far
         self.outcome: Finish | None = None
+        self.origin: str | None = None  # the task whose own error ended the job
 
     def task_of(self, conn: C) -> Task[C] | None:
         """The task registered on ``conn``, if any."""
@@ -278,6 +279,8 @@ class Registry(Generic[C]):
             if idle:
                 text += (f" (not in a collective call at their last heartbeat: rank "
                          f"{', '.join(map(str, idle))})")
+        if self.outcome is None:
+            self.origin = task.task_id
         return self.abort(f"{describe(task)} signalled an error: {text}", exclude=conn)
 
     def unreachable(self, conn: C, rank: int, reason: str, now: float) -> list[Decision[C]]:

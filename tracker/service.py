@@ -76,11 +76,13 @@ _MAX_WRITE_BUFFER = 8 * 1024 * 1024  # per connection: ~8 status replies or 100k
 class JobResult:
     """How the job ended: ``success`` iff every rank shut down and nobody aborted it;
     ``reason`` says why it ended (the abort's reason when aborted); ``status`` is
-    :meth:`Tracker.status` at the end."""
+    :meth:`Tracker.status` at the end; ``origin``, the task whose own error (``error``
+    from the worker) ended it, if one did."""
 
     success: bool
     reason: str
     status: dict[str, Any]
+    origin: str | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -577,7 +579,7 @@ class Tracker:
 
     def _finish(self, success: bool, reason: str) -> None:
         # Record the outcome first so that the final status snapshot reports it.
-        self._result = JobResult(success, reason, {})
+        self._result = JobResult(success, reason, {}, self._registry.origin)
         self._result = dataclasses.replace(self._result, status=self.status())
         if not success and self._classic is not None:
             self._classic.abort()

@@ -356,11 +356,12 @@ class TrackerClient:
                 break
             # a registered worker's connection ended: the path may have blinked while both
             # ends live, so dial again rather than end the job (docs/protocol.md)
-            started = asyncio.get_running_loop().time()
+            clock = asyncio.get_running_loop().time
+            started = clock()
             if not await self._rejoin(reason):
                 if self._closing:  # (this worker finalized meanwhile: it dials no more)
                     reason = (f"{reason}; not reached again before this worker finalized "
-                              f"({asyncio.get_running_loop().time() - started:.1f} s)")
+                              f"({clock() - started:.1f} s)")
                 elif not self._refused:
                     reason = f"{reason}; could not reach it again within {REJOIN_SEC:g} s"
                 break

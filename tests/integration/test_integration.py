@@ -383,6 +383,21 @@ def test_ranks_that_differ_in_recovery_fail_with_a_mismatch_naming_the_setting()
                          out), out[-3000:]
 
 
+def _mismatch_job(world: int, calls: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    """A job (recovery on) whose ranks make ``calls`` (lines of a ``try`` block; ``r`` is
+    the rank), then finalize; each prints ``MISMATCH r <error>`` for a MismatchError."""
+    code = ("import sys, time, numpy as np, rabit2\n"
+            "rabit2.init()\n"
+            "r = rabit2.get_rank()\n"
+            "try:\n" + calls +
+            "    rabit2.finalize()\n"
+            "except rabit2.errors.MismatchError as exc:\n"
+            "    print('MISMATCH', r, exc, flush=True)\n"
+            "    sys.exit(3)\n")
+    proc = submit(world, sys.executable, "-c", code, timeout=120, extra=("--max-attempts", "2"))
+    return proc, proc.stdout + proc.stderr
+
+
 @pytest.mark.integration
 @pytest.mark.parametrize("delay", [0.0, 0.5], ids=["at-once", "once-the-other-holds"])
 def test_an_extra_call_after_the_other_rank_finalized_is_a_mismatch_on_both(
@@ -390,23 +405,11 @@ def test_an_extra_call_after_the_other_rank_finalized_is_a_mismatch_on_both(
     """With recovery on a rank that finalized holds, serving its neighbours: rank 0's extra
     call (its frame read before that rank finalized, or after) is a sequence mismatch on
     both ranks within seconds (rank 1's from finalize), not a wait to the deadline."""
-    code = (
-        "import sys, time, numpy as np, rabit2\n"
-        "rabit2.init()\n"
-        "r = rabit2.get_rank()\n"
-        "try:\n"
-        "    rabit2.allreduce(np.ones(3), rabit2.SUM)\n"
-        "    if r == 0:\n"
-        f"        time.sleep({delay})\n"
-        "        rabit2.allreduce(np.ones(3), rabit2.SUM)\n"
-        "    rabit2.finalize()\n"
-        "except rabit2.errors.MismatchError as exc:\n"
-        "    print('MISMATCH', r, exc, flush=True)\n"
-        "    sys.exit(3)\n"
-    )
     started = time.monotonic()
-    proc = submit(2, sys.executable, "-c", code, timeout=120, extra=("--max-attempts", "2"))
-    out = proc.stdout + proc.stderr
+    proc, out = _mismatch_job(2, "    rabit2.allreduce(np.ones(3), rabit2.SUM)\n"
+                                 "    if r == 0:\n"
+                                 f"        time.sleep({delay})\n"
+                                 "        rabit2.allreduce(np.ones(3), rabit2.SUM)\n")
     assert proc.returncode != 0
     for rank in (0, 1):
         assert re.search(rf"MISMATCH {rank} sequence mismatch: rank 0 began call \(0, 1\) .*"
@@ -422,21 +425,9 @@ def test_a_leaf_that_finalized_before_a_call_of_the_others_is_a_mismatch_on_ever
     """A leaf of the tree finalizes while the others make a call: no frame ever reaches it
     (its parent waits for its input first), so only the parent's progress notes tell it of
     the call.  It fails the call everywhere within seconds, not at the deadline."""
-    code = (
-        "import sys, numpy as np, rabit2\n"
-        "rabit2.init()\n"
-        "r = rabit2.get_rank()\n"
-        "try:\n"
-        f"    if r != {early}:\n"
-        "        rabit2.allreduce(np.ones(3), rabit2.SUM)\n"
-        "    rabit2.finalize()\n"
-        "except rabit2.errors.MismatchError as exc:\n"
-        "    print('MISMATCH', r, exc, flush=True)\n"
-        "    sys.exit(3)\n"
-    )
     started = time.monotonic()
-    proc = submit(world, sys.executable, "-c", code, timeout=120, extra=("--max-attempts", "2"))
-    out = proc.stdout + proc.stderr
+    proc, out = _mismatch_job(world, f"    if r != {early}:\n"
+                                     "        rabit2.allreduce(np.ones(3), rabit2.SUM)\n")
     assert proc.returncode != 0
     for rank in range(world):
         assert re.search(rf"MISMATCH {rank} sequence mismatch: rank \d+ began call \(0, 0\) "

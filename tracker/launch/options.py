@@ -156,6 +156,18 @@ FDS_PER_LOCAL_WORKER = 4
 tracker's connection to it."""
 
 
+def check_metrics(parser: argparse.ArgumentParser, host: str | None,
+                  port: int | None) -> str:
+    """The metrics endpoint's address (``--metrics-host``, loopback by default), checked
+    with ``--metrics-port``: usage errors (exit status 2) for a port out of range, or a host
+    without a port."""
+    if host is not None and port is None:
+        parser.error("--metrics-host needs --metrics-port (the endpoint is served only then)")
+    if port is not None and not 0 <= port < 65536:
+        parser.error("--metrics-port must be a TCP port (0: any free one)")
+    return host or "127.0.0.1"
+
+
 def check_seconds(parser: argparse.ArgumentParser, name: str, value: float | None,
                   least: float | None) -> None:
     """A time option: finite, at most ``MAX_SECONDS``, and ``>= least`` (None: ``> 0``);
@@ -297,10 +309,7 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
         parser.error("--min-workers must be between 1 and -n")
     if args.min_workers != 1 and not args.elastic:
         parser.error("--min-workers is for --elastic")
-    if args.metrics_host is not None and args.metrics_port is None:
-        parser.error("--metrics-host needs --metrics-port (the endpoint is served only then)")
-    if args.metrics_port is not None and not 0 <= args.metrics_port < 65536:
-        parser.error("--metrics-port must be a TCP port (0: any free one)")
+    metrics_host = check_metrics(parser, args.metrics_host, args.metrics_port)
     if not command:
         parser.error("no command given (put it after --)")
     if args.status_file:
@@ -364,7 +373,7 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
         log_file=args.log_file,
         timestamps=args.timestamps,
         metrics_port=args.metrics_port,
-        metrics_host=args.metrics_host or "127.0.0.1",
+        metrics_host=metrics_host,
         status_file=args.status_file,
         elastic=args.elastic,
         min_workers=args.min_workers,
