@@ -70,7 +70,7 @@ def init(args: Iterable[str | bytes] | None = None, **kwargs: Any) -> None:
         logs.configure(config.log_level)
         _comm.version = _comm.seqno = 0
         _comm.global_model = _comm.local_model = _comm.lazy_model = None
-        _comm.must_load = _comm.loaded_without_local = False
+        _comm.must_load = _comm.loaded_without_local = _comm.loaded = False
         if config.distributed and config.elastic:
             from rabit2.io.membership import Membership  # noqa: PLC0415
             from rabit2.live import heard_left  # noqa: PLC0415

@@ -134,7 +134,8 @@ def _load(comm: _Communicator, with_local: bool) -> tuple[Any, ...]:
     if comm.must_load:
         comm.must_load = False
         version, blob, local = comm.engine.load_checkpoint(with_local)
-        comm.version, comm.seqno = version, 0
+        if version:  # (at version 0 the calls made before it stay where they were)
+            comm.version, comm.seqno = version, 0
         comm.global_model, comm.lazy_model, comm.local_model = blob, None, local
         comm.loaded_without_local = not with_local and version > 0
     elif with_local and comm.loaded_without_local:
@@ -142,6 +143,9 @@ def _load(comm: _Communicator, with_local: bool) -> tuple[Any, ...]:
             "load_checkpoint(with_local=True): this restarted worker fetched checkpoint "
             f"{comm.version} from its neighbours in an earlier load_checkpoint() without its "
             "local model; ask for it in the first call (with_local=True)")
+    elif not comm.loaded and comm.engine is not None:
+        comm.engine.keep_bootstrap()  # (the calls before it, for a later restart's replay)
+    comm.loaded = True
     if comm.version == 0:
         return (0, None, None) if with_local else (0, None)
     if comm.lazy_model is not None:

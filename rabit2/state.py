@@ -35,6 +35,7 @@ class Communicator:
         self.local_model: bytes | None = None
         self.must_load = False  # a restarted worker whose checkpoint is with its neighbours
         self.loaded_without_local = False  # that worker's fetch left its local model there
+        self.loaded = False  # the program called load_checkpoint (its calls before it are kept)
         # elastic mode (docs/elastic.md): the worker's place in the job, its rank and size
         # there, and the live set whose block it is in (rank and world are then the set's)
         self.membership: Any = None  # rabit2.io.membership.Membership

@@ -463,6 +463,13 @@ class Engine:
             return
         self.execute(cmds)
 
+    def keep_bootstrap(self) -> None:
+        """The program's first ``load_checkpoint`` (not restarted): :meth:`Agent.keep_bootstrap`."""
+        self.loop_thread.run(self._keep_bootstrap(), self.config.timeout_sec)
+
+    async def _keep_bootstrap(self) -> None:
+        self.agent.keep_bootstrap()
+
     def recovery_statistics(self) -> dict[str, int]:
         """The agent's recovery counters (links re-established, bytes fetched, resent...)."""
         return self.loop_thread.run(self._recovery_statistics(), self.config.timeout_sec)

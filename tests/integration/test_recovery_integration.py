@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import os
 import random
 import re
@@ -29,6 +30,7 @@ import time
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from rabit2 import errors
@@ -1137,5 +1139,47 @@ def test_a_restart_that_never_loads_its_checkpoint_is_told_to() -> None:
     proc = _three_with_rank_1_killed(code)
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert ("UnrecoverableError: rank 1 replays call (0, 0), but no live neighbour retains its "
-            "result any more (its neighbours hold checkpoint 2: a restarted worker must call "
-            "load_checkpoint() before its first collective") in proc.stderr, proc.stderr[-3000:]
+            "result any more (its neighbours hold checkpoint 2 and no longer the calls made "
+            "before it") in proc.stderr, proc.stderr[-3000:]
+    assert ("otherwise call load_checkpoint() before the first collective and go on from the "
+            "version it returns") in proc.stderr, proc.stderr[-3000:]
+
+
+_BOOTSTRAP_PROGRAM = (
+    "import sys, hashlib, numpy as np, rabit2\n"
+    "rabit2.init(sys.argv[1:])\n"
+    "r = rabit2.get_rank()\n"
+    "lo = rabit2.allreduce(np.array([r + 1.0]), rabit2.Op.MIN)\n"
+    "hi = rabit2.allreduce(np.array([r + 1.0]), rabit2.Op.MAX)\n"
+    "cfg = rabit2.broadcast({'lr': 0.25} if r == 0 else None, 0)\n"
+    "v, w = rabit2.load_checkpoint()\n"
+    "w = np.zeros(4) if w is None else w\n"
+    "for it in range(v, 5):\n"
+    "    g = np.arange(4.0) * (r + 1) + it\n"
+    "    rabit2.allreduce(g, rabit2.Op.SUM)\n"
+    "    w = w - cfg['lr'] * g / hi[0] + lo[0]\n"
+    "    rabit2.checkpoint(w)\n"
+    "print('RESULT', r, hashlib.sha256(w.tobytes()).hexdigest(), flush=True)\n"
+    "rabit2.finalize()\n")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("mock", ["1,0,1,0", "1,3,0,0"])
+def test_calls_before_the_first_load_checkpoint_are_replayed(mock: str) -> None:
+    """rabit's bootstrap cache, always on: the collectives a program makes before its first
+    load_checkpoint (rank 1 killed in one of them, or three checkpoints later) are replayed
+    by the restarted worker from its neighbours, and every rank ends with the model a run
+    without the failure computes."""
+    w = np.zeros(4)
+    for it in range(5):
+        g = sum(np.arange(4.0) * (r + 1) + it for r in range(3))
+        w = w - 0.25 * g / 3.0 + 1.0
+    want = hashlib.sha256(w.tobytes()).hexdigest()
+    proc = subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "-n", "3", "--max-attempts", "3",
+         "--timeout", "60", "--", sys.executable, "-c", _BOOTSTRAP_PROGRAM, f"mock={mock}"],
+        capture_output=True, text=True, timeout=90, env=job_env(), cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(re.findall(r"RESULT (\d) (\w+)", proc.stdout)) == [
+        (str(r), want) for r in range(3)], proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "task 1 exited with -9 (attempt 1/3); restarting" in proc.stderr, proc.stderr[-3000:]

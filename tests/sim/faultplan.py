@@ -47,7 +47,7 @@ class Spec:
 
 
 def data_for(rank: int, it: int, j: int, spec: Spec) -> np.ndarray:
-    rng = np.random.default_rng([rank, it, j])
+    rng = np.random.default_rng([rank, it if it >= 0 else 1 << 20, j])  # (-1: bootstrap)
     if np.dtype(spec.dtype).kind == "f":
         return rng.standard_normal(spec.count).astype(spec.dtype)
     return rng.integers(-1000, 1000, spec.count).astype(spec.dtype)
@@ -76,13 +76,20 @@ class Kill:
 
 
 class Job:
+    """Every rank runs ``bootstrap`` (calls made before the program's first
+    ``load_checkpoint``, iteration -1), then ``program``: iterations of calls, each followed
+    by a checkpoint.  A restarted rank replays ``bootstrap`` and then loads its checkpoint."""
+
     def __init__(self, world: int, program: list[list[Spec]], *, seed: int = 0,
-                 max_piece: int = 1 << 12, kills: list[Kill] = (), **agent_kw: object) -> None:
+                 max_piece: int = 1 << 12, kills: list[Kill] = (),
+                 bootstrap: list[Spec] = (), **agent_kw: object) -> None:
         agent_kw.setdefault("recover", True)
         self.net = SimNet(world, seed, max_piece, **agent_kw)
         self.world = world
         self.program = program
-        self.pos = dict.fromkeys(range(world), (0, 0))
+        self.bootstrap = list(bootstrap)
+        self.pos = dict.fromkeys(range(world), (-1, 0) if bootstrap else (0, 0))
+        self.replaying_bootstrap: set[int] = set()
         self.inflight: dict[int, tuple[int, int, np.ndarray, int]] = {}
         self.results: dict[int, dict[tuple[int, int], bytes]] = {r: {} for r in range(world)}
         self.loading: dict[int, str] = {}  # rank -> "states" | "checkpoint"
@@ -99,15 +106,24 @@ class Job:
         agent = self.net.agents[rank]
         while True:
             it, j = self.pos[rank]
+            if it == -1 and j == len(self.bootstrap):
+                if rank in self.replaying_bootstrap:
+                    self.replaying_bootstrap.discard(rank)
+                    self.loading[rank] = "checkpoint"
+                    self.net.execute(rank, agent.load_checkpoint(with_local=True))
+                    return
+                agent.keep_bootstrap()  # (the program's first load_checkpoint: version 0)
+                self.pos[rank] = (0, 0)
+                continue
             if it == len(self.program):
                 return
-            if j == len(self.program[it]):
+            if it >= 0 and j == len(self.program[it]):
                 agent.checkpoint(f"model after iteration {it}".encode())
                 self.net.execute(rank, agent.push_local(f"rank {rank} local {it}".encode()))
                 self.pos[rank] = (it + 1, 0)
                 continue
             break
-        spec = self.program[it][j]
+        spec = self.bootstrap[j] if it == -1 else self.program[it][j]
         mine = data_for(rank, it, j, spec)
         if spec.kind == "allreduce":
             arr = mine.copy()
@@ -173,6 +189,7 @@ class Job:
                 if got < kill.after_bytes and kill.rank not in self.net.done:
                     continue  # (a call that receives less than that dies when it completes)
                 self.net.kill(kill.rank)
+                self.replaying_bootstrap.discard(kill.rank)
                 self.inflight.pop(kill.rank, None)
                 self.holders.pop(kill.rank, None)
                 kill.killed_at_step = self.steps
@@ -185,7 +202,11 @@ class Job:
     def _loading(self, rank: int) -> None:
         agent = self.net.agents[rank]
         if self.loading[rank] == "states":
-            if agent.states_known():
+            if agent.states_known() and self.bootstrap:
+                del self.loading[rank]  # (replays the bootstrap calls, then loads)
+                self.replaying_bootstrap.add(rank)
+                self.pos[rank] = (-1, 0)
+            elif agent.states_known():
                 self.loading[rank] = "checkpoint"
                 self.net.execute(rank, agent.load_checkpoint(with_local=True))
         elif rank in self.net.loaded:
@@ -225,6 +246,9 @@ class Job:
 
     def check(self) -> None:
         for rank in range(self.world):
+            for j, spec in enumerate(self.bootstrap):
+                got = self.results[rank].get((-1, j))
+                assert got == expected(self.world, -1, j, spec), (rank, -1, j, spec)
             for it, calls in enumerate(self.program):
                 for j, spec in enumerate(calls):
                     got = self.results[rank].get((it, j))

@@ -115,6 +115,49 @@ def test_kill_at_random_points(seed: int) -> None:
     run_job(world, [kill], seed=seed, max_piece=int(rng.integers(1, 5000)))
 
 
+BOOTSTRAP = [Spec("allreduce", 3), Spec("broadcast", 40, root=1), Spec("allgather", 5)]
+"""Calls a program makes before its first load_checkpoint (XGBoost's feature count, a
+config from rank 0, ...): kept for good by every rank (rabit's bootstrap cache)."""
+
+
+@pytest.mark.parametrize(("world", "victim", "at"), [
+    (2, 1, (-1, 1)), (3, 1, (-1, 2)), (4, 0, (-1, 0)),  # before the first load_checkpoint
+    (2, 0, (2, 0)), (3, 2, (2, 1)), (5, 3, (1, 2)),  # two checkpoints later
+])
+def test_calls_before_the_first_load_checkpoint_are_replayed(
+        world: int, victim: int, at: tuple[int, int]) -> None:
+    """A restarted worker replays the calls its program makes before load_checkpoint, from
+    neighbours that kept them for good, also once they are two checkpoints further on; at
+    version 0 its later calls go on from there rather than from call (0, 0) again."""
+    for seed, after in enumerate([0, 60]):
+        job = run_job(world, [Kill(victim, at, after)], seed=seed, bootstrap=BOOTSTRAP)
+        assert job.net.agents[victim].incarnation == 1
+        # (one version earlier where its local model of the latest had not gone out yet)
+        assert job.resumed_from[victim] in (max(0, at[0] - 1), max(0, at[0]))
+        stats = job.net.agents[victim].recovery_statistics()
+        assert stats["replayed_calls"] >= (len(BOOTSTRAP) if at[0] > 0 else 0)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_kill_at_random_points_with_calls_before_load_checkpoint(seed: int) -> None:
+    rng = np.random.default_rng(100 + seed)
+    world = int(rng.integers(2, 9))
+    it = int(rng.integers(-1, len(PROGRAM)))
+    calls = BOOTSTRAP if it == -1 else PROGRAM[it]
+    kill = Kill(int(rng.integers(0, world)), (it, int(rng.integers(0, len(calls)))),
+                int(rng.integers(0, 30000)), restart_after=int(rng.integers(1, 5000)))
+    run_job(world, [kill], seed=seed, max_piece=int(rng.integers(1, 5000)),
+            bootstrap=BOOTSTRAP)
+
+
+def test_calls_before_load_checkpoint_over_half_the_store_are_not_kept() -> None:
+    """Kept for good only up to half of rabit2_replay_mb: beyond that a restart two
+    checkpoints later cannot replay them, and says what to do."""
+    with pytest.raises(UnrecoverableError, match="kept for good only where"):
+        run_job(3, [Kill(1, (2, 0), 0)], bootstrap=[Spec("allreduce", 200)],
+                retain_bytes=3000)
+
+
 def test_two_ranks_far_apart_killed_at_once() -> None:
     world = 8
     far = next(r for r in range(2, world) if r not in topology(0, world).neighbors)

@@ -131,3 +131,38 @@ def test_memory_made_ahead_is_what_the_next_result_takes() -> None:
     room = store.take(size)
     assert slab.ready == ready  # (no page made on the call's path)
     assert room.nbytes == size and slab.pos == at + size
+
+
+def test_the_calls_before_the_first_load_are_kept_for_good() -> None:
+    """keep_bootstrap: the results of calls (0, 0)..(0, n-1) outlive every later checkpoint,
+    come back byte for byte, and count against the bound; a second load changes nothing."""
+    store = ResultStore(limit=1 << 20)
+    results = [_result(seed, 100 + seed) for seed in range(3)]
+    for seqno, res in enumerate(results):
+        store.add((0, seqno), DESC, [memoryview(res)])
+    store.keep_bootstrap(2)  # the program loads after its second call
+    store.add((0, 2), DESC, [memoryview(results[2])])  # (again: a later call of version 0)
+    store.on_checkpoint(5)
+    assert store.bootstrap_calls == 2 and store.oldest == (4, 0)
+    for seqno in range(2):
+        got = store.get((0, seqno))
+        assert got is not None and bytes(got[1]) == results[seqno].tobytes()
+    assert store.get((0, 2)) is None
+    assert store.limit == (1 << 20) - 100 - 101
+    store.keep_bootstrap(3)
+    assert store.bootstrap_calls == 2
+
+
+@pytest.mark.parametrize("case", ["dropped", "over half", "checkpointed first"])
+def test_calls_before_the_first_load_are_kept_all_or_none(case: str) -> None:
+    """None is kept where a replay could not use them all (one was dropped), where they
+    would take more than half the bound, or where the program checkpointed before loading."""
+    store = ResultStore(limit=10_000)
+    sizes = {"dropped": [6000, 6000], "over half": [3000, 2500],
+             "checkpointed first": [100, 100]}[case]
+    for seqno, size in enumerate(sizes):
+        store.add((0, seqno), DESC, [memoryview(_result(seqno, size))])
+    store.keep_bootstrap(0 if case == "checkpointed first" else 2)
+    assert store.bootstrap_calls == 0 and store.limit == 10_000
+    store.keep_bootstrap(2)  # (decided at the first load)
+    assert store.bootstrap_calls == 0

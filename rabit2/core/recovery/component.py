@@ -309,7 +309,8 @@ class Recovery:
             seen = active.frames_seen.get(peer, 0) > 0
         return PeerState(agent.incarnation, at, active is not None, need, seen,
                          self.replay.replaying(), tuple(sorted(self.checkpoints)),
-                         self.results.oldest, self.replicas.versions_of(peer))
+                         self.results.oldest, self.replicas.versions_of(peer),
+                         self.results.bootstrap_calls)
 
     def states_known(self) -> bool:
         """Every neighbour has sent its state (a restarted rank waits for this in init)."""

@@ -98,7 +98,7 @@ class Fetches:
                 self.request(peer, "local", fetch.call, 0, -1, None, cmds, tried=tried)
                 return
             if (fetch.what == "result" and fetch.whole and active is not None
-                    and role_of(st, fetch.call) is Role.FINISHED and st.oldest <= fetch.call):
+                    and role_of(st, fetch.call) is Role.FINISHED and st.retains(fetch.call)):
                 self.request(peer, "result", fetch.call, 0, -1, fetch.dest, cmds, active,
                              tried=tried)
                 return

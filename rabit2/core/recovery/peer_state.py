@@ -36,12 +36,17 @@ class PeerState:
     versions: tuple[int, ...]  # checkpoint versions it can serve
     oldest: CallId  # every finished call from here up to ``at`` is retained there
     locals: tuple[int, ...] = ()  # versions of the receiver's local model it holds
+    boot: int = 0  # calls (0, 0) to (0, boot - 1), made before load_checkpoint, kept for good
+
+    def retains(self, call: CallId) -> bool:
+        """Whether the neighbour keeps the result of ``call``, which it finished."""
+        return self.oldest <= call or (call[0] == 0 and call[1] < self.boot)
 
     def to_msg(self) -> dict[str, Any]:
         return {"t": "state", "inc": self.incarnation, "at": list(self.at),
                 "active": self.active, "need": self.need, "seen": self.seen,
                 "recovering": self.recovering, "versions": list(self.versions),
-                "oldest": list(self.oldest), "locals": list(self.locals)}
+                "oldest": list(self.oldest), "locals": list(self.locals), "boot": self.boot}
 
     @classmethod
     def from_msg(cls, msg: dict[str, Any]) -> PeerState:
@@ -51,11 +56,12 @@ class PeerState:
             if (not isinstance(value, list) or len(value) > GENERATIONS + 1
                     or not all(_is_u32(v) for v in value)):
                 raise ProtocolError(f"state.{name} {value!r} is not a short list of versions")
-        if not _is_u32(msg["inc"]) or msg["need"] < -1:
-            raise ProtocolError("state: bad incarnation or need")
+        boot = msg.get("boot", 0)
+        if not _is_u32(msg["inc"]) or msg["need"] < -1 or not _is_u32(boot):
+            raise ProtocolError("state: bad incarnation, need or boot")
         return cls(msg["inc"], call_id(msg["at"], "state.at"), msg["active"], msg["need"],
                    msg["seen"], msg["recovering"], tuple(versions),
-                   call_id(msg["oldest"], "state.oldest"), tuple(locals_))
+                   call_id(msg["oldest"], "state.oldest"), tuple(locals_), boot)
 
 
 def _is_u32(value: object) -> bool:

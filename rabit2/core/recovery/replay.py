@@ -161,7 +161,7 @@ class Replay:
         recovering = {p for p, st in self.peer_states.items()
                       if st.recovering and roles[p] is not Role.FINISHED}
         skipped = {p for p, st in self.peer_states.items()
-                   if st.recovering and roles[p] is Role.FINISHED and st.oldest > call}
+                   if st.recovering and roles[p] is Role.FINISHED and not st.retains(call)}
         for p in recovering | skipped:
             del roles[p]
         return roles, recovering, skipped
@@ -221,14 +221,16 @@ class Replay:
     def _fetch_result(self, active: ActiveCall, finished: list[int], cmds: list[Command]) -> None:
         call = active.call_id
         sources = [p for p in finished
-                   if self.agent.links[p].up and self.peer_states[p].oldest <= call]
+                   if self.agent.links[p].up and self.peer_states[p].retains(call)]
         if not sources:
             held = [v for st in self.peer_states.values() for v in st.versions]
             hint = ("raise rabit2_replay_mb, or checkpoint more often" if max(held, default=0)
                     <= call[0] else
-                    f"its neighbours hold checkpoint {max(held)}: a restarted worker must "
-                    "call load_checkpoint() before its first collective and go on from the "
-                    "version it returns")
+                    f"its neighbours hold checkpoint {max(held)} and no longer the calls "
+                    "made before it: the calls before a program's first load_checkpoint() "
+                    "are kept for good only where it loads before it checkpoints, and up to "
+                    "half of rabit2_replay_mb; otherwise call load_checkpoint() before the "
+                    "first collective and go on from the version it returns")
             raise UnrecoverableError(
                 f"rank {self.agent.rank} replays call {call}, but no live neighbour retains "
                 f"its result any more ({hint})")
@@ -262,8 +264,12 @@ class Replay:
             held = [v for p, st in states.items() if links[p].up
                     for v in st.locals if v <= version]
             version = max(held, default=0)
-        agent.version, agent.seqno = version, 0
-        owner.results.clear_before((version, 0))  # (what "state" says this rank retains)
+        # the calls this worker replayed before loading stay (docs/recovery.md, "Calls before
+        # load_checkpoint"); at version 0 the program goes on after them
+        owner.results.keep_bootstrap(agent.seqno if agent.version == 0 else 0)
+        if version:
+            agent.version, agent.seqno = version, 0
+            owner.results.clear_before((version, 0))  # (what "state" says this rank retains)
         loading = owner.fetches.loading = {"version": version, "checkpoint": None,
                                            "local": None, "pending": 0}
         if version:

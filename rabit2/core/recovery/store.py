@@ -156,6 +156,9 @@ class ResultStore:
         # the latest version that lost one of its own results for want of room while it was
         # the version being made: no restart can replay it any more (-1: none)
         self.overflowed = -1
+        # the calls made before the program's first load_checkpoint, kept for good
+        # (keep_bootstrap); None until that first load_checkpoint
+        self._boot: dict[CallId, tuple[CallDescriptor, bytes]] | None = None
 
     def fits(self, size: int) -> bool:
         """Whether a result of ``size`` bytes can be kept at all (``rabit2_replay_mb``)."""
@@ -305,10 +308,38 @@ class ResultStore:
             if not spares:
                 del self._spare[size]
 
+    def keep_bootstrap(self, calls: int) -> None:
+        """The program's first ``load_checkpoint``, after ``calls`` collectives of version 0:
+        keep their results for the rest of the job (rabit's bootstrap cache), so that a
+        worker restarted after later checkpoints replays them before it loads.  Only all of
+        them or none: a replay needs every one, and the store may have dropped some already
+        (``rabit2_replay_mb``), or they would take more than half of it: they count against
+        the bound for good.  Later calls change nothing."""
+        if self._boot is not None:
+            return
+        self._boot = {}
+        wanted = [(0, seqno) for seqno in range(calls)]
+        if not all(call in self._results for call in wanted):
+            return
+        size = sum(self._results[call][1].nbytes for call in wanted)
+        if size > self.limit // 2:
+            return
+        for call in wanted:
+            desc, blob, slab = self._results.pop(call)
+            self._boot[call] = (desc, bytes(blob))  # (its own memory: slabs are reused)
+            self._release(blob, slab)
+        self.limit -= size
+
+    @property
+    def bootstrap_calls(self) -> int:
+        """How many calls from ``(0, 0)`` on are kept for good (:meth:`keep_bootstrap`)."""
+        return len(self._boot) if self._boot else 0
+
     def get(self, call: CallId) -> tuple[CallDescriptor, memoryview] | None:
         got = self._results.get(call)
         if got is None:
-            return None
+            boot = self._boot.get(call) if self._boot else None
+            return None if boot is None else (boot[0], memoryview(boot[1]))
         desc, blob, slab = got
         if slab is not None:
             # a copy: the slab's bytes are used again once the result is dropped, perhaps
