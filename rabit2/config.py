@@ -173,6 +173,7 @@ _IGNORED = {
     "dmlc_job_cluster",
     "report_stats",
     "force_local",
+    "dmlc_worker_stop_process_on_error",  # an error is always raised, never exits the process
 }
 _ENV_KEYS = (
     "DMLC_TRACKER_URI",
@@ -333,6 +334,9 @@ def launcher_world(env: Mapping[str, str]) -> tuple[str, int] | None:
     return None
 
 
+_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(Config))
+
+
 def load_config(  # noqa: C901
     args: Iterable[str | bytes] | None = None,
     kwargs: Mapping[str, Any] | None = None,
@@ -343,7 +347,7 @@ def load_config(  # noqa: C901
     values: dict[str, Any] = {}
     mocks: list[MockSpec] = []
 
-    def apply(key: str, value: Any) -> None:
+    def apply(key: str, value: Any, keyword: bool = False) -> None:
         lower = key.lower()
         if lower in ("dmlc_communicator", "xgboost_communicator") and str(value).strip(
                 ).lower() == "federated":
@@ -356,7 +360,9 @@ def load_config(  # noqa: C901
             return
         field = _ALIASES.get(lower)
         if field is None:
-            if lower in {f.name for f in dataclasses.fields(Config)}:
+            if keyword and lower in _FIELD_NAMES:
+                # (as k=v strings, usually the program's own command line, bare names such
+                # as secret= or loop= are the program's, as rabit leaves them)
                 field = lower
             elif lower.startswith(_PREFIXES):
                 raise ValueError(f"unknown rabit2 parameter {key!r}")
@@ -400,7 +406,7 @@ def load_config(  # noqa: C901
             for item in value:
                 apply(key, item)
         else:
-            apply(key, value)
+            apply(key, value, keyword=True)
     for name, least in _LEAST.items():
         number = values.get(_ALIASES[name])
         if number is not None and number < least:

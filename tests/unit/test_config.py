@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import socket
 
 import pytest
@@ -82,7 +84,7 @@ def test_later_args_win() -> None:
         ("arg", "rabit2_tcp_congestion", "system", "tcp_congestion", "system"),
         ("arg", "RABIT_TIMEOUT_SEC", "5", "timeout_sec", 5.0),  # keys are case-insensitive
         ("arg", "DMLC_TRACKER_URI", "upper", "tracker_uri", "upper"),
-        ("arg", "world_size", "11", "world_size", 11),  # the canonical field name itself
+        ("kw", "world_size", "11", "world_size", 11),  # the field name itself, as a keyword
         ("kw", "dmlc_task_id", "kw", "task_id", "kw"),
         ("kw", "DMLC_NUM_WORKER", 3, "world_size", 3),
         ("kw", "timeout_sec", 2, "timeout_sec", 2.0),
@@ -125,6 +127,25 @@ def test_unknown_plain_keys_are_ignored() -> None:
     assert load_config(["eta=0.1", "max_depth=6"], {"nthread": 4}, environ={}) == Config()
 
 
+@pytest.mark.parametrize("arg", ["secret=hunter2", "task_id=foo", "loop=100",
+                                 "log_level=verbose", "checksum=md5", "world_size=4",
+                                 "recover=1", "timeout_sec=-3"])
+def test_a_programs_own_arguments_named_like_fields_are_left_to_it(arg: str) -> None:
+    """As rabit does: among k=v strings (the program's command line) only prefixed keys and
+    rabit's mock= are read; a bare field name is a setting only as a keyword."""
+    assert load_config([arg], environ={}) == Config()
+    key, _, value = arg.partition("=")
+    if key in ("task_id", "world_size", "timeout_sec"):
+        with pytest.raises(ValueError) if key != "task_id" and value.startswith("-") else (
+                contextlib.nullcontext()):
+            load_config(kwargs={key: value}, environ={})
+
+
+def test_a_field_name_as_a_keyword_is_a_setting() -> None:
+    cfg = load_config(kwargs={"timeout_sec": 60, "world_size": 4}, environ={})
+    assert cfg.timeout_sec == 60 and cfg.world_size == 4
+
+
 @pytest.mark.parametrize("key", ["rabit_foo", "dmlc_bar", "rabit2_baz", "RABIT_FOO"])
 def test_unknown_prefixed_keys_raise(key: str) -> None:
     with pytest.raises(ValueError, match="unknown rabit2 parameter"):
@@ -139,7 +160,7 @@ def test_unknown_prefixed_keys_raise(key: str) -> None:
      "rabit_bootstrap_cache", "rabit_global_replica",
      "rabit_hadoop_mode", "dmlc_communicator", "xgboost_communicator", "dmlc_role",
      "dmlc_nccl_path", "dmlc_num_server", "dmlc_job_cluster", "report_stats", "force_local",
-     "DMLC_COMMUNICATOR"],
+     "DMLC_COMMUNICATOR", "DMLC_WORKER_STOP_PROCESS_ON_ERROR"],
 )
 def test_compatibility_keys_are_ignored(key: str) -> None:
     assert load_config([f"{key}=1"], {key: "rabit"}, environ={}) == Config()
