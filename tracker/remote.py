@@ -17,6 +17,9 @@ that ``ps`` would show other users of the host.  This program then:
   (killed, Ctrl-C, a dropped connection), and the command's whole process group gets
   SIGTERM, then SIGKILL after ``kill_grace`` seconds.  SIGTERM, SIGHUP or SIGINT to this
   program do the same.  No worker outlives its launcher;
+* once the command exits, stops what it left running in its process group (SIGTERM, then
+  SIGKILL after ``kill_grace``), so that no helper of a finished worker holds the ssh
+  session open or outlives the job on the host;
 * exits with the command's status (128 + N when signal N ended it, as a shell reports it),
   which ssh hands back to the launcher.
 
@@ -111,16 +114,47 @@ class ChildGroup:
         self.whole_group = whole_group
         self._lock = threading.Lock()
         self._stopping = False
+        self._kill_at = 0.0  # (time.monotonic()) when SIGKILL follows the SIGTERM
 
     def stop(self) -> None:
         with self._lock:
             if self._stopping:
                 return
             self._stopping = True
+            self._kill_at = time.monotonic() + self.grace
         self._signal(signal.SIGTERM)
         timer = threading.Timer(self.grace, self._signal, (signal.SIGKILL,))
         timer.daemon = True
         timer.start()
+
+    def finish(self) -> bool:
+        """The command exited: what it left running in its process group (a helper it
+        started, one that ignores SIGTERM) is stopped as :meth:`stop` does, SIGKILL
+        included (the timer of :meth:`stop` dies with this process), before this returns.
+        True if anything was left."""
+        if not self.whole_group or not self._group_alive():
+            return False
+        with self._lock:
+            sent = self._stopping
+            self._stopping = True
+            if not sent:
+                self._kill_at = time.monotonic() + self.grace
+        if not sent:
+            self._signal(signal.SIGTERM)
+        while self._group_alive() and time.monotonic() < self._kill_at:
+            time.sleep(0.05)
+        if self._group_alive():
+            self._signal(signal.SIGKILL)
+        return True
+
+    def _group_alive(self) -> bool:
+        try:
+            os.killpg(self.proc.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
 
     def _signal(self, signum: signal.Signals) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -176,7 +210,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         signal.signal(signum, on_signal)
     threading.Thread(target=_watch_stdin, args=(0, child), daemon=True,
                      name="rabit2-remote-stdin").start()
-    return exit_status(proc.wait())
+    code = proc.wait()
+    if child.finish() and code == 0:
+        print(f"rabit2 remote: stopped what {command[0]!r} left running in its process "
+              "group", file=sys.stderr, flush=True)
+    return exit_status(code)
 
 
 def command_after(parser: argparse.ArgumentParser, words: Sequence[str]) -> list[str]:

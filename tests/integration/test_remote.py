@@ -83,6 +83,61 @@ def test_the_launcher_going_away_stops_the_whole_process_group(tmp_path: Path) -
     assert_gone((worker, grandchild), 10)
 
 
+def _pids_from(path: Path, proc: subprocess.Popen[bytes], count: int) -> list[int]:
+    deadline = time.monotonic() + 20
+    while not path.exists() or len(path.read_text().split()) < count:
+        assert time.monotonic() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    return [int(word) for word in path.read_text().split()]
+
+
+def test_what_a_finished_command_left_in_its_group_is_stopped(tmp_path: Path) -> None:
+    """A worker that exits 0 and leaves a helper running: the helper is stopped (SIGKILL
+    after the grace where it ignores SIGTERM), so it neither holds the ssh session open nor
+    outlives the job on the host, and the status stays the worker's."""
+    pids = tmp_path / "pids"
+    script = (
+        "import subprocess, sys\n"
+        "code = 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "time.sleep(300)'\n"
+        "helper = subprocess.Popen([sys.executable, '-c', code])\n"
+        f"open({str(pids)!r}, 'w').write(str(helper.pid))\n"
+    )
+    proc = start(sys.executable, "-c", script)
+    started = time.monotonic()
+    _out, err = finish(proc, encode_header({}, 0.5))
+    assert proc.returncode == 0, err
+    assert "stopped what" in err and "left running in its process group" in err, err
+    assert time.monotonic() - started < 10
+    assert_gone(tuple(int(w) for w in pids.read_text().split()), 10)
+
+
+def test_a_stop_kills_what_ignores_sigterm_after_the_command_died(tmp_path: Path) -> None:
+    """Ctrl-C (end of stdin): the command dies of the SIGTERM, a member of its group that
+    ignores SIGTERM gets the SIGKILL that follows the grace, before this program exits."""
+    pids = tmp_path / "pids"
+    script = (
+        "import os, subprocess, sys, time\n"
+        "code = 'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+        "time.sleep(300)'\n"
+        "helper = subprocess.Popen([sys.executable, '-c', code])\n"
+        "time.sleep(0.5)\n"  # (the helper's handler is in place)
+        f"open({str(pids)!r}, 'w').write(str(helper.pid))\n"
+        "time.sleep(300)\n"
+    )
+    proc = start(sys.executable, "-c", script)
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    proc.stdin.write(encode_header({}, 0.5))
+    proc.stdin.flush()
+    (helper,) = _pids_from(pids, proc, 1)
+    proc.stdin.close()
+    proc.wait(timeout=20)
+    proc.stdout.close()
+    proc.stderr.close()
+    assert proc.returncode == 128 + 15  # (the command itself took the SIGTERM)
+    assert_gone((helper,), 5)
+
+
 @pytest.mark.parametrize(
     ("payload", "message"),
     [
