@@ -33,6 +33,7 @@ class TrackerThread:
         self._ranks: dict[str, int] = {}
         self._ranks_lock = threading.Lock()
         self._silent: list[str] = []
+        self._disconnected: list[tuple[str, str, float]] = []
         self._finished: set[str] = set()
         self._joined: set[str] = set()
         # the job's first lost worker, as a summary's root cause row says it (None: none)
@@ -52,6 +53,8 @@ class TrackerThread:
                 self.first_loss = f"{who} was lost at {clock}: {reason}"
             if reason.startswith(SILENCE_REASON):
                 self._silent.append(task_id)
+            else:
+                self._disconnected.append((task_id, reason, time.monotonic()))
 
     def _task_finished(self, task_id: str) -> None:
         with self._ranks_lock:
@@ -85,6 +88,16 @@ class TrackerThread:
         with self._ranks_lock:
             silent, self._silent = self._silent, []
         return silent
+
+    def take_disconnected(self) -> list[tuple[str, str, float]]:
+        """(task id, reason, ``time.monotonic()`` then) of the workers the tracker declared
+        lost since the last call because their connection ended (after the rejoin grace, or
+        as their process ended).
+        A launcher stops such a process if it still runs: it cannot reach the tracker (an
+        unreachable host, whose ssh may wait for minutes), and the job goes on without it."""
+        with self._ranks_lock:
+            lost, self._disconnected = self._disconnected, []
+        return lost
 
     def start(self, timeout: float = 10.0) -> None:
         """Start the thread and bind.  Raises what :meth:`Tracker.start` raised (``OSError``

@@ -287,6 +287,57 @@ def test_a_partition_between_two_hosts_that_both_reach_the_tracker_ends_the_job_
     assert workers_left(bed) == []
 
 
+@pytest.mark.slow  # (about a minute: the tracker's connection timeout, then the restarts)
+def test_a_host_that_becomes_unreachable_is_given_up_on_naming_it(
+    cluster: tuple[netns.Testbed, Path],
+) -> None:
+    """Host 3 (ranks 2 and 3) drops off the network mid-job, its ssh sessions with it.  The
+    tracker loses their connections (timed out) and, after its rejoin grace, declares them
+    lost; the launcher kills their ssh, which would wait for many minutes, and restarts
+    them, which fails while the host is gone, so the job ends naming a task of that host,
+    instead of waiting for the survivors' recovery deadline (300 s) and blaming rank 0."""
+    bed, keys = cluster
+    script = keys / "partitioned.py"
+    script.write_text(PARTITIONED)
+    proc = subprocess.Popen(submit(bed, keys, str(script), "rabit2_link_timeout_sec=4"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=keys)
+    down = False
+    try:
+        assert proc.stdout is not None
+        lines: list[str] = []
+        deadline = time.monotonic() + 60
+        while not any("iteration 5" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line and time.monotonic() < deadline, "".join(lines)
+            lines.append(line)
+        subprocess.run(bed.run(3, ["ip", "link", "set", "eth0", "down"]), check=True)
+        down = True
+        started = time.monotonic()
+        try:
+            rest, _ = proc.communicate(timeout=150)
+        except subprocess.TimeoutExpired as exc:
+            raise AssertionError("".join(lines) + str(exc.output)) from None
+        took = time.monotonic() - started
+    finally:
+        if down:
+            subprocess.run(bed.run(3, ["ip", "link", "set", "eth0", "up"]), check=False)
+        proc.kill()
+        proc.wait()
+    out = "".join(lines) + rest
+    assert proc.returncode == 1, out
+    assert re.search(r"task [23] lost its tracker connection \(.*\); killing it", out), out
+    cause = re.search(r"root cause: (.*)", out)
+    assert cause is not None and re.search(r"task [23]", cause.group(1)), out
+    assert took < 90, (took, out)
+    print(f"host down to the end of the job: {took:.1f} s")
+    # back on the network, what was left there learns that its session is gone
+    deadline = time.monotonic() + 90
+    while workers_left(bed):
+        assert time.monotonic() < deadline, workers_left(bed)
+        time.sleep(0.5)
+
+
 def test_xgboost_1_7_workers_across_hosts_with_the_classic_protocol(
     cluster: tuple[netns.Testbed, Path], tmp_path: Path,
 ) -> None:

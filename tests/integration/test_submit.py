@@ -519,9 +519,10 @@ def test_ssh_argv_quotes_the_command_and_keeps_the_secret_off_it() -> None:
                          remote_python=remote_python_for(("/opt/py/bin/python3",)))
     argv = ssh_argv(opts, Host("bob@n1", 2200))
     assert argv[:3] == ["ssh", "-F", "cfg"]
-    assert argv[3:7] == ["-o", "BatchMode=yes", "-o", "ConnectTimeout=20"]
-    assert argv[7:10] == ["-p", "2200", "bob@n1"]
-    remote = argv[10]
+    assert argv[3:11] == ["-o", "BatchMode=yes", "-o", "ConnectTimeout=20",
+                          "-o", "ServerAliveInterval=10", "-o", "ServerAliveCountMax=3"]
+    assert argv[11:14] == ["-p", "2200", "bob@n1"]
+    remote = argv[14]
     # what the remote shell runs, word for word
     assert subprocess.run(["sh", "-c", f"printf '%s\\n' {remote.split('exec ', 1)[1]}"],
                           capture_output=True, text=True, check=True).stdout.splitlines() == [

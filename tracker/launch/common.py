@@ -62,6 +62,7 @@ class TaskRun:
     readers: list[threading.Thread] = dataclasses.field(default_factory=list)
     last_error: str = ""  # the last non-empty line its attempt wrote on stderr
     killed_for: str = ""  # why the launcher killed its attempt, if it did
+    started_at: float = 0.0  # (time.monotonic()) when its current attempt started
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -27,8 +27,10 @@ def ssh_argv(options: LaunchOptions, host: Host) -> list[str]:
     """The ``ssh`` command line that starts one worker attempt on ``host`` (pure).
 
     The job's environment is not on it: it goes to :mod:`tracker.remote` on ssh's stdin.
-    ``BatchMode=yes`` (a password prompt would wait forever) and ``ConnectTimeout`` follow
-    the ``--ssh`` command, so options given there win (ssh keeps an option's first value).
+    ``BatchMode=yes`` (a password prompt would wait forever), ``ConnectTimeout`` and
+    ``ServerAliveInterval`` (a host that stops answering ends the ssh in about 30 s, where
+    TCP alone would wait for many minutes) follow the ``--ssh`` command, so options given
+    there win (ssh keeps an option's first value).
     """
     remote = " ".join(shlex.quote(word) for word in (
         options.remote_python, "-m", "tracker.remote", "--", *options.command))
@@ -36,7 +38,8 @@ def ssh_argv(options: LaunchOptions, host: Host) -> list[str]:
         remote = f"cd {shlex.quote(options.remote_dir)} && exec {remote}"
     else:
         remote = f"exec {remote}"
-    argv = [*options.ssh, "-o", "BatchMode=yes", "-o", "ConnectTimeout=20"]
+    argv = [*options.ssh, "-o", "BatchMode=yes", "-o", "ConnectTimeout=20",
+            "-o", "ServerAliveInterval=10", "-o", "ServerAliveCountMax=3"]
     if host.port is not None:
         argv += ["-p", str(host.port)]
     return [*argv, host.name, remote]

@@ -40,6 +40,7 @@ from tracker.launch.common import (
 from tracker.launch.local import local_attempt, pinned
 from tracker.launch.options import LaunchOptions
 from tracker.launch.ssh import ssh_attempt
+from tracker.registry import REJOIN_GRACE_SEC
 from tracker.server import JobResult, TrackerThread
 
 
@@ -170,7 +171,24 @@ class TaskLauncher:
                 self._note("workers did not exit after the job finished; stopping them")
                 return False
         silent = set(self.tracker.take_silent())
+        disconnected = {tid: (why, at) for tid, why, at in self.tracker.take_disconnected()}
         for task in self.tasks:
+            why, lost_at = disconnected.get(str(task.task_id), ("", 0.0))
+            # (only the attempt whose connection ended: one started after its predecessor
+            # exited, which is how that loss was declared, is not it)
+            if (why and task.proc is not None and task.status == "running"
+                    and task.started_at < lost_at - REJOIN_GRACE_SEC / 2
+                    and task.proc.poll() is None):
+                # its tracker connection ended and it did not come back: a host that cannot
+                # be reached (its ssh may wait for minutes), or a process cut off from the
+                # tracker; the job goes on without it, so it is stopped and restarted
+                task.killed_for = (f"the tracker lost it ({why}) and it did not rejoin "
+                                   f"within {REJOIN_GRACE_SEC:g} s: its host unreachable, "
+                                   "or the tracker's port from it")
+                self._note(f"task {task.task_id} lost its tracker connection ({why}); "
+                           "killing it")
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(task.proc.pid, signal.SIGKILL)
             if str(task.task_id) in silent and task.proc is not None and task.status == "running":
                 # a paused or wedged worker keeps its process alive but answers nothing: stop
                 # it, so that the usual restart-or-give-up logic runs instead of waiting
@@ -313,6 +331,7 @@ class TaskLauncher:
                 proc.stdin.write(attempt.header)
                 proc.stdin.flush()
         task.proc = proc
+        task.started_at = time.monotonic()
         task.attempts += 1
         task.last_error = task.killed_for = ""
         task.status = "running"
