@@ -10,6 +10,7 @@ and in a job.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -217,6 +218,23 @@ def _install_excepthook() -> None:
         _previous_excepthook[0](kind, value, tb)
 
     sys.excepthook = hook
+    atexit.register(_close_at_exit)
+
+
+def _close_at_exit() -> None:
+    """The interpreter exits without :func:`finalize` (``sys.exit`` after a caught error, a
+    program that just ends): close the links and stop the loop thread now, while Python
+    can still run it.  Left to the interpreter's teardown, the daemon loop thread went on
+    polling its sockets and crashed the process (SIGSEGV) in some exits.  The tracker sees
+    the connection end, as it would have seen the process go."""
+    engine, member = _comm.engine, _comm.membership
+    _comm.engine = _comm.membership = _comm.config = None  # (no lock: a daemon thread
+    _comm.live = None  # may hold it in a collective that never returns)
+    with contextlib.suppress(Exception):
+        if member is not None:
+            member.close()
+        elif engine is not None:
+            engine.close()
 
 
 def finalize() -> None:

@@ -43,6 +43,9 @@ _BACKOFF_FIRST_SEC = 0.5
 _BACKOFF_MAX_SEC = 8.0
 _CLOSE_WAIT_SEC = 1.0
 REJOIN_SEC = 30.0
+NO_ASSIGNMENT = "no rank assignment from the tracker within"
+"""How a worker's init says it waited for its rank until its deadline (the launcher reads it:
+a task that never joined is then the cause, not the one that waited)."""
 """How long a worker whose tracker connection ended dials the tracker again before it gives
 up: the same tracker keeps its place for ``tracker.server.REJOIN_GRACE_SEC`` (5 s) and
 refuses it after that; a tracker restarted at the same address within this time takes the
@@ -196,7 +199,7 @@ class TrackerClient:
             await asyncio.wait_for(self._assigned.wait(), timeout)
         except TimeoutError:
             raise CollectiveTimeoutError(
-                f"no rank assignment from the tracker within {timeout}s"
+                f"{NO_ASSIGNMENT} {timeout}s"
             ) from None
         if self._assignment is not None:
             return self._assignment

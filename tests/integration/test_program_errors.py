@@ -95,3 +95,114 @@ def test_a_lazy_checkpoint_that_cannot_be_pickled_fails_the_restart_typed(
     for rank in (0, 1):
         assert re.search(rf"FAILED {rank} UnrecoverableError: .*rank 0 cannot pickle its lazy "
                          r"checkpoint of version 1: TypeError", out), out[-3000:]
+
+
+CAUGHT = textwrap.dedent("""
+    import atexit, sys, threading
+    import numpy as np
+    import rabit2
+
+    def loop_left() -> None:  # (registered first: runs after rabit2's own exit handler)
+        alive = any(t.name == "rabit2-loop" and t.is_alive() for t in threading.enumerate())
+        print(f"rank {rank} loop thread alive at exit: {alive}", flush=True)
+
+    atexit.register(loop_left)
+    rabit2.init()
+    rank = rabit2.get_rank()
+    try:
+        for it in range(5):
+            if rank == 1 and it == 3:
+                raise ValueError("bad data")
+            rabit2.allreduce(np.ones(10), rabit2.Op.SUM)
+    except rabit2.RabitError:
+        sys.exit(1)
+    rabit2.finalize()
+""")
+
+
+def test_a_worker_that_exits_without_finalize_stops_its_loop_thread_first(
+        tmp_path: Path) -> None:
+    """A worker that catches the job's RabitError and exits without finalize: its loop
+    thread is stopped before the interpreter's teardown (left running there, polling its
+    sockets, it crashed some of these exits with SIGSEGV), and each exits with its own
+    status."""
+    script = tmp_path / "caught.py"
+    script.write_text(CAUGHT)
+    done = subprocess.run(
+        ["rabit2-submit", "--cluster", "local", "-n", "3", "--max-attempts", "1",
+         "--timeout", "60", "--", sys.executable, str(script)],
+        capture_output=True, text=True, timeout=90, check=False, stdin=subprocess.DEVNULL)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    for rank in (0, 2):
+        assert f"rank {rank} loop thread alive at exit: False" in out, out
+    for task in range(3):
+        assert re.search(rf"^{task}\s+{task}\s+1\s+1\s+failed$", out, re.M), out
+
+
+NO_FINALIZE = textwrap.dedent("""
+    import sys, threading, time
+    import numpy as np
+    import rabit2
+
+    rabit2.init()
+    rabit2.allreduce(np.ones(4), rabit2.Op.SUM)
+    if rabit2.get_rank() != 0:  # a call that rank 0 never makes, left in a daemon thread
+        threading.Thread(target=rabit2.allreduce, args=(np.ones(4), rabit2.Op.SUM),
+                         daemon=True).start()
+        time.sleep(0.3)
+    else:
+        time.sleep(1)
+    # ... and every rank ends without rabit2.finalize()
+""")
+
+
+def test_a_job_whose_every_worker_ends_without_finalize_fails(tmp_path: Path) -> None:
+    """Every program ends with status 0 within a second of the others, none finalized, a
+    call unfinished: the job failed (a worker left early), not "ok" for each task."""
+    script = tmp_path / "nofinalize.py"
+    script.write_text(NO_FINALIZE)
+    started = time.monotonic()
+    done = subprocess.run(
+        ["rabit2-submit", "--cluster", "local", "-n", "3", "--timeout", "60", "--",
+         sys.executable, str(script)],
+        capture_output=True, text=True, timeout=90, check=False, stdin=subprocess.DEVNULL)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert time.monotonic() - started < 30, out
+    assert re.search(r"root cause: task \d exited with 0 without rabit2.finalize\(\) while the "
+                     "job ran", out), out
+    assert re.search(r"^\d\s+\d\s+1\s+0\s+left early$", out, re.M), out
+
+
+LATE = textwrap.dedent("""
+    import os, sys, time
+    import numpy as np
+    import rabit2
+
+    if os.environ["DMLC_TASK_ID"] == "1":
+        time.sleep(120)  # stuck before init
+    rabit2.init(sys.argv[1:])
+    rabit2.allreduce(np.ones(4), rabit2.Op.SUM)
+    rabit2.finalize()
+""")
+
+
+def test_a_task_that_never_joins_is_named_after_one_deadline(tmp_path: Path) -> None:
+    """Task 1 never reaches init: the others wait for their ranks until their deadline
+    (rabit_timeout_sec, 3 s here) and the job ends then, naming task 1, instead of their
+    being restarted to wait again (attempts x deadline) and the job blaming task 0."""
+    script = tmp_path / "late.py"
+    script.write_text(LATE)
+    started = time.monotonic()
+    done = subprocess.run(
+        ["rabit2-submit", "--cluster", "local", "-n", "3", "--max-attempts", "3",
+         "--timeout", "100", "--", sys.executable, str(script), "rabit_timeout_sec=3"],
+        capture_output=True, text=True, timeout=120, check=False, stdin=subprocess.DEVNULL)
+    took = time.monotonic() - started
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert took < 30, (took, out)
+    assert re.search(r"root cause: task\(s\) 1 never joined the job \(rabit2.init\) while task "
+                     r"[02] waited for its rank until its deadline", out), out
+    assert "restarting" not in out, out

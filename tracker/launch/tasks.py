@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from types import FrameType
 from typing import IO, TextIO
 
+from rabit2.io.tracker_client import NO_ASSIGNMENT
 from tracker.launch import orphans
 from tracker.launch.common import (
     ABORT_GRACE_SEC,
@@ -42,6 +43,10 @@ from tracker.launch.options import LaunchOptions
 from tracker.launch.ssh import ssh_attempt
 from tracker.registry import REJOIN_GRACE_SEC
 from tracker.server import JobResult, TrackerThread
+
+LOST_EXIT_GRACE_SEC = 2.0
+"""How long a worker the tracker declared lost (its connection ended) may take to exit on its
+own before the launcher kills it."""
 
 
 def job_line(result: JobResult | None, ok: bool, interrupted: bool) -> str:
@@ -76,6 +81,8 @@ class TaskLauncher:
         self._done_seen_at: float | None = None
         self._root_cause: str | None = None  # the job's first failure, as the summary says
         self._ended_ok: dict[int, float] = {}  # task id -> when its program ended with 0
+        # task id -> (why, when) the tracker declared it lost because its connection ended
+        self._lost: dict[str, tuple[str, float]] = {}
 
     def _note(self, message: str) -> None:
         self._writer.write(self._err, f"[rabit2-submit] {message}")
@@ -97,6 +104,8 @@ class TaskLauncher:
                 if not self._step(now):
                     break
                 time.sleep(POLL_SEC)
+            else:
+                self._settle_left_early()
         except (KeyboardInterrupt, Interrupted):
             interrupted = True
             self._give_up("the launcher was interrupted")
@@ -171,14 +180,19 @@ class TaskLauncher:
                 self._note("workers did not exit after the job finished; stopping them")
                 return False
         silent = set(self.tracker.take_silent())
-        disconnected = {tid: (why, at) for tid, why, at in self.tracker.take_disconnected()}
+        for tid, why, at in self.tracker.take_disconnected():
+            self._lost[tid] = (why, at)
         for task in self.tasks:
-            why, lost_at = disconnected.get(str(task.task_id), ("", 0.0))
-            # (only the attempt whose connection ended: one started after its predecessor
-            # exited, which is how that loss was declared, is not it)
+            why, lost_at = self._lost.get(str(task.task_id), ("", 0.0))
+            # (a process that is exiting gets a moment to end on its own; and only the attempt
+            # whose connection ended: one started after its predecessor exited, which is how
+            # that loss was declared, is not it)
+            if why and now - lost_at >= LOST_EXIT_GRACE_SEC:
+                del self._lost[str(task.task_id)]
+            else:
+                why = ""
             if (why and task.proc is not None and task.status == "running"
-                    and task.started_at < lost_at - REJOIN_GRACE_SEC / 2
-                    and task.proc.poll() is None):
+                    and task.started_at < lost_at - 1.0 and task.proc.poll() is None):
                 # its tracker connection ended and it did not come back: a host that cannot
                 # be reached (its ssh may wait for minutes), or a process cut off from the
                 # tracker; the job goes on without it, so it is stopped and restarted
@@ -237,6 +251,23 @@ class TaskLauncher:
             self._abort_seen_at = now
             return
 
+    def _settle_left_early(self) -> None:
+        """Every task's program ended, the last ones within the grace that
+        :meth:`_check_left_early` gives the tracker to record the job's end: give it that
+        grace now, and then a task that joined and never finalized left early (the job is
+        given up on, naming it), instead of the job passing for done."""
+        if (self.options.elastic or self.tracker.result() is not None
+                or not self.tracker.joined()):
+            return
+        end = time.monotonic() + LEFT_EARLY_SEC
+        while self.tracker.result() is None and time.monotonic() < end:
+            time.sleep(POLL_SEC)
+        self._check_left_early(float("inf"))
+        end = time.monotonic() + LEFT_EARLY_SEC  # (the tracker's thread settles the job)
+        while self._abort_seen_at is not None and self.tracker.result() is None and (
+                time.monotonic() < end):
+            time.sleep(POLL_SEC)
+
     def _aborted_by(self, task: TaskRun) -> bool:
         """The job was aborted because of ``task`` (its program raised on it)."""
         result = self.tracker.result()
@@ -262,9 +293,26 @@ class TaskLauncher:
                 reader.join(0.5)  # (its last lines, to name what it said last)
             self._root_cause = describe_failure(task, code, self.options.max_attempts,
                                                 time.time())
+        missing = self._never_joined(task) if code != 0 else []
         if code == 0:
             task.status = "ok"
             self._ended_ok[task.task_id] = now
+        elif missing and self._abort_seen_at is None and self.tracker.result() is None:
+            # it waited for its rank until its deadline because these never joined: they are
+            # the cause, and restarting it would only wait again
+            task.status = "failed"
+            why = (f"task(s) {', '.join(map(str, missing))} never joined the job "
+                   f"(rabit2.init) while task {task.task_id} waited for its rank until its "
+                   "deadline (rabit_timeout_sec); they are still running: stuck before "
+                   "init, or slow to start")
+            self._root_cause = why
+            self._give_up(why, task_id=missing[0])
+            self._abort_seen_at = now
+            for other in self.tasks:  # (before init, no abort reaches them)
+                if other.task_id in missing and other.proc is not None:
+                    other.killed_for = "it never joined the job (rabit2.init)"
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(other.proc.pid, signal.SIGTERM)
         elif self._abort_seen_at is not None or self.tracker.result() is not None:
             task.status = "failed"  # the job is over: a restart could only hang
         elif self.tracker.has_finished(str(task.task_id)):
@@ -293,6 +341,19 @@ class TaskLauncher:
             # the tracker aborts the job: the others raise JobAbortedError and exit on
             # their own; whoever is still running after the grace period is stopped
             self._abort_seen_at = now
+
+    def _never_joined(self, task: TaskRun) -> list[int]:
+        """The tasks still running that never joined the job, where ``task`` joined and
+        its init gave up waiting for its rank (:data:`NO_ASSIGNMENT`); else none."""
+        joined = self.tracker.joined()
+        if str(task.task_id) not in joined or task.rank is not None:
+            return []
+        for reader in task.readers:
+            reader.join(0.5)  # (its last lines)
+        if NO_ASSIGNMENT not in task.last_error:
+            return []
+        return [other.task_id for other in self.tasks
+                if str(other.task_id) not in joined and other.status == "running"]
 
     def _give_up(self, reason: str, task_id: int | None = None) -> None:
         self._note(reason)
