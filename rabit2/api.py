@@ -307,14 +307,15 @@ def tracker_print(msg: Any) -> None:
 
 
 def signal_error(msg: str = "signal_error() called") -> None:
-    """Ask the tracker to abort the job, with ``msg`` as the reason: every other worker's
-    current or next collective raises :class:`~rabit2.errors.JobAbortedError`.
-
-    This worker is not told (it should leave: :func:`finalize`, or exit).  Never blocks and
-    never raises; a no-op when not distributed."""
+    """Ask the tracker to abort the job, with ``msg`` as the reason: every worker's current
+    or next collective raises :class:`~rabit2.errors.JobAbortedError`, this one's too (it
+    should leave: :func:`finalize`, or exit).  Never blocks and never raises; a no-op when
+    not distributed."""
     job = _job()
     if job is not None:
         job.signal_error(msg)
+        if _comm.membership is None:
+            job.fail_soon(JobAbortedError(f"this rank ended the job: {msg}"))
 
 
 # ----------------------------------------------------------------------------- xgboost names

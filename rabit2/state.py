@@ -46,11 +46,36 @@ class Communicator:
 
 
 comm = Communicator()
+forked_from: list[int] = []  # the worker's pid, in a process forked from it after init
+
+
+def _not_initialized() -> NotInitializedError:
+    if forked_from:
+        return NotInitializedError(
+            f"this process was forked from rabit2 worker {forked_from[0]} after its init: the "
+            "job's links and thread stay with that process; make collectives there (or fork "
+            "before init, or start the child with the 'spawn' method)")
+    return NotInitializedError("call rabit2.init() first")
+
+
+def forget_in_child() -> None:
+    """``os.fork`` after init, in the child: the communicator's links and loop thread belong
+    to the parent (the child has no thread to run them), so the child is not a worker: its
+    collectives raise :class:`NotInitializedError` saying why, its ``finalize`` does
+    nothing, instead of waiting for a loop that no thread runs."""
+    if comm.config is not None:
+        forked_from[:] = [os.getppid()]
+    comm.config = comm.engine = comm.membership = comm.live = None
+    comm.lock = threading.RLock()  # (the parent's may have been held by another thread)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=forget_in_child)
 
 
 def require() -> Communicator:
     if comm.config is None:
-        raise NotInitializedError("call rabit2.init() first")
+        raise _not_initialized()
     return comm
 
 
@@ -65,7 +90,7 @@ def collective() -> Communicator:
         if left is not None and comm.seqno >= left[1]:
             raise MismatchError(beyond_the_block(left, comm))
     if comm.config is None:
-        raise NotInitializedError("call rabit2.init() first")
+        raise _not_initialized()
     if comm.live is None and comm.engine is None and comm.config.elastic:
         # (alone, as in a job: a program checked alone meets the same rules under --elastic)
         raise RuntimeError("in elastic mode collectives run inside "

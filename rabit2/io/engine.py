@@ -409,6 +409,15 @@ class Engine:
                              self.config.timeout_sec if timeout is None else timeout)
 
     async def _fail(self, error: RabitError) -> None:
+        self._fail_now(error)
+
+    def fail_soon(self, error: RabitError) -> None:
+        """:meth:`fail`, without waiting for the loop thread (any thread; never blocks)."""
+        if not self.loop.is_closed():
+            self.loop_thread.call_soon_threadsafe(self._fail_now, error)
+            self.loop_thread.wake()
+
+    def _fail_now(self, error: RabitError) -> None:
         cmds: list[Command] = []
         self.agent.fail(error, cmds, flood=False)  # (every rank found it: none is told)
         self.execute(cmds)

@@ -4,6 +4,7 @@ the launcher does not restart a program that raised."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -206,3 +207,84 @@ def test_a_task_that_never_joins_is_named_after_one_deadline(tmp_path: Path) -> 
     assert re.search(r"root cause: task\(s\) 1 never joined the job \(rabit2.init\) while task "
                      r"[02] waited for its rank until its deadline", out), out
     assert "restarting" not in out, out
+
+
+SIGNALLED = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    import rabit2
+    import rabit2.errors
+
+    rabit2.init(sys.argv[1:])
+    rank = rabit2.get_rank()
+    rabit2.allreduce(np.ones(4), rabit2.Op.SUM)
+    if rank == 1:
+        rabit2.signal_error("disk full")
+    started = time.monotonic()
+    try:
+        rabit2.allreduce(np.ones(4), rabit2.Op.SUM)
+    except rabit2.errors.JobAbortedError as exc:
+        print(f"rank {rank} JobAbortedError after {time.monotonic() - started:.1f} s: {exc}",
+              flush=True)
+    rabit2.finalize()
+""")
+
+
+def test_the_rank_that_signals_an_error_raises_it_at_its_next_call_too(tmp_path: Path) -> None:
+    """signal_error ends the job for every rank: the caller's next collective raises
+    JobAbortedError at once too, rather than waiting for peers that left (its deadline)."""
+    script = tmp_path / "signalled.py"
+    script.write_text(SIGNALLED)
+    done = subprocess.run(
+        ["rabit2-submit", "--cluster", "local", "-n", "3", "--timeout", "60", "--",
+         sys.executable, str(script), "rabit_timeout_sec=20"],
+        capture_output=True, text=True, timeout=90, check=False, stdin=subprocess.DEVNULL)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    for rank in range(3):
+        found = re.search(rf"rank {rank} JobAbortedError after ([\d.]+) s: .*disk full", out)
+        assert found is not None and float(found.group(1)) < 5, out
+
+
+FORKED = textwrap.dedent("""
+    import os, sys, time
+    import numpy as np
+    import rabit2
+
+    rabit2.init(sys.argv[1:])
+    pid = os.fork()
+    if pid == 0:
+        started = time.monotonic()
+        try:
+            rabit2.allreduce(np.ones(4), rabit2.Op.SUM)
+        except Exception as exc:
+            print(f"child {type(exc).__name__} after {time.monotonic() - started:.1f} s: {exc}",
+                  flush=True)
+        rabit2.finalize()  # (nothing to leave)
+        sys.exit(0)
+    os.waitpid(pid, 0)
+    a = np.ones(4)
+    rabit2.allreduce(a, rabit2.Op.SUM)
+    rabit2.finalize()
+    print(f"parent {a.tolist()}", flush=True)
+""")
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="os.fork")
+def test_a_process_forked_after_init_is_told_it_is_no_worker(tmp_path: Path) -> None:
+    """The links and the loop thread stay with the worker: a child forked after init raises
+    NotInitializedError saying so at once, and its finalize and exit do not wait for a loop
+    that no thread runs; the parent goes on as before."""
+    script = tmp_path / "forked.py"
+    script.write_text(FORKED)
+    started = time.monotonic()
+    done = subprocess.run(
+        ["rabit2-submit", "--cluster", "local", "-n", "2", "--timeout", "60", "--",
+         sys.executable, str(script)],
+        capture_output=True, text=True, timeout=90, check=False, stdin=subprocess.DEVNULL)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out
+    assert time.monotonic() - started < 30, out
+    assert len(re.findall(r"child NotInitializedError after 0\.\d s: this process was forked "
+                          r"from rabit2 worker \d+ after its init", out)) == 2, out
+    assert out.count("parent [2.0, 2.0, 2.0, 2.0]") == 2, out
