@@ -29,7 +29,13 @@ from rabit2.checkpoints import (
     recovery_statistics,
     version_number,
 )
-from rabit2.config import Config, launcher_task, launcher_world, load_config
+from rabit2.config import (
+    Config,
+    launcher_task,
+    launcher_world,
+    load_config,
+    misspelled_env,
+)
 from rabit2.core.ops import Op
 from rabit2.errors import JobAbortedError, LiveSetError, RabitError
 from rabit2.state import comm as _comm
@@ -69,6 +75,8 @@ def init(args: Iterable[str | bytes] | None = None, **kwargs: Any) -> None:
             _give_up_on_bad_parameters(exc)
             raise
         logs.configure(config.log_level)
+        for line in misspelled_env(os.environ):
+            logger.warning("%s", line)
         _comm.version = _comm.seqno = 0
         _comm.global_model = _comm.local_model = _comm.lazy_model = None
         _comm.must_load = _comm.loaded_without_local = _comm.loaded = False

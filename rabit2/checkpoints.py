@@ -123,7 +123,8 @@ def load_checkpoint(with_local: bool = False) -> tuple[Any, ...]:
     :class:`~rabit2.errors.CollectiveTimeoutError` if nothing arrives within
     ``timeout_sec``, and :class:`~rabit2.errors.JobAbortedError` if the job was aborted.
     """
-    if not isinstance(with_local, (bool, np.bool_)):
+    if not isinstance(with_local, (bool, np.bool_)) and not (
+            type(with_local) is int and with_local in (0, 1)):  # (1: ported C, as in rabit)
         raise TypeError(f"with_local must be a bool, got {with_local!r}")
     comm = _checkpointing("load_checkpoint", bool(with_local))
     with comm.lock:  # (behind a collective of another thread)

@@ -12,6 +12,7 @@ silently change nothing; strings that are not ``k=v`` are ignored, as rabit igno
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -201,6 +202,8 @@ _ENV_KEYS = (
     "RABIT2_CHECKSUM",
     "RABIT2_ELASTIC",
 )
+_OTHER_ENV_KEYS = ("RABIT2_BIND_CPU", "RABIT2_LAUNCHER_PID", "RABIT2_RUN_DIR")
+"""Read where they are used (the engine's start, the launcher), not by :func:`load_config`."""
 _PREFIXES = ("rabit_", "dmlc_", "rabit2_")
 # Where other launchers put a worker's index (and restart count) when DMLC_TASK_ID (and
 # DMLC_NUM_ATTEMPT) is not set: srun, Open MPI's mpirun, PMIx/PMI launchers, Kubernetes
@@ -335,6 +338,20 @@ def launcher_world(env: Mapping[str, str]) -> tuple[str, int] | None:
 
 
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(Config))
+
+
+def misspelled_env(environ: Mapping[str, str]) -> list[str]:
+    """``RABIT2_*`` variables that rabit2 does not read and that look like one it does
+    (``RABIT2_RECOVR``), each with what it probably meant: a line to warn with.  Other
+    unknown ones (a tool's own) are left alone."""
+    known = (*_ENV_KEYS, *_OTHER_ENV_KEYS)
+    lines = []
+    for name in sorted(environ):
+        if name.startswith("RABIT2_") and name not in known:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.85)
+            if close:
+                lines.append(f"{name} is not a rabit2 variable (ignored): {close[0]}?")
+    return lines
 
 
 def load_config(  # noqa: C901

@@ -71,6 +71,7 @@ class Op(enum.IntEnum):
     MIN = 1
     SUM = 2
     BITOR = 3
+    OR = 3  # (xgboost.rabit 1.x's name of BITOR: an alias)
     PROD = 4
     BITAND = 5
     BITXOR = 6

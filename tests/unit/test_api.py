@@ -149,10 +149,15 @@ def test_agree_takes_a_bool(single: None, flag: object) -> None:
         rabit2.agree(flag)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("with_local", ["no", [], None, 1])
+@pytest.mark.parametrize("with_local", ["no", [], None, 2, 1.0])
 def test_load_checkpoint_takes_a_bool(single: None, with_local: object) -> None:
     with pytest.raises(TypeError, match="with_local must be a bool"):
         rabit2.load_checkpoint(with_local)  # type: ignore[arg-type]
+
+
+def test_load_checkpoint_takes_0_and_1_as_rabit_does(single: None) -> None:
+    assert rabit2.load_checkpoint(1) == (0, None, None)  # type: ignore[arg-type]
+    assert rabit2.load_checkpoint(0) == (0, None)  # type: ignore[arg-type]
 
 
 def test_a_live_set_alone_is_this_worker(single: None) -> None:

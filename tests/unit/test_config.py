@@ -11,6 +11,7 @@ from rabit2.config import (
     Config,
     MockSpec,
     load_config,
+    misspelled_env,
 )
 from rabit2.io.engine import Engine
 from rabit2.io.handshake import resolve_congestion
@@ -398,3 +399,14 @@ def test_a_keyword_given_as_none_is_not_set() -> None:
         default.tracker_uri, default.connect_retry, default.tracker_port, default.timeout_sec)
     with pytest.raises(ValueError, match="unknown rabit2 parameter 'rabit_timout_sec'"):
         load_config(kwargs={"rabit_timout_sec": None}, environ={})
+
+
+def test_a_misspelled_rabit2_variable_is_pointed_out() -> None:
+    """The environment is no argument list: an unknown RABIT2_ variable is no error, but one
+    that looks like a known one gets a line saying which (a tool's own stays quiet)."""
+    lines = misspelled_env({"RABIT2_RECOVR": "1", "RABIT2_TIMEOUT_SECS": "5",
+                            "RABIT2_RECOVER": "1", "RABIT2_BIND_CPU": "0",
+                            "RABIT2_SLOW": "1", "RABIT2_BENCH_XGB_ARGS": "x", "HOME": "/"})
+    assert lines == ["RABIT2_RECOVR is not a rabit2 variable (ignored): RABIT2_RECOVER?",
+                     "RABIT2_TIMEOUT_SECS is not a rabit2 variable (ignored): "
+                     "RABIT2_TIMEOUT_SEC?"]
