@@ -493,6 +493,9 @@ def test_parse_host_file() -> None:
         ("node1 cpus=2\n", "unknown field"),
         ("-oProxyCommand=x\n", "bad host name"),
         ("node;rm\n", "bad host name"),
+        ("::1\n", "looks like an IPv6 address"),
+        ("fe80::1 slots=2\n", "looks like an IPv6 address"),
+        ("[::1]:22\n", "looks like an IPv6 address"),
     ],
 )
 def test_parse_host_file_errors(text: str, message: str) -> None:
@@ -500,6 +503,27 @@ def test_parse_host_file_errors(text: str, message: str) -> None:
 
     with pytest.raises(ValueError, match=message):
         parse_host_file(text)
+
+
+def _own_address() -> str | None:
+    """An IPv4 address of this machine other than loopback (None: it has none)."""
+    out = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True,
+                         check=False).stdout
+    found = re.findall(r"inet (\d+\.\d+\.\d+\.\d+)/", out)
+    return next((a for a in found if not a.startswith("127.")), None)
+
+
+def test_the_tracker_listens_where_the_hosts_after_localhost_reach_it() -> None:
+    """A host file that starts with localhost and goes on with other hosts: the tracker's
+    address is the one that routes to the first other host, not loopback (which the others
+    cannot reach).  (A UDP socket's connect sends nothing.)"""
+    from tracker.launch.options import Host, tracker_host_for  # noqa: PLC0415
+
+    own = _own_address()
+    if own is None:
+        pytest.skip("this machine has no IPv4 address besides loopback")
+    assert tracker_host_for([Host("localhost"), Host(own)]) == own
+    assert tracker_host_for([Host("localhost"), Host("127.0.0.1")]) == "127.0.0.1"
 
 
 def test_hosts_are_filled_slot_by_slot_then_cycled() -> None:

@@ -86,10 +86,14 @@ def parse_host_file(text: str) -> tuple[Host, ...]:
             continue
         words = line.split()
         name, port_text = words[0], None
-        if ":" in name:
-            name, port_text = name.rsplit(":", 1)
         slots = 1
         try:
+            if name.count(":") > 1 or name.startswith("["):
+                raise ValueError(f"{words[0]!r} looks like an IPv6 address, which host files do "
+                                 "not take (the tracker listens on IPv4): name the host, or "
+                                 "give its IPv4 address")
+            if ":" in name:
+                name, port_text = name.rsplit(":", 1)
             if not name or name.startswith("-") or any(c in name for c in "'\"\\$`;&|<>"):
                 raise ValueError(f"bad host name {words[0]!r}")
             port = None if port_text is None else int(port_text)
@@ -120,8 +124,10 @@ def hosts_by_slot(hosts: Sequence[Host], num_workers: int) -> tuple[Host, ...]:
 
 def tracker_host_for(hosts: Sequence[Host]) -> str:
     """The local address the workers on ``hosts`` reach the tracker at: the one that routes
-    to the first host (no packet is sent), or loopback when every host is this machine.
-    Raises ``ValueError`` if a host name does not resolve."""
+    to the first host that is not this machine's loopback (no packet is sent; a host file
+    that starts with ``localhost`` and goes on with other hosts needs an address they can
+    reach), or loopback when every host is this machine.  Raises ``ValueError`` if a host
+    name does not resolve."""
     addresses: list[str] = []
     for host in hosts:
         try:
@@ -131,14 +137,15 @@ def tracker_host_for(hosts: Sequence[Host]) -> str:
             raise ValueError(f"cannot resolve host {host.address!r} ({exc}); pass "
                              "--tracker-host with an address the workers can reach") from None
         addresses.append(str(infos[0][4][0]))
-    if all(address.startswith("127.") for address in addresses):
+    remote = [i for i, address in enumerate(addresses) if not address.startswith("127.")]
+    if not remote:
         return "127.0.0.1"
     probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     with probe:
         try:
-            probe.connect((addresses[0], 9))
+            probe.connect((addresses[remote[0]], 9))
         except OSError as exc:
-            raise ValueError(f"no route to host {hosts[0].address!r} ({exc})") from None
+            raise ValueError(f"no route to host {hosts[remote[0]].address!r} ({exc})") from None
         return str(probe.getsockname()[0])
 
 
