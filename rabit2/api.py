@@ -322,8 +322,6 @@ def signal_error(msg: str = "signal_error() called") -> None:
     job = _job()
     if job is not None:
         job.signal_error(msg)
-        if _comm.membership is None:
-            job.fail_soon(JobAbortedError(f"this rank ended the job: {msg}"))
 
 
 # ----------------------------------------------------------------------------- xgboost names

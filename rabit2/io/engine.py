@@ -117,6 +117,7 @@ class Engine:
         self.holding = False  # in finalize, holding until every rank has finalized
         self.failed = asyncio.Event()  # set when the tracker aborts the job
         self.signalled = False  # this worker asked the tracker to abort the job
+        self.signalled_error: JobAbortedError | None = None  # (signal_error: every call's)
         # the same, for a caller's thread (also set when the tracker connection ends)
         self._tracker_ended = threading.Event()
 
@@ -144,6 +145,8 @@ class Engine:
         with ``reset_peer >= 0``, resets its link to that rank instead, or with ``damage``
         flips the bits of one byte that arrives from that rank).
         """
+        if self.signalled_error is not None:
+            raise self.signalled_error
         waiter = Waiter()
         # (the heartbeats say so until the caller has the outcome: a call failed on the loop
         # thread is still this rank's call in the heartbeat sent in the same turn, before
@@ -375,10 +378,14 @@ class Engine:
         self.loop_thread.wake()  # (a loop lent to calls must not hold it back)
 
     def signal_error(self, msg: str) -> None:
+        """Ask the tracker to abort the job; this rank's calls fail from now on too (any
+        thread; never blocks: a call made on the caller's thread before the loop thread
+        failed the agent raises it all the same)."""
         if self.tracker is not None:
             self.signalled = True
+            self.signalled_error = JobAbortedError(f"this rank ended the job: {msg}")
             self.tracker.signal_error(msg)
-            self.loop_thread.wake()
+            self.fail_soon(self.signalled_error)
 
     def checkpoint(self, blob: bytes | Callable[[], bytes] | None = None,
                    local: bytes | None = None) -> int:

@@ -230,18 +230,20 @@ SIGNALLED = textwrap.dedent("""
 """)
 
 
-def test_the_rank_that_signals_an_error_raises_it_at_its_next_call_too(tmp_path: Path) -> None:
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_rank_that_signals_an_error_raises_it_at_its_next_call_too(
+        world: int, tmp_path: Path) -> None:
     """signal_error ends the job for every rank: the caller's next collective raises
     JobAbortedError at once too, rather than waiting for peers that left (its deadline)."""
     script = tmp_path / "signalled.py"
     script.write_text(SIGNALLED)
     done = subprocess.run(
-        ["rabit2-submit", "--cluster", "local", "-n", "3", "--timeout", "60", "--",
+        ["rabit2-submit", "--cluster", "local", "-n", str(world), "--timeout", "60", "--",
          sys.executable, str(script), "rabit_timeout_sec=20"],
         capture_output=True, text=True, timeout=90, check=False, stdin=subprocess.DEVNULL)
     out = done.stdout + done.stderr
     assert done.returncode == 1, out
-    for rank in range(3):
+    for rank in range(world):
         found = re.search(rf"rank {rank} JobAbortedError after ([\d.]+) s: .*disk full", out)
         assert found is not None and float(found.group(1)) < 5, out
 
