@@ -213,7 +213,12 @@ def query(args: argparse.Namespace) -> int:
             "; the launcher that wrote that job file no longer runs (it was killed before it "
             "could remove it): its job has ended" if gone else ""), file=sys.stderr)
         return EXIT_ABORTED
-    print(json.dumps(status, indent=2, sort_keys=True))
+    try:
+        print(json.dumps(status, indent=2, sort_keys=True), flush=True)
+    except BrokenPipeError:
+        # (a reader that took what it wanted and left, as `| head -1` does: no traceback;
+        # stdout is pointed at /dev/null so that the exit's flush does not fail again)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return EXIT_OK
 
 

@@ -117,12 +117,23 @@ def read(path: str | Path) -> tuple[str, int, str]:
 
 def launcher_alive(path: Path) -> bool | None:
     """Whether the launcher that wrote job file ``path`` on this host still runs (None:
-    not a job file name of this host)."""
+    unknown: written on another host, or not a job file).  The launcher is named by the
+    file's name in the run folder, elsewhere (``--status-file``) by its ``pid`` and
+    ``launcher_host`` fields."""
     host, _, pid_text = path.stem[len(_PREFIX):].rpartition("-")
-    if host != _HOST or not pid_text.isdigit():
+    pid = int(pid_text) if path.name.startswith(_PREFIX) and pid_text.isdigit() else None
+    if pid is None:
+        try:
+            info = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        if not isinstance(info, dict) or type(info.get("pid")) is not int:
+            return None
+        host, pid = str(info.get("launcher_host", "")).replace("-", "_"), info["pid"]
+    if host != _HOST or pid <= 0:
         return None
     try:
-        os.kill(int(pid_text), 0)
+        os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:

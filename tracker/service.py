@@ -59,6 +59,30 @@ _READ_SIZE = 65536
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 
 
+def advertised_host() -> str:
+    """The name workers on other hosts reach this host by, for a tracker that listens on
+    every interface: its fully qualified name, else its short name, where that resolves to
+    an address other than loopback; else the IPv4 address of the interface that routes
+    outward (where ``/etc/hosts`` maps the host's own name to 127.0.0.1, as many images
+    do, the name would send every worker to itself); the fully qualified name if there is
+    no such route.  (A UDP socket's ``connect`` sends nothing.)"""
+    for name in dict.fromkeys((socket.getfqdn(), socket.gethostname())):
+        try:
+            infos = socket.getaddrinfo(name, None, socket.AF_INET)
+        except OSError:
+            continue
+        if any(not str(info[4][0]).startswith("127.") for info in infos):
+            return name
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with probe:
+        try:
+            probe.connect(("10.255.255.255", 9))
+            address = str(probe.getsockname()[0])
+        except OSError:
+            return socket.getfqdn()
+    return socket.getfqdn() if address.startswith("127.") else address
+
+
 class _Quiet(logging.LoggerAdapter):  # type: ignore[type-arg]
     """A live set's tracker: every record at DEBUG (its losses and aborts are the job
     tracker's to tell, once)."""
@@ -226,7 +250,7 @@ class Tracker:
     def worker_env(self) -> dict[str, str]:
         """The environment a worker needs to join this job (its port is the bound one after
         :meth:`start`).  Never raises."""
-        host = socket.getfqdn() if self.host in _WILDCARD_HOSTS else self.host
+        host = advertised_host() if self.host in _WILDCARD_HOSTS else self.host
         return {
             "DMLC_TRACKER_URI": host,
             "DMLC_TRACKER_PORT": str(self.port),

@@ -45,6 +45,7 @@ import secrets
 import shlex
 import shutil
 import signal
+import socket
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -245,6 +246,7 @@ def _write_job_file(options: LaunchOptions, env: dict[str, str], metrics: str | 
         return None
     info = {"host": env["DMLC_TRACKER_URI"], "port": int(env["DMLC_TRACKER_PORT"]),
             "secret": env["RABIT2_SECRET"], "pid": os.getpid(),
+            "launcher_host": socket.gethostname(),
             "world_size": options.num_workers, "cluster": options.cluster,
             "command": list(options.command),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),

@@ -225,10 +225,12 @@ def test_a_query_that_finds_no_job_says_so(tmp_path: Path, argv: list[str],
     assert "Traceback" not in done.stderr
 
 
+@pytest.mark.parametrize("named", ["in the run folder", "by --status-file"])
 def test_a_query_of_a_job_file_left_by_a_killed_launcher_says_the_job_ended(
-        tmp_path: Path) -> None:
+        tmp_path: Path, named: str) -> None:
     """A launcher killed with SIGKILL leaves its job file; asking through it says that its
-    launcher is gone, not only that nothing listens at the tracker's address."""
+    launcher is gone, not only that nothing listens at the tracker's address: the file's
+    name says which launcher in the run folder, its pid and host fields elsewhere."""
     import socket  # noqa: PLC0415
 
     from tracker import jobfile  # noqa: PLC0415
@@ -238,8 +240,10 @@ def test_a_query_of_a_job_file_left_by_a_killed_launcher_says_the_job_ended(
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    left = jobfile.write({"host": "127.0.0.1", "port": port, "secret": "00ff"},
-                         tmp_path / f"job-{jobfile._HOST}-{gone.pid}.json")
+    info = {"host": "127.0.0.1", "port": port, "secret": "00ff", "pid": gone.pid,
+            "launcher_host": socket.gethostname()}
+    name = f"job-{jobfile._HOST}-{gone.pid}.json" if named == "in the run folder" else "k.json"
+    left = jobfile.write(info, tmp_path / name)
     done = subprocess.run([sys.executable, "-m", "tracker.cli", "--query", str(left)],
                           capture_output=True, text=True, timeout=30, cwd=ROOT, check=False)
     assert done.returncode == 1, done.stderr

@@ -1004,3 +1004,20 @@ async def test_heartbeats_report_progress_and_a_bad_report_is_refused(
     bad.progress = None
     for client in (good, bad):
         await client.close()
+
+
+def test_a_tracker_on_every_interface_advertises_a_name_others_can_reach() -> None:
+    """Listening on 0.0.0.0, the tracker's URI must not send workers of other hosts to
+    themselves: where this host's own name resolves to loopback only (as /etc/hosts often
+    maps it), the address of the interface that routes outward stands in for it."""
+    from tracker.service import advertised_host  # noqa: PLC0415
+
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    with probe:
+        try:
+            probe.connect(("10.255.255.255", 9))  # (sends nothing)
+        except OSError:
+            pytest.skip("this machine has no route outward")
+    host = advertised_host()
+    addresses = {info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET)}
+    assert any(not str(a).startswith("127.") for a in addresses), (host, addresses)
