@@ -147,8 +147,8 @@ class live_set:  # (named as the function it stands for: ``with rabit2.live_set(
         if tuple(live) == tuple(range(len(live))):
             return ""
         pairs = ", ".join(f"{i} is job rank {r}" for i, r in enumerate(live))
-        return (f"(the ranks this error names inside live set {live.epoch}'s block are "
-                f"positions in the set: {pairs})")
+        return (f"(inside live set {live.epoch}'s block a plain \"rank N\" is a position in "
+                f"the set: {pairs}; \"job rank N\" is the job's own rank)")
 
 
 def heard_left(epoch: int, rank: int, calls: int) -> None:

@@ -159,9 +159,9 @@ def run(call: Call) -> None:
 def beyond_the_block(left: tuple[int, int], comm: Communicator) -> str:
     """Elastic mode: this member is at a call of the block that member ``left[0]``, which
     left the block after ``left[1]`` calls, never made."""
-    return (f"live set block: rank {left[0]} left it after {left[1]} collective calls, and "
-            f"rank {comm.job_rank} is at call {comm.seqno + 1}: every member must make the "
-            "same calls in a block")
+    return (f"live set block: job rank {left[0]} left it after {left[1]} collective calls, "
+            f"and job rank {comm.job_rank} is at call {comm.seqno + 1}: every member must make "
+            "the same calls in a block")
 
 
 __all__ = ["Communicator", "beyond_the_block", "collective", "comm", "job", "mock_hit",

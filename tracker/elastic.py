@@ -79,11 +79,11 @@ class LiveSets(Generic[C]):
             return self._send(task, self.epoch, self.outcome)
         self.reported[rank] = ok
         if not ok:
-            return self._settle(False, f"rank {rank} failed in it: {reason}")
+            return self._settle(False, f"job rank {rank} failed in it: {reason}")
         if calls is not None:
             self.calls[rank] = calls
             if len(set(self.calls.values())) > 1:
-                made = ", ".join(f"rank {r} {n}" for r, n in sorted(self.calls.items()))
+                made = ", ".join(f"job rank {r} {n}" for r, n in sorted(self.calls.items()))
                 return self._settle(False, f"its members made different numbers of "
                                            f"collective calls in the block ({made})")
         if len(self.reported) == len(self.ranks) and all(self.reported.values()):
@@ -105,7 +105,7 @@ class LiveSets(Generic[C]):
         rank = task.rank
         if (rank is not None and rank in self.ranks and self.outcome is None
                 and rank not in self.reported):
-            out += self._settle(False, f"rank {rank} {why}")
+            out += self._settle(False, f"job rank {rank} {why}")
         return out + self.try_form()
 
     def failed(self, epoch: int, reason: str) -> list[Decision[C]]:

@@ -262,7 +262,7 @@ def test_members_that_make_different_calls_in_a_block_fail_it_at_once(mode: str)
     failed = re.findall(r"FAILED (\d) after ([\d.]+): (.*)", done.stdout)
     assert sorted(int(r) for r, _, _ in failed) == [0, 1, 2], done.stdout
     assert len({message for _, _, message in failed}) == 1, failed
-    assert "MismatchError: live set block: rank" in failed[0][2], failed
+    assert "MismatchError: live set block: job rank" in failed[0][2], failed
     assert all(float(after) < 10 for _, after, _ in failed), failed
     assert sorted(re.findall(r"NEXT (\d) 3", done.stdout)) == ["0", "1", "2"], done.stdout
 
@@ -291,7 +291,7 @@ def test_an_error_in_a_block_says_which_job_rank_each_position_is() -> None:
     notes = re.findall(r"NOTES (\d) (\w+) (.*)", done.stdout)
     assert sorted(int(r) for r, _, _ in notes) == [0, 2], done.stdout + done.stderr[-3000:]
     for _, _, note in notes:
-        assert "are positions in the set: 0 is job rank 0, 1 is job rank 2" in note, note
+        assert "is a position in the set: 0 is job rank 0, 1 is job rank 2" in note, note
 
 
 def test_a_member_that_exits_0_inside_a_block_left_the_job_which_goes_on() -> None:
@@ -316,3 +316,28 @@ def test_a_member_that_exits_0_inside_a_block_left_the_job_which_goes_on() -> No
     assert sorted(re.findall(r"DONE (\d)", done.stdout)) == ["0", "2"], done.stdout
     assert re.search(r"^1\s+1\s+1\s+0\s+left early$", done.stderr, re.M), done.stderr[-2000:]
     assert "job: every remaining rank shut down" in done.stderr, done.stderr[-2000:]
+
+
+def test_the_root_cause_is_the_loss_that_ended_the_job_not_one_it_went_on_without() -> None:
+    """Rank 1 is lost and the job goes on with three (--min-workers 3); rank 2 is lost later
+    and that ends it: the summary's root cause names rank 2, not the first loss."""
+    code = ("import os, sys, time, numpy as np, rabit2, rabit2.live\n"
+            "from rabit2.errors import LiveSetError\n"
+            "rabit2.init(sys.argv[1:])\n"
+            "rank, step = rabit2.get_rank(), 0\n"
+            "while step < 40:\n"
+            "    try:\n"
+            "        with rabit2.live_set():\n"
+            "            if (rank, step) in ((1, 5), (2, 12)):\n"
+            "                os.kill(os.getpid(), 9)\n"
+            "            rabit2.allreduce(np.ones(4), rabit2.SUM)\n"
+            "        step += 1\n"
+            "    except LiveSetError:\n"
+            "        continue\n"
+            "    time.sleep(0.05)\n"
+            "rabit2.finalize()\n")
+    done = run_code(4, code, flags=("--elastic", "--max-attempts", "1", "--min-workers", "3"))
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert re.search(r"^root cause: rank 2 \(task 2\) was killed by SIGKILL", out, re.M), out
+    assert "job: rank 2 (task 2) failed for good" in out, out

@@ -107,7 +107,7 @@ def test_a_member_that_raised_fails_the_set_at_once() -> None:
     registry = elastic_job(2)
     formed(ask(registry, "c0", "c1"))
     out = results(done(registry, "c1", 1, ok=False, reason="ValueError: bad"))
-    assert out["c1"]["reason"] == "rank 1 failed in it: ValueError: bad"
+    assert out["c1"]["reason"] == "job rank 1 failed in it: ValueError: bad"
     assert results(done(registry, "c0", 1))["c0"] == out["c1"]  # ok or not: the same
 
 
@@ -203,8 +203,8 @@ def test_members_still_in_a_block_hear_the_fewest_calls_a_member_left_it_after()
     # fewer calls than another made: the set fails on every member
     out = results(leave("c2", 2))
     assert {msg["ok"] for msg in out.values()} == {False}
-    assert "different numbers of collective calls in the block (rank 0 3, rank 1 3, rank 2 2)" \
-        in out["c2"]["reason"]
+    assert ("different numbers of collective calls in the block (job rank 0 3, job rank 1 3, "
+            "job rank 2 2)") in out["c2"]["reason"]
 
 
 def test_a_bad_call_count_is_refused() -> None:

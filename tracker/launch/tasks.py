@@ -81,6 +81,7 @@ class TaskLauncher:
         self._done_seen_at: float | None = None
         self._root_cause: str | None = None  # the job's first failure, as the summary says
         self._ended_ok: dict[int, float] = {}  # task id -> when its program ended with 0
+        self._failures: dict[int, str] = {}  # task id -> its last failure (elastic mode)
         # task id -> (why, when) the tracker declared it lost because its connection ended
         self._lost: dict[str, tuple[str, float]] = {}
 
@@ -126,6 +127,14 @@ class TaskLauncher:
         result = self.tracker.result()
         for task in self.tasks:
             task.rank = self.tracker.rank_of(str(task.task_id))
+        if options.elastic and result is not None and not result.success:
+            # the first failure may be a loss the job went on without: the root cause is
+            # the failure of the task the job ended for, where it names one
+            ended_by = next((task.task_id for task in self.tasks
+                             if task.task_id in self._failures and self._aborted_by(task)),
+                            None)
+            if ended_by is not None:
+                self._root_cause = self._failures[ended_by]
         self._note("summary:")
         # (elastic: a task that left a job that went on to succeed is no failure of it)
         left_ok = self.options.elastic and result is not None and result.success
@@ -287,12 +296,14 @@ class TaskLauncher:
         task.proc = None
         task.exit_code = code
         task.rank = self.tracker.rank_of(str(task.task_id))
-        if code != 0 and self._root_cause is None and (self._abort_seen_at is None
-                                                       or self._aborted_by(task)):
+        if code != 0 and (self.options.elastic or (self._root_cause is None and (
+                self._abort_seen_at is None or self._aborted_by(task)))):
             for reader in task.readers:
                 reader.join(0.5)  # (its last lines, to name what it said last)
-            self._root_cause = describe_failure(task, code, self.options.max_attempts,
-                                                time.time())
+            failure = describe_failure(task, code, self.options.max_attempts, time.time())
+            self._failures[task.task_id] = failure  # (elastic: the one that ended the job)
+            if self._root_cause is None:
+                self._root_cause = failure
         missing = self._never_joined(task) if code != 0 else []
         if code == 0:
             task.status = "ok"
