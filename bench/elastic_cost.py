@@ -30,6 +30,7 @@ def main() -> None:
     data = np.ones(opts.size // 4, dtype=np.float32)
 
     def step() -> None:
+        data.fill(1.0)  # (summed in place each step: it would overflow to inf)
         if elastic:
             with rabit2.live_set():
                 rabit2.allreduce(data, rabit2.Op.SUM)

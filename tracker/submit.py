@@ -84,6 +84,8 @@ def dry_run_lines(options: LaunchOptions) -> list[str]:
     lines = [f"# tracker on {options.tracker_host}:{options.tracker_port or '<any free port>'}; "
              f"every worker gets {', '.join(job)}, DMLC_ROLE=worker, DMLC_NUM_ATTEMPT (0, "
              "then 1, 2, ... when restarted)"
+             + (", PYTHONUNBUFFERED=1, RABIT2_LAUNCHER_PID" if options.cluster == "local"
+                else "")
              + "".join(f", {key}={value}" for key, value in options.env)]
     if options.cluster in ("slurm", "mpi"):
         lines.append(shlex.join(group_argv(options,
@@ -105,7 +107,8 @@ def dry_run_lines(options: LaunchOptions) -> list[str]:
                            if key not in given and os.environ.get(key) != value)
             where = ("" if attempt.cpus is None
                      else f" (CPUs {','.join(map(str, attempt.cpus))})")
-            lines.append(f"DMLC_TASK_ID={task} {own} {shlex.join(options.command)}{where}")
+            words = [f"DMLC_TASK_ID={task}", own, shlex.join(options.command)]
+            lines.append(" ".join(word for word in words if word) + where)
     return lines
 
 
