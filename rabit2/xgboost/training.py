@@ -295,8 +295,12 @@ def _restore_params(bst: xgboost.Booster, saved: str) -> None:
     configures a booster again from the parameters it was given, eta among them.)"""
     def differing() -> list[tuple[str, Any]]:
         now = dict(_leaves(json.loads(bst.save_config())))
+        # (an evaluation metric's own section, huber_slope or the ranking metrics' settings,
+        # appears once the booster first evaluates, from the booster's parameters: a booster
+        # just made has none to compare)
         return [(str(path[-1]), value) for path, value in _leaves(json.loads(saved))
-                if now.get(path) != value and _settable(path)]
+                if now.get(path) != value and _settable(path)
+                and (path in now or "metrics" not in path)]
 
     for key, value in differing():
         bst.set_param(key, value)

@@ -236,6 +236,39 @@ PARTITIONED = textwrap.dedent(
 )
 
 
+def _partitioned_job_under_way(bed: netns.Testbed,
+                               keys: Path) -> tuple[subprocess.Popen[str], list[str]]:
+    """The PARTITIONED job started on host 1, read until its iteration 5 (60 s at most);
+    the job and the lines read.  The caller ends it (kill) whatever happens."""
+    script = keys / "partitioned.py"
+    script.write_text(PARTITIONED)
+    proc = subprocess.Popen(submit(bed, keys, str(script), "rabit2_link_timeout_sec=4"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=keys)
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + 60
+    try:
+        while not any("iteration 5" in line for line in lines):
+            line = proc.stdout.readline()
+            assert line and time.monotonic() < deadline, "".join(lines)
+            lines.append(line)
+    except BaseException:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, lines
+
+
+def _rest_of(proc: subprocess.Popen[str], lines: list[str]) -> str:
+    """The job's output until it ends (150 s at most: its output so far if not)."""
+    try:
+        rest, _ = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError("".join(lines) + str(exc.output)) from None
+    return str(rest)
+
+
 def test_a_partition_between_two_hosts_that_both_reach_the_tracker_ends_the_job_typed(
     cluster: tuple[netns.Testbed, Path],
 ) -> None:
@@ -246,27 +279,16 @@ def test_a_partition_between_two_hosts_that_both_reach_the_tracker_ends_the_job_
     quarters of it until the tracker is asked whether the peer lives), instead of waiting
     for the progress deadline (30 minutes by default)."""
     bed, keys = cluster
-    script = keys / "partitioned.py"
-    script.write_text(PARTITIONED)
-    proc = subprocess.Popen(submit(bed, keys, str(script), "rabit2_link_timeout_sec=4"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=keys)
+    proc, lines = _partitioned_job_under_way(bed, keys)
     routes = [(2, bed.addr(3)), (3, bed.addr(2))]
     cut = False
     try:
-        assert proc.stdout is not None
-        lines: list[str] = []
-        deadline = time.monotonic() + 60
-        while not any("iteration 5" in line for line in lines):
-            line = proc.stdout.readline()
-            assert line and time.monotonic() < deadline, "".join(lines)
-            lines.append(line)
         for host, other in routes:
             subprocess.run(bed.run(host, ["ip", "route", "add", "blackhole", f"{other}/32"]),
                            check=True)
         cut = True
         started = time.monotonic()
-        rest, _ = proc.communicate(timeout=150)
+        rest = _rest_of(proc, lines)
         took = time.monotonic() - started
     finally:
         if cut:
@@ -297,27 +319,13 @@ def test_a_host_that_becomes_unreachable_is_given_up_on_naming_it(
     them, which fails while the host is gone, so the job ends naming a task of that host,
     instead of waiting for the survivors' recovery deadline (300 s) and blaming rank 0."""
     bed, keys = cluster
-    script = keys / "partitioned.py"
-    script.write_text(PARTITIONED)
-    proc = subprocess.Popen(submit(bed, keys, str(script), "rabit2_link_timeout_sec=4"),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=keys)
+    proc, lines = _partitioned_job_under_way(bed, keys)
     down = False
     try:
-        assert proc.stdout is not None
-        lines: list[str] = []
-        deadline = time.monotonic() + 60
-        while not any("iteration 5" in line for line in lines):
-            line = proc.stdout.readline()
-            assert line and time.monotonic() < deadline, "".join(lines)
-            lines.append(line)
         subprocess.run(bed.run(3, ["ip", "link", "set", "eth0", "down"]), check=True)
         down = True
         started = time.monotonic()
-        try:
-            rest, _ = proc.communicate(timeout=150)
-        except subprocess.TimeoutExpired as exc:
-            raise AssertionError("".join(lines) + str(exc.output)) from None
+        rest = _rest_of(proc, lines)
         took = time.monotonic() - started
     finally:
         if down:

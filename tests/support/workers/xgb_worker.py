@@ -93,6 +93,7 @@ def main() -> None:
     params = {"tree_method": opts.method, "max_depth": opts.depth, "eta": 0.3,
               "objective": "binary:logistic", "eval_metric": "logloss",
               **json.loads(opts.extra)}
+    params = {key: value for key, value in params.items() if value is not None}  # (null: unset)
     if opts.backend == "xgboost":
         args = json.loads(os.environ["XGB_TRACKER_ARGS"])
         with xgboost.collective.CommunicatorContext(**args):
