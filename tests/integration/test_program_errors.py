@@ -38,6 +38,18 @@ PROGRAM = textwrap.dedent("""
 """)
 
 
+def run_job(script: Path, code: str, n: int, *args: str,
+            options: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess[str], str]:
+    """``code`` written to ``script`` and run by ``rabit2-submit --cluster local -n n
+    options`` (60 s) with ``args``; the finished process and its output, both streams."""
+    script.write_text(code)
+    done = subprocess.run(
+        ["rabit2-submit", "--cluster", "local", "-n", str(n), *options, "--timeout", "60",
+         "--", sys.executable, str(script), *args],
+        capture_output=True, text=True, timeout=90, check=False, stdin=subprocess.DEVNULL)
+    return done, done.stdout + done.stderr
+
+
 @pytest.mark.parametrize("style", ["context", "init-finalize"])
 def test_an_exception_on_one_rank_ends_the_job_at_once_without_a_restart(
         style: str, tmp_path: Path) -> None:
@@ -127,13 +139,7 @@ def test_a_worker_that_exits_without_finalize_stops_its_loop_thread_first(
     thread is stopped before the interpreter's teardown (left running there, polling its
     sockets, it crashed some of these exits with SIGSEGV), and each exits with its own
     status."""
-    script = tmp_path / "caught.py"
-    script.write_text(CAUGHT)
-    done = subprocess.run(
-        ["rabit2-submit", "--cluster", "local", "-n", "3", "--max-attempts", "1",
-         "--timeout", "60", "--", sys.executable, str(script)],
-        capture_output=True, text=True, timeout=90, check=False, stdin=subprocess.DEVNULL)
-    out = done.stdout + done.stderr
+    done, out = run_job(tmp_path / "caught.py", CAUGHT, 3, options=("--max-attempts", "1"))
     assert done.returncode == 1, out
     for rank in (0, 2):
         assert f"rank {rank} loop thread alive at exit: False" in out, out
@@ -161,14 +167,8 @@ NO_FINALIZE = textwrap.dedent("""
 def test_a_job_whose_every_worker_ends_without_finalize_fails(tmp_path: Path) -> None:
     """Every program ends with status 0 within a second of the others, none finalized, a
     call unfinished: the job failed (a worker left early), not "ok" for each task."""
-    script = tmp_path / "nofinalize.py"
-    script.write_text(NO_FINALIZE)
     started = time.monotonic()
-    done = subprocess.run(
-        ["rabit2-submit", "--cluster", "local", "-n", "3", "--timeout", "60", "--",
-         sys.executable, str(script)],
-        capture_output=True, text=True, timeout=90, check=False, stdin=subprocess.DEVNULL)
-    out = done.stdout + done.stderr
+    done, out = run_job(tmp_path / "nofinalize.py", NO_FINALIZE, 3)
     assert done.returncode == 1, out
     assert time.monotonic() - started < 30, out
     assert re.search(r"root cause: task \d exited with 0 without rabit2.finalize\(\) while the "
@@ -235,13 +235,7 @@ def test_the_rank_that_signals_an_error_raises_it_at_its_next_call_too(
         world: int, tmp_path: Path) -> None:
     """signal_error ends the job for every rank: the caller's next collective raises
     JobAbortedError at once too, rather than waiting for peers that left (its deadline)."""
-    script = tmp_path / "signalled.py"
-    script.write_text(SIGNALLED)
-    done = subprocess.run(
-        ["rabit2-submit", "--cluster", "local", "-n", str(world), "--timeout", "60", "--",
-         sys.executable, str(script), "rabit_timeout_sec=20"],
-        capture_output=True, text=True, timeout=90, check=False, stdin=subprocess.DEVNULL)
-    out = done.stdout + done.stderr
+    done, out = run_job(tmp_path / "signalled.py", SIGNALLED, world, "rabit_timeout_sec=20")
     assert done.returncode == 1, out
     for rank in range(world):
         found = re.search(rf"rank {rank} JobAbortedError after ([\d.]+) s: .*disk full", out)
@@ -277,14 +271,8 @@ def test_a_process_forked_after_init_is_told_it_is_no_worker(tmp_path: Path) -> 
     """The links and the loop thread stay with the worker: a child forked after init raises
     NotInitializedError saying so at once, and its finalize and exit do not wait for a loop
     that no thread runs; the parent goes on as before."""
-    script = tmp_path / "forked.py"
-    script.write_text(FORKED)
     started = time.monotonic()
-    done = subprocess.run(
-        ["rabit2-submit", "--cluster", "local", "-n", "2", "--timeout", "60", "--",
-         sys.executable, str(script)],
-        capture_output=True, text=True, timeout=90, check=False, stdin=subprocess.DEVNULL)
-    out = done.stdout + done.stderr
+    done, out = run_job(tmp_path / "forked.py", FORKED, 2)
     assert done.returncode == 0, out
     assert time.monotonic() - started < 30, out
     assert len(re.findall(r"child NotInitializedError after 0\.\d s: this process was forked "
