@@ -57,6 +57,9 @@ logger = logging.getLogger("rabit2.tracker")
 
 _READ_SIZE = 65536
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
+CLOSED_BY_WORKER = "connection closed by the worker"
+"""Why a worker's connection ended when the worker closed it: its process left (an exit, a
+kill), as opposed to a network that stopped carrying it."""
 
 
 def advertised_host() -> str:
@@ -335,7 +338,7 @@ class Tracker:
         reader, writer = streams
         conn = _Conn(writer=writer, host=host, peer=peer, role=hello["role"])
         self._conns.add(conn)
-        reason = "connection closed by the worker"
+        reason = CLOSED_BY_WORKER
         broken = True  # a protocol violation or a socket error, as opposed to a clean end
         try:
             reason = await self._serve(conn, reader)
@@ -417,7 +420,7 @@ class Tracker:
                     return f"connection timed out: {exc}"
                 return f"{SILENCE_REASON} {timeout:g}s"
             if not data:
-                return "connection closed by the worker"
+                return CLOSED_BY_WORKER
             self._registry.heard(conn, loop.time())
             for msg in decoder.feed(data):
                 if not self._on_message(conn, msg):
@@ -655,4 +658,4 @@ def _call_hook(hook: Callable[..., None] | None, *args: Any) -> None:
         logger.exception("tracker hook %r failed", hook)
 
 
-__all__ = ["JobResult", "Tracker"]
+__all__ = ["CLOSED_BY_WORKER", "JobResult", "Tracker"]

@@ -367,14 +367,15 @@ class Agent:
             cmds.append(CheckpointLoaded(0, None))
         return cmds
 
-    def keep_bootstrap(self) -> None:
+    def keep_bootstrap(self) -> str | None:
         """The program's first ``load_checkpoint`` in a worker that was not restarted (a
         restarted one does this in :meth:`load_checkpoint`): with recovery on, the results
         of the calls made before it are kept for the rest of the job, so that a worker
-        restarted after later checkpoints can replay them (``docs/recovery.md``, "Calls
-        before load_checkpoint")."""
-        if self.recovery is not None:
-            self.recovery.results.keep_bootstrap(self.seqno if self.version == 0 else 0)
+        restarted after later checkpoints can replay them (``docs/recovery.md``, "What every
+        rank keeps").  Why they are not kept, if they are not."""
+        if self.recovery is None:
+            return None
+        return self.recovery.results.keep_bootstrap(self.seqno if self.version == 0 else 0)
 
     def fail_load(self, error: UnrecoverableError) -> list[Command]:
         """:meth:`load_checkpoint` raised ``error``: this rank fails with it (the neighbours

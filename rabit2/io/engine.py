@@ -484,7 +484,15 @@ class Engine:
         self.loop_thread.run(self._keep_bootstrap(), self.config.timeout_sec)
 
     async def _keep_bootstrap(self) -> None:
-        self.agent.keep_bootstrap()
+        calls = self.agent.seqno if self.agent.version == 0 else 0
+        why = self.agent.keep_bootstrap()
+        if why is not None:
+            logger.warning(
+                "rank %d: the %d collective calls made before the first load_checkpoint are "
+                "not kept for a restarted worker's replay (rabit2_replay_mb, %d MiB): %s; a "
+                "worker lost once a call after the first checkpoint finished cannot be "
+                "recovered: raise rabit2_replay_mb", self.agent.rank, calls,
+                self.config.replay_mb, why)
 
     def recovery_statistics(self) -> dict[str, int]:
         """The agent's recovery counters (links re-established, bytes fetched, resent...)."""

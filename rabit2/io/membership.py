@@ -15,7 +15,7 @@ import socket
 from typing import Any
 
 from rabit2.config import Config
-from rabit2.errors import JobFinishedError, RabitError
+from rabit2.errors import JobAbortedError, JobFinishedError, RabitError
 from rabit2.io.assignment import Assignment
 from rabit2.io.engine import Engine
 from rabit2.io.loop_thread import LoopThread
@@ -54,6 +54,7 @@ class Membership:
         # (rank, calls): a member that left the current set's block after so many calls
         # (the fewest heard of); None while none did
         self.left: tuple[int, int] | None = None
+        self.signalled: JobAbortedError | None = None  # signal_error: every later call's
 
     def start(self) -> None:
         """Join the job: connect, register, get a rank.  Bounded; raises what
@@ -80,6 +81,8 @@ class Membership:
         """Wait (barrier) for the next live set.  Raises :class:`CollectiveTimeoutError`,
         :class:`JobAbortedError`, :class:`JobFinishedError` (this worker came back after
         the others finished the job: there is nothing to join) or :class:`TrackerError`."""
+        if self.signalled is not None:
+            raise self.signalled
         msg = self._ask({"t": "live", "epoch": self.epoch}, "live_set")
         if not msg["ranks"]:  # (newcomers only, and the others finished the job)
             raise JobFinishedError(str(msg.get("reason", "there is no live set to join")))
@@ -143,9 +146,15 @@ class Membership:
             self.close()
 
     def signal_error(self, msg: str) -> None:
-        """Ask the tracker to abort the job (any thread; never blocks)."""
+        """Ask the tracker to abort the job; this worker's calls fail from now on too, the
+        current set's and every later ``live_set()`` (any thread; never blocks)."""
         if self.tracker is not None:
+            self.signalled = JobAbortedError(f"this rank ended the job: {msg}")
             self.tracker.signal_error(msg)
+            engine = self.engine
+            if engine is not None:
+                engine.signalled_error = self.signalled
+                engine.fail_soon(self.signalled)
 
     def tracker_print(self, msg: str) -> None:
         if self.tracker is not None:

@@ -341,3 +341,32 @@ def test_the_root_cause_is_the_loss_that_ended_the_job_not_one_it_went_on_withou
     assert done.returncode == 1, out
     assert re.search(r"^root cause: rank 2 \(task 2\) was killed by SIGKILL", out, re.M), out
     assert "job: rank 2 (task 2) failed for good" in out, out
+
+
+def test_signal_error_ends_the_callers_later_blocks_too() -> None:
+    """An elastic worker that calls signal_error and then retries the block, as elastic
+    programs do on LiveSetError, gets JobAbortedError: no block runs in the aborted job."""
+    code = ("import sys, numpy as np, rabit2, rabit2.live\n"
+            "from rabit2.errors import LiveSetError, RabitError\n"
+            "rabit2.init(sys.argv[1:])\n"
+            "r = rabit2.get_rank()\n"
+            "for attempt in range(3):\n"
+            "    try:\n"
+            "        with rabit2.live_set():\n"
+            "            if r == 0 and attempt == 0:\n"
+            "                rabit2.signal_error('stop')\n"
+            "            rabit2.allreduce(np.ones(2), rabit2.SUM)\n"
+            "            print(f'rank {r} block ran', flush=True)\n"
+            "        break\n"
+            "    except LiveSetError:\n"
+            "        continue\n"
+            "    except RabitError as exc:\n"
+            "        print(f'rank {r} {type(exc).__name__}: {exc}', flush=True)\n"
+            "        break\n"
+            "rabit2.finalize()\n")
+    done = run_code(2, code)
+    out = done.stdout + done.stderr
+    assert done.returncode == 1, out
+    assert "block ran" not in out, out
+    assert "rank 0 JobAbortedError: this rank ended the job: stop" in out, out
+    assert "rank 1 JobAbortedError: the tracker aborted the job" in out, out

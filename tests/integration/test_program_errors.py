@@ -278,3 +278,33 @@ def test_a_process_forked_after_init_is_told_it_is_no_worker(tmp_path: Path) -> 
     assert len(re.findall(r"child NotInitializedError after 0\.\d s: this process was forked "
                           r"from rabit2 worker \d+ after its init", out)) == 2, out
     assert out.count("parent [2.0, 2.0, 2.0, 2.0]") == 2, out
+
+
+SLOW_EXIT = textwrap.dedent("""
+    import atexit, sys, time
+    import numpy as np
+    import rabit2
+
+    slow = []
+    atexit.register(lambda: slow and time.sleep(9))  # (the program's own: after rabit2's)
+    rabit2.init()
+    rabit2.allreduce(np.ones(4), rabit2.Op.SUM)
+    if rabit2.get_rank() == 1:
+        slow.append(True)
+        sys.exit(0)  # without finalize
+    rabit2.allreduce(np.ones(4), rabit2.Op.SUM)
+    rabit2.finalize()
+""")
+
+
+def test_a_worker_whose_exit_takes_its_time_is_not_taken_for_an_unreachable_one(
+        tmp_path: Path) -> None:
+    """Its connection closed as it began to exit, its own exit handler then runs for 9 s:
+    the launcher does not kill it as a worker cut off from the tracker (and restart it), and
+    the job ends naming what it did, leaving without finalize."""
+    done, out = run_job(tmp_path / "slow_exit.py", SLOW_EXIT, 2,
+                        options=("--max-attempts", "2"))
+    assert done.returncode == 1, out
+    assert "lost its tracker connection" not in out and "restarting" not in out, out
+    assert re.search(r"root cause: task 1 exited with 0 without rabit2.finalize\(\)", out), out
+    assert re.search(r"^1\s+1\s+1\s+0\s+left early$", out, re.M), out

@@ -1183,3 +1183,25 @@ def test_calls_before_the_first_load_checkpoint_are_replayed(mock: str) -> None:
     assert sorted(re.findall(r"RESULT (\d) (\w+)", proc.stdout)) == [
         (str(r), want) for r in range(3)], proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "task 1 exited with -9 (attempt 1/3); restarting" in proc.stderr, proc.stderr[-3000:]
+
+
+@pytest.mark.integration
+def test_calls_before_load_checkpoint_too_large_to_keep_are_said_at_once() -> None:
+    """Their results would take more than half of rabit2_replay_mb: every rank says so when
+    the program loads, before a failure shows it."""
+    code = ("import sys, numpy as np, rabit2\n"
+            "rabit2.init(sys.argv[1:])\n"
+            "rabit2.allreduce(np.ones(300_000), rabit2.Op.SUM)\n"  # (2.4 MB of the 4 MiB)
+            "rabit2.load_checkpoint()\n"
+            "rabit2.checkpoint({'it': 1})\n"
+            "rabit2.finalize()\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "-n", "2", "--max-attempts", "2",
+         "--timeout", "60", "--", sys.executable, "-c", code, "rabit2_replay_mb=4"],
+        capture_output=True, text=True, timeout=90, env=job_env(), cwd=ROOT, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in range(2):
+        assert (f"rank {rank}: the 1 collective calls made before the first load_checkpoint "
+                "are not kept for a restarted worker's replay (rabit2_replay_mb, 4 MiB): "
+                "their results (2400000 B) would take more than half of it") in proc.stderr, (
+            proc.stderr[-3000:])

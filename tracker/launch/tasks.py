@@ -43,6 +43,7 @@ from tracker.launch.options import LaunchOptions
 from tracker.launch.ssh import ssh_attempt
 from tracker.registry import REJOIN_GRACE_SEC
 from tracker.server import JobResult, TrackerThread
+from tracker.service import CLOSED_BY_WORKER
 
 LOST_EXIT_GRACE_SEC = 2.0
 """How long a worker the tracker declared lost (its connection ended) may take to exit on its
@@ -190,7 +191,11 @@ class TaskLauncher:
                 return False
         silent = set(self.tracker.take_silent())
         for tid, why, at in self.tracker.take_disconnected():
-            self._lost[tid] = (why, at)
+            if not why.startswith(CLOSED_BY_WORKER):
+                # (a worker that closed its connection is leaving: its exit handlers may
+                # take their time, and a restart's attempt may already run; what is meant
+                # here is a connection the network stopped carrying)
+                self._lost[tid] = (why, at)
         for task in self.tasks:
             why, lost_at = self._lost.get(str(task.task_id), ("", 0.0))
             # (a process that is exiting gets a moment to end on its own; and only the attempt

@@ -264,8 +264,8 @@ class Replay:
             held = [v for p, st in states.items() if links[p].up
                     for v in st.locals if v <= version]
             version = max(held, default=0)
-        # the calls this worker replayed before loading stay (docs/recovery.md, "Calls before
-        # load_checkpoint"); at version 0 the program goes on after them
+        # the calls this worker replayed before loading stay (docs/recovery.md, "What every
+        # rank keeps"); at version 0 the program goes on after them
         owner.results.keep_bootstrap(agent.seqno if agent.version == 0 else 0)
         if version:
             agent.version, agent.seqno = version, 0

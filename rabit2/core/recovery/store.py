@@ -308,27 +308,29 @@ class ResultStore:
             if not spares:
                 del self._spare[size]
 
-    def keep_bootstrap(self, calls: int) -> None:
+    def keep_bootstrap(self, calls: int) -> str | None:
         """The program's first ``load_checkpoint``, after ``calls`` collectives of version 0:
         keep their results for the rest of the job (rabit's bootstrap cache), so that a
         worker restarted after later checkpoints replays them before it loads.  Only all of
         them or none: a replay needs every one, and the store may have dropped some already
         (``rabit2_replay_mb``), or they would take more than half of it: they count against
-        the bound for good.  Later calls change nothing."""
+        the bound for good.  Later calls change nothing.  Why none are kept where some
+        were made (None: kept, or none made)."""
         if self._boot is not None:
-            return
+            return None
         self._boot = {}
         wanted = [(0, seqno) for seqno in range(calls)]
         if not all(call in self._results for call in wanted):
-            return
+            return "the store dropped some of their results already"
         size = sum(self._results[call][1].nbytes for call in wanted)
         if size > self.limit // 2:
-            return
+            return f"their results ({size} B) would take more than half of it"
         for call in wanted:
             desc, blob, slab = self._results.pop(call)
             self._boot[call] = (desc, bytes(blob))  # (its own memory: slabs are reused)
             self._release(blob, slab)
         self.limit -= size
+        return None
 
     @property
     def bootstrap_calls(self) -> int:
