@@ -737,6 +737,19 @@ def test_workers_whose_tracker_connections_break_rejoin_and_the_job_goes_on() ->
     assert all(v["links_up"] == 0 for v in job.stats().values()), job.stats()
 
 
+def _standalone_tracker_env(n: int) -> tuple[int, str, dict[str, str]]:
+    """A free port, a secret, and the environment of the workers of a standalone tracker
+    for ``n`` workers there (recovery as the workers' default: off)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    secret = os.urandom(32).hex()
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "DMLC_TRACKER_URI": "127.0.0.1",
+           "DMLC_TRACKER_PORT": str(port), "RABIT2_SECRET": secret, "DMLC_NUM_WORKER": str(n)}
+    env.pop("RABIT2_RECOVER", None)
+    return port, secret, env
+
+
 TRACKER_RESTART_WORKER = """
 import sys, time
 import numpy as np
@@ -762,15 +775,9 @@ def test_a_tracker_restarted_at_its_address_takes_the_job_over(tmp_path: Path) -
     workers' collectives never needed it; they dial it again, rejoin with their ranks, and
     the new tracker rebuilds the job from them: every worker finishes, the new tracker sees
     every rank shut down and exits 0."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    secret = os.urandom(32).hex()
+    port, secret, env = _standalone_tracker_env(4)
     tracker_cmd = [sys.executable, "-m", "tracker.cli", "--n", "4", "--port", str(port),
                    "--secret", secret, "--log-level", "WARNING"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "DMLC_TRACKER_URI": "127.0.0.1",
-           "DMLC_TRACKER_PORT": str(port), "RABIT2_SECRET": secret, "DMLC_NUM_WORKER": "4"}
-    env.pop("RABIT2_RECOVER", None)
     script = tmp_path / "worker.py"
     script.write_text(TRACKER_RESTART_WORKER)
     joined = tmp_path / "joined"
@@ -811,13 +818,7 @@ def test_ctrl_c_on_a_standalone_tracker_ends_its_job_at_once(tmp_path: Path) -> 
     """Ctrl-C stops the job, not only the tracker: the workers hear the abort and raise at
     once, instead of dialing for a tracker that no supervisor will restart (30 s) or
     finishing as if the job had gone on."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    secret = os.urandom(32).hex()
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "DMLC_TRACKER_URI": "127.0.0.1",
-           "DMLC_TRACKER_PORT": str(port), "RABIT2_SECRET": secret, "DMLC_NUM_WORKER": "2"}
-    env.pop("RABIT2_RECOVER", None)
+    port, secret, env = _standalone_tracker_env(2)
     script = tmp_path / "worker.py"
     script.write_text(TRACKER_RESTART_WORKER)
     joined = tmp_path / "joined"

@@ -197,26 +197,11 @@ class TaskLauncher:
                 # here is a connection the network stopped carrying)
                 self._lost[tid] = (why, at)
         for task in self.tasks:
-            why, lost_at = self._lost.get(str(task.task_id), ("", 0.0))
-            # (a process that is exiting gets a moment to end on its own; and only the attempt
-            # whose connection ended: one started after its predecessor exited, which is how
-            # that loss was declared, is not it)
-            if why and now - lost_at >= LOST_EXIT_GRACE_SEC:
+            lost = self._lost.get(str(task.task_id))
+            if lost is not None and now - lost[1] >= LOST_EXIT_GRACE_SEC:
+                # (a process that is exiting got a moment to end on its own)
                 del self._lost[str(task.task_id)]
-            else:
-                why = ""
-            if (why and task.proc is not None and task.status == "running"
-                    and task.started_at < lost_at - 1.0 and task.proc.poll() is None):
-                # its tracker connection ended and it did not come back: a host that cannot
-                # be reached (its ssh may wait for minutes), or a process cut off from the
-                # tracker; the job goes on without it, so it is stopped and restarted
-                task.killed_for = (f"the tracker lost it ({why}) and it did not rejoin "
-                                   f"within {REJOIN_GRACE_SEC:g} s: its host unreachable, "
-                                   "or the tracker's port from it")
-                self._note(f"task {task.task_id} lost its tracker connection ({why}); "
-                           "killing it")
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(task.proc.pid, signal.SIGKILL)
+                self._kill_lost(task, *lost)
             if str(task.task_id) in silent and task.proc is not None and task.status == "running":
                 # a paused or wedged worker keeps its process alive but answers nothing: stop
                 # it, so that the usual restart-or-give-up logic runs instead of waiting
@@ -264,6 +249,21 @@ class TaskLauncher:
             self._give_up(why, task_id=task.task_id)
             self._abort_seen_at = now
             return
+
+    def _kill_lost(self, task: TaskRun, why: str, lost_at: float) -> None:
+        """The tracker lost ``task`` by its connection (``why``) and it did not come back: a
+        host that cannot be reached (its ssh may wait for minutes), or a process cut off
+        from the tracker.  The job goes on without it, so its attempt is stopped, to be
+        restarted or given up on; not an attempt started after that one ended."""
+        if (task.proc is None or task.status != "running" or task.started_at >= lost_at - 1.0
+                or task.proc.poll() is not None):
+            return
+        task.killed_for = (f"the tracker lost it ({why}) and it did not rejoin within "
+                           f"{REJOIN_GRACE_SEC:g} s: its host unreachable, or the tracker's "
+                           "port from it")
+        self._note(f"task {task.task_id} lost its tracker connection ({why}); killing it")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(task.proc.pid, signal.SIGKILL)
 
     def _settle_left_early(self) -> None:
         """Every task's program ended, the last ones within the grace that
