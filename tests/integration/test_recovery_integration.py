@@ -1014,12 +1014,17 @@ def test_random_real_process_fault_plans_soak(seed: int) -> None:
     assert not job.leftovers()
 
 
+def _code_job(n: int, code: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -c code args`` as a job of ``n`` with recovery (``n`` attempts, 60 s)."""
+    return subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "-n", str(n), "--max-attempts", str(n),
+         "--timeout", "60", "--", sys.executable, "-c", code, *args],
+        capture_output=True, text=True, timeout=90, env=job_env(), cwd=ROOT, check=False)
+
+
 def _three_with_rank_1_killed(code: str) -> subprocess.CompletedProcess[str]:
     """``python -c code`` as a job of 3 with recovery, rank 1 killed at call (2, 0)."""
-    return subprocess.run(
-        [sys.executable, "-m", "tracker.submit", "-n", "3", "--max-attempts", "3",
-         "--timeout", "60", "--", sys.executable, "-c", code, "mock=1,2,0,0"],
-        capture_output=True, text=True, timeout=90, env=job_env(), cwd=ROOT, check=False)
+    return _code_job(3, code, "mock=1,2,0,0")
 
 
 @pytest.mark.integration
@@ -1085,10 +1090,7 @@ def test_a_local_model_is_refused_where_no_neighbour_would_keep_it() -> None:
             "rabit2.checkpoint(1)\n"  # (the global model alone is kept as ever)
             "assert rabit2.load_checkpoint() == (1, 1)\n"
             "rabit2.finalize()\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tracker.submit", "-n", "2", "--max-attempts", "2",
-         "--timeout", "60", "--", sys.executable, "-c", code, "rabit_local_replica=0"],
-        capture_output=True, text=True, timeout=90, env=job_env(), cwd=ROOT, check=False)
+    proc = _code_job(2, code, "rabit_local_replica=0")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for who in ("load_checkpoint", "checkpoint", "lazy_checkpoint"):
         for rank in range(2):
@@ -1118,10 +1120,7 @@ def test_a_checkpoint_waits_for_a_collective_of_another_thread() -> None:
             "assert a.tolist() == [4.0] * 4 and rabit2.version_number() == 1, a\n"
             "print('DONE', rabit2.get_rank(), flush=True)\n"
             "rabit2.finalize()\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tracker.submit", "-n", "2", "--max-attempts", "2",
-         "--timeout", "60", "--", sys.executable, "-c", code],
-        capture_output=True, text=True, timeout=90, env=job_env(), cwd=ROOT, check=False)
+    proc = _code_job(2, code)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "DONE 0" in proc.stdout and "DONE 1" in proc.stdout, proc.stdout[-3000:]
 
@@ -1176,10 +1175,7 @@ def test_calls_before_the_first_load_checkpoint_are_replayed(mock: str) -> None:
         g = sum(np.arange(4.0) * (r + 1) + it for r in range(3))
         w = w - 0.25 * g / 3.0 + 1.0
     want = hashlib.sha256(w.tobytes()).hexdigest()
-    proc = subprocess.run(
-        [sys.executable, "-m", "tracker.submit", "-n", "3", "--max-attempts", "3",
-         "--timeout", "60", "--", sys.executable, "-c", _BOOTSTRAP_PROGRAM, f"mock={mock}"],
-        capture_output=True, text=True, timeout=90, env=job_env(), cwd=ROOT, check=False)
+    proc = _code_job(3, _BOOTSTRAP_PROGRAM, f"mock={mock}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(re.findall(r"RESULT (\d) (\w+)", proc.stdout)) == [
         (str(r), want) for r in range(3)], proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -1196,10 +1192,7 @@ def test_calls_before_load_checkpoint_too_large_to_keep_are_said_at_once() -> No
             "rabit2.load_checkpoint()\n"
             "rabit2.checkpoint({'it': 1})\n"
             "rabit2.finalize()\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tracker.submit", "-n", "2", "--max-attempts", "2",
-         "--timeout", "60", "--", sys.executable, "-c", code, "rabit2_replay_mb=4"],
-        capture_output=True, text=True, timeout=90, env=job_env(), cwd=ROOT, check=False)
+    proc = _code_job(2, code, "rabit2_replay_mb=4")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank in range(2):
         assert (f"rank {rank}: the 1 collective calls made before the first load_checkpoint "
