@@ -146,9 +146,11 @@ def allreduce(data: np.ndarray, op: Op) -> np.ndarray:
         raise ValueError(f"allreduce: {op!r} is not an operator of rabit2.collective.Op "
                          f"({', '.join(f'{o.name}={o.value}' for o in Op)})") from None
     buf = data.ravel().copy()
-    if not _initialised():
-        # (XGBoost without init: one worker; the checks above still hold)
+    try:
         check_op_dtype(rabit_op, buf.dtype)
+    except TypeError as exc:  # (said in this module's names: BITWISE_OR, not BITOR)
+        raise TypeError(str(exc).replace(rabit_op.name, Op(op).name)) from None
+    if not _initialised():  # (XGBoost without init: one worker)
         return buf
     return np.asarray(api.allreduce(buf, rabit_op))
 

@@ -79,6 +79,7 @@ def test_ops_have_xgboost_values_and_rabit_spellings() -> None:
     (np.ones(2), np.True_, TypeError, "a flag is no operator"),
     (np.ones(2), None, TypeError, "must be a rabit2.collective.Op, not None"),
     (np.ones(2), "2", TypeError, "must be a rabit2.collective.Op, not '2'"),
+    (np.ones(2), collective.Op.BITWISE_OR, TypeError, "^BITWISE_OR is a bitwise op .* float64"),
 ])
 def test_bad_arguments_are_refused_before_anything_is_sent(
         data: object, op: object, error: type[Exception], message: str) -> None:

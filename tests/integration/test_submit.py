@@ -155,6 +155,22 @@ def test_parse_args_errors(
     assert message in capsys.readouterr().err
 
 
+def test_metrics_without_their_extra_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Both commands say the extra is missing before anything starts (the tracker had logged
+    that it listens first)."""
+    from tracker import cli  # noqa: PLC0415
+
+    monkeypatch.setitem(sys.modules, "prometheus_client", None)  # (as if not installed)
+    for parse, argv in ((parse_args, ["-n", "2", "--metrics-port", "0", "--", "x"]),
+                        (cli.parse_args, ["-n", "2", "--metrics-port", "0"])):
+        with pytest.raises(SystemExit) as info:
+            parse(argv)
+        assert info.value.code == 2
+        assert "pip install 'rabit2[metrics]'" in capsys.readouterr().err
+
+
 def test_a_command_without_a_separator_keeps_its_own_options() -> None:
     """Everything from the first argument that is not an option's belongs to the command."""
     opts = parse_args(["-n", "2", "python", "-u", "train.py", "-n", "5", "--env", "X=1"])

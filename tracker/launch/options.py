@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import math
 import os
 import resource
@@ -166,12 +167,15 @@ tracker's connection to it."""
 def check_metrics(parser: argparse.ArgumentParser, host: str | None,
                   port: int | None) -> str:
     """The metrics endpoint's address (``--metrics-host``, loopback by default), checked
-    with ``--metrics-port``: usage errors (exit status 2) for a port out of range, or a host
-    without a port."""
+    with ``--metrics-port``: usage errors (exit status 2) for a port out of range, a host
+    without a port, or a port where the metrics extra is not installed."""
     if host is not None and port is None:
         parser.error("--metrics-host needs --metrics-port (the endpoint is served only then)")
     if port is not None and not 0 <= port < 65536:
         parser.error("--metrics-port must be a TCP port (0: any free one)")
+    if port is not None and importlib.util.find_spec("prometheus_client") is None:
+        # (said before anything starts, not after the tracker logged that it listens)
+        parser.error("--metrics-port needs prometheus-client: pip install 'rabit2[metrics]'")
     return host or "127.0.0.1"
 
 
