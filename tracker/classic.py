@@ -73,6 +73,13 @@ class _Wire:
         self.writer.write(_INT.pack(len(data)) + data)
 
 
+def labelled(label: object, text: str) -> str:
+    """A worker's printed ``text`` as the tracker shows it: every line starts with ``[rank
+    r]`` (or the task id before a rank), as the launcher labels the worker's own output; a
+    trailing newline adds no empty line."""
+    return "\n".join(f"[rank {label}] {line}" for line in text.rstrip("\n").split("\n"))
+
+
 @dataclass(slots=True)
 class _Waiting:
     host: str
@@ -146,7 +153,7 @@ class ClassicJob:
             raise ProtocolError(f"worker expects world size {world}, job has {self.n_workers}")
         if command == "print":
             message = await wire.read_str()
-            self.print_fn(f"[rank {rank if rank >= 0 else task_id}] {message.rstrip()}")
+            self.print_fn(labelled(rank if rank >= 0 else task_id, message.rstrip()))
             return
         if command == "shutdown":
             if not 0 <= rank < self.n_workers:

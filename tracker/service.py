@@ -31,7 +31,7 @@ from typing import Any
 from rabit2.core.control import REFUSE_HELLO, FrameDecoder, check_progress, encode_frame
 from rabit2.errors import CollectiveTimeoutError, ProtocolError
 from rabit2.io.handshake import RateLimitedLog, is_loopback
-from tracker.classic import ClassicJob
+from tracker.classic import ClassicJob, labelled
 from tracker.decisions import (
     Decision,
     EndSet,
@@ -145,8 +145,10 @@ class Tracker:
 
     Hooks (called on the loop; exceptions are logged and ignored):
     ``on_worker_lost(task_id, rank_or_None, reason)``, ``on_rank_assigned(task_id, rank)``,
-    ``on_task_registered(task_id)`` (a rabit2 worker joined) and ``on_task_finished(task_id)``
-    (a ``shutdown`` that does not hold: the task is done for good).
+    ``on_task_registered(task_id, restarts)`` (a rabit2 worker joined; ``restarts``: whether
+    a restart of a lost worker can join the job, false where it runs without recovery and
+    elastic mode) and ``on_task_finished(task_id)`` (a ``shutdown`` that does not hold: the
+    task is done for good).
     """
 
     def __init__(
@@ -217,7 +219,7 @@ class Tracker:
         self.on_worker_lost: Callable[[str, int | None, str], None] | None = None
         self.on_rank_assigned: Callable[[str, int], None] | None = None
         self.on_task_finished: Callable[[str], None] | None = None
-        self.on_task_registered: Callable[[str], None] | None = None
+        self.on_task_registered: Callable[[str, bool], None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -383,7 +385,7 @@ class Tracker:
                 sort_key=(lambda t: (natural_key(t), t)) if self._sortby == "task" else None,
                 timeout=self._handshake_timeout,
                 on_rank=lambda task_id, rank: _call_hook(self.on_rank_assigned, task_id, rank),
-                on_joined=lambda task_id: _call_hook(self.on_task_registered, task_id),
+                on_joined=lambda task_id: _call_hook(self.on_task_registered, task_id, True),
                 on_finished=lambda task_id: _call_hook(self.on_task_finished, task_id))
         streams = await _streams(sock, f"classic connection from {peer}")
         if streams is None:
@@ -453,7 +455,7 @@ class Tracker:
             self._register(conn, msg, now)
             joined = registry.task_of(conn)
             if joined is not None:
-                _call_hook(self.on_task_registered, joined.task_id)
+                _call_hook(self.on_task_registered, joined.task_id, msg.get("restarts", True))
             return True
         if kind == "heartbeat":  # reading it already reset the liveness deadline
             if "progress" in msg:
@@ -466,7 +468,7 @@ class Tracker:
         if kind == "print":
             self._prints += 1
             label = task.task_id if task.rank is None else str(task.rank)
-            self._print_fn(f"[rank {label}] {msg['msg']}")
+            self._print_fn(labelled(label, msg["msg"]))
             return True
         if kind == "shutdown":
             decisions = registry.shutdown(conn, msg["hold"])

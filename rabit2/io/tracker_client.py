@@ -175,6 +175,9 @@ class TrackerClient:
                     "attempt": config.num_attempt,
                     "port": listen_port,
                     "world_size": config.world_size,
+                    # (whether a restart of a lost worker can join this job: without
+                    # recovery or elastic mode it cannot, and a launcher restarts nothing)
+                    "restarts": config.recover or config.elastic,
                 }
             )
             return client

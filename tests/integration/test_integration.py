@@ -306,7 +306,9 @@ def test_kill_9_mid_transfer_fails_every_survivor_fast(count: int, victim: int,
 def test_a_survivor_names_why_its_peer_left_not_the_lost_link() -> None:
     """Without recovery, rank 1 exits with status 7 while the others wait in an allreduce.
     Its sockets close at once, the launcher's abort comes two hops later: every survivor
-    raises the abort, which names the exit, and not the bare PeerLostError."""
+    raises the abort, which names the exit, and not the bare PeerLostError.  Nothing is
+    restarted (a restart could not join a job without recovery): task 1's row shows its
+    one attempt and its own exit status."""
     code = (
         "import os, sys, time, numpy as np, rabit2\n"
         "rabit2.init()\n"
@@ -332,7 +334,33 @@ def test_a_survivor_names_why_its_peer_left_not_the_lost_link() -> None:
         assert found, out[-3000:]
         assert found.group(1) == "JobAbortedError", found.group(0)
         assert "task 1 exited with 7" in found.group(3), found.group(0)
+        assert "without recovery" in found.group(3), found.group(0)
         assert float(found.group(2)) < 10
+    row = re.search(r"^1 +1 +(\d+) +(\d+) +failed$", out, re.MULTILINE)
+    assert row and row.groups() == ("1", "7"), out[-3000:]
+    assert "restarting" not in out
+
+
+@pytest.mark.integration
+def test_a_restart_that_waits_out_its_delay_is_not_started_in_an_aborted_job() -> None:
+    """Task 1 fails and waits 3 s (``--restart-delay``) for its restart; meanwhile rank 0
+    aborts the job (``signal_error``).  The restart is not started into the ended job."""
+    code = (
+        "import os, sys, time, rabit2\n"
+        "rabit2.init()\n"
+        "if rabit2.get_rank() == 1:\n"
+        "    os._exit(5)\n"
+        "time.sleep(0.5)\n"
+        "rabit2.signal_error('rank 0 gives up')\n"
+        "time.sleep(5)\n"
+    )
+    proc = submit(2, sys.executable, "-c", code, timeout=120,
+                  extra=("--max-attempts", "3", "--restart-delay", "3"))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "rank 0 gives up" in out
+    row = re.search(r"^1 +1 +(\d+) +(\d+) +failed$", out, re.MULTILINE)
+    assert row and row.groups() == ("1", "5"), out[-3000:]
 
 
 @pytest.mark.integration

@@ -771,7 +771,7 @@ def test_submit_logs_the_tracker_and_the_workers_at_the_level_asked(tmp_path: Pa
         sys.stdout.write("\\rstep 1"); sys.stdout.flush()
         sys.stdout.write("\\rstep 2"); sys.stdout.flush()
         print()
-        rabit2.tracker_print("printed")
+        rabit2.tracker_print("printed\\nand its second line\\n")
         rabit2.finalize()
     """))
     log = tmp_path / "job.log"
@@ -787,6 +787,7 @@ def test_submit_logs_the_tracker_and_the_workers_at_the_level_asked(tmp_path: Pa
     assert "[tracker] INFO all 2 workers registered" in out
     for rank in (0, 1):
         assert f"[rank {rank}] printed" in out
+        assert f"[rank {rank}] and its second line" in out
         assert f"rabit2[rank {rank}] INFO joined the job" in out  # (RABIT2_LOG_LEVEL=INFO)
         assert f"[rank {rank}] step 1\r" in stdout  # a redraw, passed on as it is
     assert all(line[2] == ":" and line[8] == "." for line in out.split("\n") if line)

@@ -213,7 +213,10 @@ class TaskLauncher:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(task.proc.pid, signal.SIGKILL)
             if task.status == "restarting" and now >= task.restart_at:
-                self._spawn(task)
+                if self._abort_seen_at is None:
+                    self._spawn(task)
+                else:  # (the job was aborted while its restart waited out --restart-delay)
+                    task.status = "failed"
             if task.proc is None or task.status != "running":
                 continue
             code = task.proc.poll()
@@ -337,6 +340,13 @@ class TaskLauncher:
             task.status = "failed"
             self._note(f"task {task.task_id} exited with {code} after shutting down; "
                        "not restarting it")
+        elif task.rank is not None and not self.tracker.takes_restarts():
+            # its neighbours' calls failed when it was lost: a restart could not join
+            task.status = "failed"
+            self._give_up(f"task {task.task_id} exited with {code}; the job runs without "
+                          "recovery (rabit2_recover off), so it is not restarted",
+                          task_id=task.task_id)
+            self._abort_seen_at = now
         elif task.attempts < self.options.max_attempts and not (
                 self.options.elastic and any(other.status == "ok" for other in self.tasks)):
             # (elastic: once a worker finished, the job is ending; a restarted one would
