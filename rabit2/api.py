@@ -200,10 +200,19 @@ def _reason(error: BaseException) -> str:
     return f"rank {get_rank()} raised {type(error).__name__}" + (f": {text}" if text else "")
 
 
-def leave(error: BaseException | None) -> None:
+def joined() -> bool:
+    """Whether this process is in a job (:func:`init` ran, :func:`finalize` did not yet).
+    A context entered then leaves the job as it found it: it neither joins nor leaves."""
+    return _comm.config is not None
+
+
+def leave(error: BaseException | None, owner: bool = True) -> None:
     """How a context ends: :func:`finalize`, or :func:`abort_for` the exception that ended
-    it."""
-    if error is None:
+    it; ``sys.exit()`` or ``sys.exit(0)`` is a normal end.  Nothing where the context is
+    not the ``owner`` of the job (a nested one: the outer context ends it)."""
+    if not owner:
+        return
+    if error is None or (isinstance(error, SystemExit) and error.code in (None, 0)):
         finalize()
     else:
         abort_for(error)
@@ -334,7 +343,9 @@ def communicator_print(msg: Any) -> None:
 
 class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext"]):
     """``with CommunicatorContext(**args):`` = ``init(**args)`` ... ``finalize()``; an
-    exception inside the block aborts the job (:func:`abort_for`) and propagates.
+    exception inside the block aborts the job (:func:`abort_for`) and propagates
+    (``sys.exit(0)`` finalizes).  Entered inside another context (or after :func:`init`) it
+    neither joins nor leaves: the job ends where it began.
 
     Entering raises what :func:`init` raises.  Leaving normally raises what :func:`finalize`
     raises; leaving by an exception raises no error of its own (the job is aborted, naming
@@ -342,13 +353,16 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
 
     def __init__(self, **args: Any) -> None:
         self.args = args
+        self._owner = False
 
     def __enter__(self) -> CommunicatorContext:
-        init(**self.args)
+        self._owner = not joined()
+        if self._owner:
+            init(**self.args)
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        leave(exc)  # after an exception the others must not wait for this rank
+        leave(exc, self._owner)  # after an exception the others must not wait for this rank
 
 
 

@@ -34,10 +34,11 @@ from rabit2.state import run as _run
 
 
 def _flat_bytes(arr: np.ndarray) -> memoryview:
-    """The bytes of a C-contiguous array, writable where it is."""
+    """The bytes of a C-contiguous array, writable where it is (a subclass's too: a masked
+    array's ``.data`` is its data array, not its buffer)."""
     if arr.size == 0:  # (a memoryview of more than one dimension with a 0 in its shape
         return memoryview(bytearray())  # cannot be cast)
-    return arr.data.cast("B")
+    return memoryview(arr).cast("B")  # type: ignore[arg-type]  # (numpy arrays are buffers)
 
 
 _VALID: dict[tuple[type, Any, np.dtype], tuple[Op, np.dtype]] = {}

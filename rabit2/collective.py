@@ -19,6 +19,9 @@ rabit2").
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import logging
+import sys
 from collections.abc import Iterable
 from enum import IntEnum
 from typing import Any, TypeVar
@@ -45,11 +48,37 @@ class Op(IntEnum):
     OR = 4  # rabit 1.x's spelling of BITWISE_OR (an alias: Op.OR is Op.BITWISE_OR)
 
 
+logger = logging.getLogger("rabit2")
+
 _TO_RABIT = {
     Op.MAX: _RabitOp.MAX, Op.MIN: _RabitOp.MIN, Op.SUM: _RabitOp.SUM,
     Op.BITWISE_AND: _RabitOp.BITAND, Op.BITWISE_OR: _RabitOp.BITOR,
     Op.BITWISE_XOR: _RabitOp.BITXOR,
 }
+
+
+@dataclasses.dataclass
+class Config:
+    """XGBoost 3's ``collective.Config``: settings a framework hands on to the workers'
+    communicator.  :meth:`get_comm_config` puts ``retry`` and ``timeout`` into ``init``'s
+    arguments as ``dmlc_retry`` (tracker connection attempts) and ``dmlc_timeout`` (seconds
+    a collective may wait).  The tracker fields are kept for code that sets them; rabit2's
+    tracker takes its address and deadline from ``rabit2-submit`` or ``rabit2-tracker``."""
+
+    retry: int | None = None
+    timeout: int | None = None
+    tracker_host_ip: str | None = None
+    tracker_port: int | None = None
+    tracker_timeout: int | None = None
+
+    def get_comm_config(self, args: dict[str, Any]) -> dict[str, Any]:
+        """``args`` with ``dmlc_retry`` and ``dmlc_timeout`` set from the fields given
+        (changed in place and returned, as XGBoost does)."""
+        if self.retry is not None:
+            args["dmlc_retry"] = self.retry
+        if self.timeout is not None:
+            args["dmlc_timeout"] = self.timeout
+        return args
 
 
 def init(**args: Any) -> None:
@@ -150,9 +179,9 @@ def allreduce(data: np.ndarray, op: Op) -> np.ndarray:
         check_op_dtype(rabit_op, buf.dtype)
     except TypeError as exc:  # (said in this module's names: BITWISE_OR, not BITOR)
         raise TypeError(str(exc).replace(rabit_op.name, Op(op).name)) from None
-    if not _initialised():  # (XGBoost without init: one worker)
-        return buf
-    return np.asarray(api.allreduce(buf, rabit_op))
+    if _initialised():  # (without init, as XGBoost: one worker's result)
+        api.allreduce(buf, rabit_op)  # (in place: a fresh contiguous copy, of its subclass)
+    return buf
 
 
 def _initialised() -> bool:
@@ -168,43 +197,66 @@ def signal_error(msg: str = "signal_error() called") -> None:
 
 class CommunicatorContext(contextlib.AbstractContextManager[dict[str, Any]]):
     """``with CommunicatorContext(**args) as args:`` = ``init(**args)`` ... ``finalize()``;
-    an exception inside the block aborts the job, naming it (``rabit2.api.abort_for``).
+    an exception inside the block aborts the job, naming it (``rabit2.api.abort_for``), and
+    ``sys.exit(0)`` finalizes.  Entered inside another context (or after :func:`init`) it
+    neither joins nor leaves: the job ends where it began.
+
+    This connects the functions of this module only: XGBoost's own training inside it
+    would train alone on each worker (a warning says so where ``xgboost`` is imported);
+    :class:`rabit2.xgboost.CommunicatorContext` connects XGBoost.
 
     Entering raises what :func:`init` raises, leaving normally what :func:`finalize`
     raises; leaving by an exception raises nothing of its own (the exception propagates)."""
 
     def __init__(self, **args: Any) -> None:
         self.args = args
+        self._owner = False
 
     def __enter__(self) -> dict[str, Any]:
-        init(**self.args)
+        self._owner = not api.joined()
+        if self._owner:
+            init(**self.args)
+            if "xgboost" in sys.modules and api.get_world_size() > 1:
+                logger.warning(
+                    "rabit2.collective.CommunicatorContext connects rabit2.collective's "
+                    "functions, not XGBoost: xgboost.train or XGBModel.fit inside it trains "
+                    "alone on each worker; use rabit2.xgboost.CommunicatorContext "
+                    "(docs/xgboost.md)")
         return self.args
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        api.leave(exc)
+        api.leave(exc, self._owner)
 
 
 class RabitContext(contextlib.AbstractContextManager["RabitContext"]):
     """rabit 1.x's context (XGBoost 1.x ``xgboost.rabit.RabitContext``): ``rabit_args`` are
-    ``k=v`` strings or bytes.
+    ``k=v`` strings or bytes (``TypeError`` for one string or a dict).
 
     Entering raises what :func:`rabit2.init` raises, leaving normally what
     :func:`rabit2.finalize` raises; an exception inside the block aborts the job and
-    propagates."""
+    propagates (``sys.exit(0)`` finalizes); nested, it neither joins nor leaves, as
+    :class:`CommunicatorContext`."""
 
     def __init__(self, rabit_args: Iterable[str | bytes] | None = None) -> None:
+        if isinstance(rabit_args, (str, bytes, bytearray, dict)):  # (list() would split it)
+            raise TypeError(f"RabitContext takes a list of 'k=v' strings or bytes, got "
+                            f"{type(rabit_args).__name__}")
         self.args = list(rabit_args or [])
+        self._owner = False
 
     def __enter__(self) -> RabitContext:
-        api.init(self.args)
+        self._owner = not api.joined()
+        if self._owner:
+            api.init(self.args)
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
-        api.leave(exc)
+        api.leave(exc, self._owner)
 
 
 __all__ = [
     "CommunicatorContext",
+    "Config",
     "Op",
     "RabitContext",
     "allreduce",

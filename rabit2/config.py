@@ -36,7 +36,8 @@ class MockSpec:
     processes live; with recovery on the link is dialed again and the call resumes).  With a
     seventh field ``damage`` = 1 it neither dies nor resets: it flips the bits of one byte
     that arrives from ``reset_peer`` there, as a faulty NIC, switch or memory can without
-    TCP noticing (``docs/protocol.md``, "Checksums").
+    TCP noticing (``docs/protocol.md``, "Checksums"); ``checksum=auto`` is then on for every
+    link, within one host too.
     """
 
     rank: int
@@ -363,16 +364,21 @@ def load_config(  # noqa: C901
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
     mocks: list[MockSpec] = []
+    spelled: dict[str, str] = {}  # field -> the key it was last set by, as the caller wrote it
 
     def apply(key: str, value: Any, keyword: bool = False) -> None:
         lower = key.lower()
-        if lower in ("dmlc_communicator", "xgboost_communicator") and str(value).strip(
-                ).lower() == "federated":
-            # (accepted for "rabit"; XGBoost's federated mode would train alone here, as
-            # rank 0 of 1, without a word)
+        communicator = (str(value).strip().lower() if value is not None
+                        and lower in ("dmlc_communicator", "xgboost_communicator") else "rabit")
+        if communicator == "federated":
+            # (XGBoost's federated mode would train alone here, as rank 0 of 1, without a
+            # word)
             raise ValueError(f"{key}='federated' asks for XGBoost's own federated "
                              "communicator, which rabit2.init does not start: rabit2 is the "
                              "communicator (rabit2.xgboost connects XGBoost to it)")
+        if communicator != "rabit":  # (as XGBoost refuses a communicator it does not know)
+            raise ValueError(f"{key}={value!r}: rabit2 is a rabit communicator; expected "
+                             "'rabit'")
         if lower in _IGNORED:
             return
         field = _ALIASES.get(lower)
@@ -392,6 +398,7 @@ def load_config(  # noqa: C901
             return
         try:
             values[field] = _convert(field, value)
+            spelled[field] = key
         except ValueError as exc:  # named as the caller spelled it (the message names field)
             text = str(exc)
             if key.lower() != field and text.startswith(f"{field}:"):
@@ -427,5 +434,9 @@ def load_config(  # noqa: C901
     for name, least in _LEAST.items():
         number = values.get(_ALIASES[name])
         if number is not None and number < least:
-            raise ValueError(f"{name} must be >= {least}")
+            raise ValueError(f"{spelled.get(_ALIASES[name], name)} must be >= {least}")
+    if any(spec.damage for spec in mocks) and values.get("checksum", "auto") == "auto":
+        # (a damaged byte is what checksums are for: links within one host carry none by
+        # default, and every rank reads the same mock= arguments, so every rank checks)
+        values["checksum"] = "on"
     return Config(**values, mock=tuple(mocks))

@@ -51,6 +51,34 @@ def test_the_same_program_gives_what_xgboost_collective_gives() -> None:
     assert xgboost.__version__.startswith("3.")
 
 
+@pytest.mark.integration
+def test_nested_contexts_and_sys_exit_0_end_the_job_as_the_outer_one_began_it() -> None:
+    """A context inside another neither joins nor leaves (the inner one's end had finalized
+    the job, and the rest of the outer block ran alone); ``sys.exit(0)`` inside a context
+    is a normal end (it aborted the job); XGBoost imported: a warning says that this
+    context does not connect XGBoost's training."""
+    code = (
+        "import sys, numpy as np, xgboost\n"
+        "from rabit2 import collective as c\n"
+        "with c.CommunicatorContext():\n"
+        "    with c.CommunicatorContext():\n"
+        "        x = c.allreduce(np.ones(1), c.Op.SUM)\n"
+        "    with c.RabitContext():\n"
+        "        pass\n"
+        "    y = c.allreduce(np.ones(1), c.Op.SUM)\n"
+        "    print('NESTED', c.get_rank(), x[0], y[0], c.is_distributed(), flush=True)\n"
+        "    sys.exit(0)\n"
+    )
+    proc = subprocess.run([sys.executable, "-m", "tracker.submit", "--cluster", "local", "-n",
+                           "2", "--", sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=120, check=False, stdin=subprocess.DEVNULL)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    for rank in (0, 1):
+        assert f"NESTED {rank} 2.0 2.0 True" in out, out
+    assert "xgboost.train or XGBModel.fit inside it trains alone" in out, out
+
+
 def test_allreduce_returns_a_new_flat_array_and_leaves_the_input() -> None:
     rabit2.init()
     try:
@@ -60,6 +88,18 @@ def test_allreduce_returns_a_new_flat_array_and_leaves_the_input() -> None:
         assert result.shape == (6,) and result.dtype == np.int64
         assert not np.shares_memory(result, a)
         assert np.array_equal(a, before)
+    finally:
+        rabit2.finalize()
+
+
+def test_config_sets_the_communicators_arguments_as_xgboosts_does() -> None:
+    args = collective.Config(retry=2, timeout=60, tracker_port=9091).get_comm_config({"a": 1})
+    assert args == {"a": 1, "dmlc_retry": 2, "dmlc_timeout": 60}
+    assert collective.Config().get_comm_config({}) == {}
+    rabit2.init(**collective.Config(retry=2, timeout=60).get_comm_config({}))
+    try:
+        config = rabit2.api.current_config()
+        assert config is not None and (config.connect_retry, config.timeout_sec) == (2, 60)
     finally:
         rabit2.finalize()
 
@@ -104,6 +144,13 @@ def test_a_broadcast_before_init_refuses_what_a_job_would(
     with pytest.raises(error, match=message):
         collective.broadcast(data, root)  # type: ignore[arg-type]
     assert collective.broadcast(5, 0) == 5
+
+
+@pytest.mark.parametrize("args", ["rabit_foo=1", b"rabit_foo=1", {"rabit_foo": 1}])
+def test_rabit_context_refuses_one_string_or_a_dict(args: object) -> None:
+    """list() would take the characters of one string as its arguments, and a dict's keys."""
+    with pytest.raises(TypeError, match="a list of 'k=v' strings or bytes, got"):
+        collective.RabitContext(args)  # type: ignore[arg-type]
 
 
 def test_print_strips_and_the_context_returns_its_arguments(

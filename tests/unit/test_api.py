@@ -375,9 +375,11 @@ def test_bad_init_kwargs_raise_value_error() -> None:
     # XGBoost's federated mode is not what rabit2.init starts: not run alone in silence
     with pytest.raises(ValueError, match="dmlc_communicator='federated'"):
         rabit2.init(dmlc_communicator="federated", federated_world_size=2, federated_rank=1)
+    with pytest.raises(ValueError, match="xgboost_communicator='nope': rabit2 is a rabit"):
+        rabit2.init(["xgboost_communicator=nope"])  # (as XGBoost refuses one it does not know)
     with pytest.raises(TypeError, match="takes 'k=v' strings, got int 1"):
         rabit2.init([1, 2])  # type: ignore[list-item]
-    rabit2.init(dmlc_communicator="rabit")  # compatibility keys are fine
+    rabit2.init(dmlc_communicator="Rabit")  # compatibility keys are fine
     assert rabit2.get_world_size() == 1
 
 

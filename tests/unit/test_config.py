@@ -160,7 +160,8 @@ def test_unknown_prefixed_keys_raise(key: str) -> None:
      "DMLC_COMMUNICATOR", "DMLC_WORKER_STOP_PROCESS_ON_ERROR"],
 )
 def test_compatibility_keys_are_ignored(key: str) -> None:
-    assert load_config([f"{key}=1"], {key: "rabit"}, environ={}) == Config()
+    value = "rabit" if "communicator" in key.lower() else "1"  # (the one it may name)
+    assert load_config([f"{key}={value}"], {key: "rabit"}, environ={}) == Config()
 
 
 # ----------------------------------------------------------------------------- mock
@@ -281,8 +282,8 @@ def test_bad_env_value_raises() -> None:
 
 
 @pytest.mark.parametrize(("arg", "message"), [
-    ("dmlc_retry=0", "connect_retry must be >= 1"),
-    ("dmlc_worker_connect_retry=-1", "connect_retry must be >= 1"),
+    ("dmlc_retry=0", "^dmlc_retry must be >= 1"),  # (named as the caller spelled it)
+    ("dmlc_worker_connect_retry=-1", "^dmlc_worker_connect_retry must be >= 1"),
     ("dmlc_num_worker=0", "expected a number of workers"),
     ("dmlc_num_worker=-5", "expected a number of workers"),
     ("dmlc_tracker_port=0", "expected a port number 1-65535"),
@@ -292,6 +293,8 @@ def test_numbers_below_their_least_raise(arg: str, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         load_config([arg], environ={})
     assert load_config(["dmlc_num_worker=-1", "dmlc_retry=1"], environ={}).world_size == -1
+    with pytest.raises(ValueError, match=r"^spin_us must be >= 0"):
+        load_config(kwargs={"spin_us": -1}, environ={})
 
 
 @pytest.mark.parametrize("value", ["nan", "NaN", "inf", "-inf"])
@@ -315,6 +318,15 @@ def test_null_tracker_uri_means_single_process(uri: str) -> None:
 def test_mock_sixth_field_resets_a_link_instead_of_killing() -> None:
     config = load_config(["mock=1,0,2,0,4096,3"], environ={})
     assert config.mock[0].after_bytes == 4096 and config.mock[0].reset_peer == 3
+    assert config.checksum == "auto"
+
+
+def test_a_damage_mock_turns_checksums_on_where_they_were_left_to_the_link() -> None:
+    """Links within one host carry no checksum under ``auto``: the damaged byte would go
+    through unseen, and the job would end with one rank's result wrong."""
+    assert load_config(["mock=1,0,2,0,4096,3,1"], environ={}).checksum == "on"
+    assert load_config(["mock=1,0,2,0,4096,3,1", "rabit2_checksum=off"],
+                       environ={}).checksum == "off"
 
 
 @pytest.mark.parametrize(("value", "expected"), [("1", True), ("true", True), ("0", False),

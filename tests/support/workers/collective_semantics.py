@@ -25,7 +25,8 @@ def main() -> None:
     # before init: one worker, whose collectives give back what they were given
     alone = {"sum": collective.allreduce(np.arange(3, dtype=np.float64), collective.Op.SUM
                                          ).tolist(),
-             "bcast": collective.broadcast({"x": 1}, 0)}
+             "bcast": collective.broadcast({"x": 1}, 0),
+             "config": collective.Config(retry=2, timeout=60).get_comm_config({"k": 1})}
     with collective.CommunicatorContext(**args):
         rank, world = collective.get_rank(), collective.get_world_size()
         out: dict[str, np.ndarray] = {}
@@ -43,6 +44,10 @@ def main() -> None:
         obj = collective.broadcast({"from": rank, "list": [1, 2]} if rank == 0 else None, 0)
         own = np.zeros(3)  # (a non-root's own array: left as it is, or overwritten?)
         got = collective.broadcast(np.arange(3.0) if rank == 0 else own, 0)
+        # (subclasses: each rank's mask stays its own, the data is reduced)
+        mk = collective.allreduce(np.ma.masked_array([1.0, 2.0, 3.0], mask=[0, rank % 2, 0]),
+                                  collective.Op.SUM)
+        mx = collective.allreduce(np.matrix([[1.0, 2.0]]) * (rank + 1), collective.Op.MAX)
         masked = collective.broadcast(
             np.ma.masked_array([1.0, 2.0, 3.0], mask=[0, 1, 0]) if rank == 0 else None, 0)
         report: dict[str, Any] = {
@@ -53,6 +58,9 @@ def main() -> None:
                       got_is_own=got is own, masked=[type(masked).__name__,
                                                      np.ma.getmaskarray(masked).tolist(),
                                                      np.ma.filled(masked, -1.0).tolist()])
+        report.update(sub_masked=[type(mk).__name__, np.ma.getmaskarray(mk).tolist(),
+                                  np.ma.getdata(mk).tolist()],
+                      sub_matrix=[type(mx).__name__, np.asarray(mx).tolist()])
         report.update(a_after=a.tolist(), b_after=b.tolist(), f_after=f.tolist(), bcast=obj,
                       is_distributed=[type(collective.is_distributed()).__name__,
                                       collective.is_distributed()],
