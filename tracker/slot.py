@@ -182,7 +182,10 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901
             # waiting for a replacement that will not come
             _ask_tracker(env, task, (task, f"exited with {code} after "
                                            f"{attempts_text(run + 1)}"))
-            return code
+            # elastic mode: the job may go on without it (the tracker decides, and the
+            # launcher reads the outcome there); a non-zero status would make mpirun stop
+            # every other worker, and srun report the job failed
+            return 0 if _elastic(env) else code
         why = restart_refused(env, task, exited=first_attempt + run)
         if why is not None:
             _note(task, f"exited with {code}; not restarting: {why}")
@@ -193,16 +196,22 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901
     return code
 
 
+def _elastic(env: Mapping[str, str]) -> bool:
+    """Whether the worker runs in elastic mode (a worker may leave the job); not where its
+    settings do not even parse (the worker says what is wrong with them)."""
+    try:
+        return load_config(environ=env).elastic
+    except ValueError:
+        return False
+
+
 def _left_early(env: Mapping[str, str], task: str) -> str | None:
     """Why the job cannot go on now that ``task``'s program ended with status 0, or None:
     it never joined while others did, or it joined and never finalized (as
     ``rabit2-submit`` decides for its own workers).  Asked twice, ``LEFT_EARLY_SEC`` apart,
     so that a job's end the tracker has not recorded yet is not taken for it; not in elastic
     mode, where a worker may leave."""
-    try:
-        if load_config(environ=env).elastic:
-            return None
-    except ValueError:
+    if _elastic(env):
         return None
     for look in range(2):
         status = _ask_tracker(env, task)

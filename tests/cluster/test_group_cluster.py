@@ -185,8 +185,9 @@ def test_a_worker_that_keeps_failing_ends_the_job_at_once(
 
 
 @pytest.mark.parametrize(("cluster", "how"), [
-    ("slurm", "SIGTERM"), ("slurm", "timeout"), ("mpi", "SIGTERM"),
+    ("slurm", "SIGTERM"), ("slurm", "timeout"), ("mpi", "SIGTERM"), ("slurm", "SIGTERM twice"),
     pytest.param("mpi", "timeout", marks=pytest.mark.slow),  # (the soak run)
+    pytest.param("mpi", "SIGTERM twice", marks=pytest.mark.slow),
 ], indirect=["cluster"])
 def test_no_worker_outlives_the_launcher(cluster: tuple[str, dict[str, str]], how: str,
                                          tmp_path: Path) -> None:
@@ -201,17 +202,59 @@ def test_no_worker_outlives_the_launcher(cluster: tuple[str, dict[str, str]], ho
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         wait_until(lambda: len(list(pids.iterdir())) == 4, 60, proc, "4 workers up")
-        if how == "SIGTERM":
+        if how.startswith("SIGTERM"):
+            proc.send_signal(signal.SIGTERM)
+        if how == "SIGTERM twice":  # (a second one while it stops the group: at once)
+            time.sleep(0.3)
             proc.send_signal(signal.SIGTERM)
         _out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
         proc.wait()
-    if how == "SIGTERM":
+    if how.startswith("SIGTERM"):
         assert proc.returncode == 130, err
+        assert "summary:" in err and "Traceback" not in err, err
     else:
         assert proc.returncode == 1 and "timed out after 8s" in err, err
     assert_gone((int(p.name) for p in pids.iterdir()), 20, "worker")
+
+
+def test_an_elastic_job_goes_on_without_a_worker_out_of_attempts(
+        cluster: tuple[str, dict[str, str]]) -> None:
+    """Elastic mode: rank 1's worker exits 7 with no attempt left; the others finish the
+    job without it, and neither mpirun (which stops every process once one exits non-zero)
+    nor srun's status fails it.  A worker that exits non-zero after the job succeeded is
+    named in the job line."""
+    kind, env = cluster
+    code = ("import os, numpy as np, rabit2\n"
+            "rabit2.init()\n"
+            "r = rabit2.get_rank()\n"
+            "for step in range(6):\n"
+            "    try:\n"
+            "        with rabit2.live_set():\n"
+            "            if r == 1 and step == 3:\n"
+            "                os._exit(7)\n"
+            "            rabit2.allreduce(np.ones(2), rabit2.Op.SUM)\n"
+            "    except rabit2.LiveSetError:\n"
+            "        pass\n"
+            "print('DONE', r, flush=True)\n"
+            "rabit2.finalize()\n")
+    done = subprocess.run(submit(kind, "-c", code, extra=("--elastic", "--max-attempts", "1")),
+                          env=env, capture_output=True, text=True, timeout=150, check=False)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert sorted(re.findall(r"DONE (\d)", done.stdout)) == ["0", "2", "3"], done.stdout
+    if kind == "mpi":
+        return  # (mpirun stops the others once one exits non-zero: slurm's case below)
+    late_code = ("import sys, numpy as np, rabit2\n"
+                 "rabit2.init()\n"
+                 "r = rabit2.get_rank()\n"
+                 "rabit2.allreduce(np.ones(2), rabit2.Op.SUM)\n"
+                 "rabit2.finalize()\n"
+                 "sys.exit(4 if r == 2 else 0)\n")
+    late = subprocess.run(submit(kind, "-c", late_code), env=env, capture_output=True,
+                          text=True, timeout=150, check=False)
+    assert late.returncode == 1, late.stderr[-3000:]
+    assert "job: every rank shut down; but srun exited with 4" in late.stderr, late.stderr
 
 
 @pytest.mark.parametrize("cluster", ["slurm", pytest.param("mpi", marks=pytest.mark.slow)],

@@ -28,6 +28,7 @@ from tracker.submit import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_USAGE,
     LaunchOptions,
     parse_args,
     python_script,
@@ -122,7 +123,12 @@ def test_parse_args() -> None:
         (["--cluster", "ssh", "-n", "2", "--", "x"], "needs --host-file"),
         (["--host-file", "h", "-n", "2", "--", "x"], "for --cluster ssh"),
         (["--cluster", "ssh", "--host-file", "/nonexistent/hosts", "-n", "2", "--", "x"],
-         "No such file"),
+         "--host-file /nonexistent/hosts: No such file"),
+        (["--cluster", "slurm", "--srun", "srun 'x", "-n", "2", "--", "x"],
+         """--srun "srun 'x": No closing quotation"""),
+        (["--ssh", "ssh '", "-n", "2", "--", "x"], "--ssh \"ssh '\": No closing quotation"),
+        (["--cluster", "mpi", "--bind", "core", "-n", "2", "--", "x"],
+         "--bind is for --cluster local"),
         (["--ssh", "", "-n", "2", "--", "x"], "--ssh must name"),
         (["--cluster", "mpi", "--mpirun", " ", "-n", "2", "--", "x"], "--mpirun must name"),
         (["--cluster", "slurm", "--srun", "", "-n", "2", "--", "x"], "--srun must name"),
@@ -636,7 +642,7 @@ def test_group_argv_runs_every_worker_under_a_slot() -> None:
     slot = ["python", "-m", "tracker.slot", "--max-attempts", "2", "--restart-delay", "0.5",
             "--kill-grace", "3", "--", "python", "t.py", "k=v"]
     assert group_argv(opts, ["B", "A"]) == [
-        "srun", "-N", "2", "-n", "4", "--kill-on-bad-exit=0", "--label", *slot]
+        "srun", "-N", "2", "-n", "4", "--export=ALL", "--kill-on-bad-exit=0", "--label", *slot]
     mpi = dataclasses.replace(opts, cluster="mpi", group=("mpirun",))
     assert group_argv(mpi, ["B", "A"]) == ["mpirun", "-n", "4", "-x", "A", "-x", "B", *slot]
 
@@ -668,7 +674,7 @@ def test_a_missing_srun_or_mpirun_fails_the_job_clearly() -> None:
     opts = LaunchOptions(num_workers=2, command=("python", "-c", "pass"), cluster="mpi",
                          group=("/nonexistent/mpirun",), remote_python="python")
     out, err = io.StringIO(), io.StringIO()
-    assert run_job(opts, out, err) == EXIT_FAILED
+    assert run_job(opts, out, err) == EXIT_USAGE  # (as a worker command that cannot start)
     assert "cannot start '/nonexistent/mpirun'" in err.getvalue()
 
 
@@ -722,7 +728,7 @@ def test_dry_run_prints_the_commands_and_starts_nothing(tmp_path: Path) -> None:
         elif extra[1] == "ssh":
             assert body.count("ssh -o BatchMode=yes") == 2 and "-p 2222 127.0.0.1" in body
         elif extra[1] == "slurm":
-            assert body.startswith("srun -n 2 --kill-on-bad-exit=0 --label ")
+            assert body.startswith("srun -n 2 --export=ALL --kill-on-bad-exit=0 --label ")
         else:
             assert body.startswith("mpirun -n 2 ") and "-x RABIT2_SECRET -x X " in body
         assert "tracker.slot" in body or extra[1] in ("local", "ssh")

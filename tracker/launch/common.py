@@ -3,6 +3,7 @@ the record of a task, whole output lines and the summary."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import re
@@ -11,6 +12,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from types import FrameType
 from typing import IO, TextIO
 
 EXIT_OK = 0
@@ -25,6 +27,29 @@ EXIT_USAGE = 2
 
 class Interrupted(Exception):
     """SIGTERM to the launcher: unwind like Ctrl-C so the workers are stopped."""
+
+
+@contextlib.contextmanager
+def hurried() -> Iterator[threading.Event]:
+    """While the launcher stops the workers, a Ctrl-C or SIGTERM (a second one, if the
+    first began the stop) sets the event, which makes the stop kill at once, instead of
+    raising in the middle of it and leaving workers behind.  On the main thread only (where
+    signal handlers run); elsewhere the event is never set."""
+    hurry = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield hurry
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        hurry.set()
+
+    saved = [(signum, signal.signal(signum, handler))
+             for signum in (signal.SIGINT, signal.SIGTERM)]
+    try:
+        yield hurry
+    finally:
+        for signum, previous in saved:
+            signal.signal(signum, previous)
 
 
 LEFT_EARLY_SEC = 1.0

@@ -19,12 +19,14 @@ from tracker.launch.common import (
     EXIT_FAILED,
     EXIT_INTERRUPTED,
     EXIT_OK,
+    EXIT_USAGE,
     POLL_SEC,
     Interrupted,
     LineWriter,
     TaskRun,
     build_worker_env,
     format_summary,
+    hurried,
     output_segments,
 )
 from tracker.launch.options import LaunchOptions
@@ -62,15 +64,18 @@ def group_argv(options: LaunchOptions, forward: Sequence[str]) -> list[str]:
     """The one srun or mpirun command line that starts every worker under
     :mod:`tracker.slot` (pure).  mpirun gets ``-x NAME`` for each variable in ``forward``
     (Open MPI passes no environment to other nodes unless told); srun exports the whole
-    environment, lets the other tasks run on when one fails (``--kill-on-bad-exit=0``: the
-    slot restarts it) and labels each output line with the task's index."""
+    environment (``--export=ALL``, also inside ``sbatch --export=NONE``, which would leave
+    each worker alone), lets the other tasks run on when one fails
+    (``--kill-on-bad-exit=0``: the slot restarts it) and labels each output line with the
+    task's index."""
     slot = [options.remote_python, "-m", "tracker.slot",
             "--max-attempts", str(options.max_attempts),
             "--restart-delay", f"{options.restart_delay:g}",
             "--kill-grace", f"{options.kill_grace:g}", "--", *options.command]
     n = str(options.num_workers)
     if options.cluster == "slurm":
-        return [*options.group, "-n", n, "--kill-on-bad-exit=0", "--label", *slot]
+        return [*options.group, "-n", n, "--export=ALL", "--kill-on-bad-exit=0", "--label",
+                *slot]
     exports = [arg for name in sorted(forward) for arg in ("-x", name)]
     return [*options.group, "-n", n, *exports, *slot]
 
@@ -103,10 +108,10 @@ class GroupLauncher:
             proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     start_new_session=True)
-        except OSError as exc:
+        except OSError as exc:  # (as a worker command that cannot be started: usage)
             self._note(f"cannot start {argv[0]!r}: {exc}")
             self.tracker.abort(f"{argv[0]} could not be started")
-            return EXIT_FAILED
+            return EXIT_USAGE
         readers = [threading.Thread(target=self._relay, args=(pipe, stream), daemon=True)
                    for pipe, stream in ((proc.stdout, self._out), (proc.stderr, self._err))]
         for reader in readers:
@@ -139,9 +144,10 @@ class GroupLauncher:
             self._note("the launcher was interrupted")
             self.tracker.abort("the launcher was interrupted")
         finally:
-            code = self._stop(proc)
-            for reader in readers:
-                reader.join(options.kill_grace + 1.0)
+            with hurried() as hurry:  # (a second Ctrl-C or SIGTERM: SIGKILL at once)
+                code = self._stop(proc, hurry)
+                for reader in readers:
+                    reader.join(options.kill_grace + 1.0)
         result = self.tracker.result()
         self._note("summary:")
         self._writer.write(self._err, self._summary(result, argv[0], code))
@@ -149,15 +155,17 @@ class GroupLauncher:
             return EXIT_INTERRUPTED
         return EXIT_OK if code == 0 and result is not None and result.success else EXIT_FAILED
 
-    def _stop(self, proc: subprocess.Popen[bytes]) -> int:
+    def _stop(self, proc: subprocess.Popen[bytes], hurry: threading.Event) -> int:
         """The group's exit status; SIGTERM to it (srun and mpirun pass it on to the slots,
-        which stop their workers), SIGKILL after ``--kill-grace``."""
+        which stop their workers), SIGKILL after ``--kill-grace`` (and 5 s for srun or
+        mpirun to pass on the slots' ends), or at once when ``hurry`` is set."""
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(self.options.kill_grace + 5.0)
-            except subprocess.TimeoutExpired:
+            deadline = time.monotonic() + self.options.kill_grace + 5.0
+            while proc.poll() is None and not hurry.is_set() and time.monotonic() < deadline:
+                time.sleep(POLL_SEC)
+            if proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
@@ -165,6 +173,7 @@ class GroupLauncher:
 
     def _summary(self, result: JobResult | None, group: str, code: int) -> str:
         status = self.tracker.status() or {"tasks": []}
+        succeeded = result is not None and result.success
         tasks = []
         for entry in status["tasks"]:
             task_id = str(entry["task_id"])
@@ -172,14 +181,19 @@ class GroupLauncher:
                 task_id=int(task_id) if task_id.isdigit() else -1,
                 attempts=int(entry["incarnation"]) + 1,
                 rank=entry["rank"],
-                status="done" if entry["finished"] else "lost",
+                # (one exit status for the whole group: a task's own is its slot's to say;
+                # one that shut down in a failed job left it when the job was aborted)
+                status=("done" if succeeded else "stopped") if entry["finished"] else "lost",
             ))
         missing = self.options.num_workers - len(tasks)
         reasons = [f"{group} exited with {code} before the job ended" if result is None
                    else result.reason]
+        if succeeded and code != 0:
+            reasons.append(f"but {group} exited with {code}: a worker exited non-zero "
+                           "afterwards")
         if missing > 0:
             reasons.append(f"{missing} task(s) never reached the tracker")
-        failed = result is None or not result.success or code != 0
+        failed = not succeeded or code != 0
         return format_summary(tasks, "; ".join(reasons),
                               self.tracker.first_loss if failed else None)
 

@@ -164,6 +164,15 @@ FDS_PER_LOCAL_WORKER = 4
 tracker's connection to it."""
 
 
+def _words(parser: argparse.ArgumentParser, option: str, text: str) -> tuple[str, ...]:
+    """A command line given as one option's text, split as a shell would; a usage error
+    (exit status 2) where its quotes do not close."""
+    try:
+        return tuple(shlex.split(text))
+    except ValueError as exc:
+        parser.error(f"{option} {text!r}: {exc}")
+
+
 def check_metrics(parser: argparse.ArgumentParser, host: str | None,
                   port: int | None) -> str:
     """The metrics endpoint's address (``--metrics-host``, loopback by default), checked
@@ -339,17 +348,24 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
                 hosts = parse_host_file(f.read())
             if tracker_host is None:
                 tracker_host = tracker_host_for(hosts)
-        except (OSError, ValueError) as exc:
+        except OSError as exc:
+            parser.error(f"--host-file {args.host_file}: {exc.strerror or exc}")
+        except ValueError as exc:
             parser.error(str(exc))
         hosts = hosts_by_slot(hosts, args.num_workers)
     elif args.host_file is not None:
         parser.error("--host-file is for --cluster ssh")
     elif args.cluster in ("slurm", "mpi") and tracker_host is None:
         tracker_host = "0.0.0.0"  # the workers may run on any node
-    group_command = tuple(shlex.split(args.srun if args.cluster == "slurm" else args.mpirun))
+    if args.bind != "auto" and args.cluster != "local":
+        parser.error(f"--bind is for --cluster local ({args.cluster} places the workers "
+                     "itself)")
+    group_option = "--srun" if args.cluster == "slurm" else "--mpirun"
+    group_command = _words(parser, group_option,
+                           args.srun if args.cluster == "slurm" else args.mpirun)
     if args.cluster in ("slurm", "mpi") and not group_command:
-        parser.error(f"--{'srun' if args.cluster == 'slurm' else 'mpirun'} must name a command")
-    ssh_command = tuple(shlex.split(args.ssh))
+        parser.error(f"{group_option} must name a command")
+    ssh_command = _words(parser, "--ssh", args.ssh)
     if not ssh_command:
         parser.error("--ssh must name a command")
     env: list[tuple[str, str]] = []

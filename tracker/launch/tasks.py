@@ -15,8 +15,6 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
-from types import FrameType
 from typing import IO, TextIO
 
 from rabit2.io.tracker_client import NO_ASSIGNMENT
@@ -35,6 +33,7 @@ from tracker.launch.common import (
     attempts_text,
     describe_failure,
     format_summary,
+    hurried,
     left_early,
     output_segments,
 )
@@ -112,7 +111,7 @@ class TaskLauncher:
             interrupted = True
             self._give_up("the launcher was interrupted")
         finally:
-            with _hurried() as hurry:
+            with hurried() as hurry:
                 self._terminate_all(hurry)
                 if options.reap_orphans:
                     stopped = orphans.stop(0.0 if hurry.is_set() else options.kill_grace)
@@ -480,29 +479,6 @@ class TaskLauncher:
         for task in self.tasks:
             if task.status in ("pending", "restarting"):
                 task.status = "killed"
-
-
-@contextlib.contextmanager
-def _hurried() -> Iterator[threading.Event]:
-    """While the launcher stops the workers, a Ctrl-C or SIGTERM (a second one, if the
-    first began the stop) sets the event, which makes the stop kill at once, instead of
-    raising in the middle of it and leaving workers behind.  On the main thread only (where
-    signal handlers run); elsewhere the event is never set."""
-    hurry = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield hurry
-        return
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        hurry.set()
-
-    saved = [(signum, signal.signal(signum, handler))
-             for signum in (signal.SIGINT, signal.SIGTERM)]
-    try:
-        yield hurry
-    finally:
-        for signum, previous in saved:
-            signal.signal(signum, previous)
 
 
 def _close_stdin(proc: subprocess.Popen[bytes]) -> None:
