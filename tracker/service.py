@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import secrets
 import socket
 import sys
 from collections.abc import Callable
@@ -157,7 +158,7 @@ class Tracker:
         host: str = "127.0.0.1",
         port: int = 0,
         *,
-        secret: bytes = b"",
+        secret: bytes | None = None,
         sortby: str = "task",
         heartbeat_timeout: float = 30.0,
         handshake_timeout: float = 10.0,
@@ -168,7 +169,11 @@ class Tracker:
         min_workers: int = 1,
         log: logging.Logger | logging.LoggerAdapter[Any] = logger,
     ) -> None:
-        """Raises ``ValueError`` for a non-positive size or timeout or an unknown ``sortby``.
+        """Raises ``ValueError`` for a non-positive size or timeout, an unknown ``sortby`` or
+        an empty ``secret`` (a key anyone can compute authenticates nobody), ``TypeError``
+        for a size that is not an ``int`` or a secret that is not ``bytes``.  ``secret``:
+        the job's key; None (the default) makes a random one, which :meth:`worker_env`
+        hands on.
         ``rejoin_grace``: how long a worker whose connection ended keeps its place for the
         same process to rejoin (``REJOIN_GRACE_SEC``) before it counts as lost.
         ``classic``: from where workers speaking the classic rabit protocol (unauthenticated)
@@ -177,8 +182,16 @@ class Tracker:
         leaves the job while at least ``min_workers`` remain."""
         if classic not in ("loopback", "any", "none"):
             raise ValueError(f"classic must be loopback, any or none, got {classic!r}")
+        if isinstance(n_workers, bool) or not isinstance(n_workers, int):
+            raise TypeError(f"n_workers must be an int, got {type(n_workers).__name__}")
         if n_workers < 1:
             raise ValueError(f"n_workers must be >= 1, got {n_workers}")
+        if secret is None:
+            secret = secrets.token_bytes(32)
+        if not isinstance(secret, bytes):
+            raise TypeError(f"secret must be bytes, got {type(secret).__name__}")
+        if not secret:
+            raise ValueError("secret must not be empty (leave it out for a random one)")
         if sortby not in ("task", "arrival"):
             raise ValueError(f"sortby must be 'task' or 'arrival', got {sortby!r}")
         if heartbeat_timeout <= 0 or handshake_timeout <= 0:

@@ -223,6 +223,20 @@ async def test_handshake_hello_refused_and_deadline() -> None:
 # -- tracker: rendezvous ------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(("args", "kwargs", "error", "message"), [
+    ((2,), {"secret": b""}, ValueError, "secret must not be empty"),
+    ((2,), {"secret": "00ff"}, TypeError, "secret must be bytes, got str"),
+    (("2",), {}, TypeError, "n_workers must be an int, got str"),
+    ((True,), {}, TypeError, "n_workers must be an int, got bool"),
+])
+def test_a_tracker_refuses_a_key_that_authenticates_nobody_and_a_size_that_is_no_int(
+        args: tuple[Any, ...], kwargs: dict[str, Any], error: type[Exception],
+        message: str) -> None:
+    with pytest.raises(error, match=message):
+        TrackerThread(*args, **kwargs)
+    # (left out: a random key, handed on by worker_env)
+    assert len(Tracker(2).worker_env()["RABIT2_SECRET"]) == 64
+
 @pytest.mark.asyncio
 async def test_ranks_by_natural_task_order(make_tracker: Callable[..., Any]) -> None:
     await _ranks_by_natural_task_order(await make_tracker(5))
