@@ -271,6 +271,10 @@ def run_job(world: int, kills: list[Kill], seed: int = 0, program: list[list[Spe
     job = Job(world, program, seed=seed, kills=kills, **{**KW, **kw})
     job.run()
     job.check()
+    # every planned kill fired (and its rank came back): a plan whose fault never happened
+    # would pass without testing recovery at all
+    missed = [kill for kill in kills if kill.killed_at_step < 0 or kill.incarnation == 0]
+    assert not missed, f"planned kills that never fired: {missed}"
     return job
 
 

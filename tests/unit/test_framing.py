@@ -15,9 +15,14 @@ from rabit2.core.framing import (
     ERROR_TYPES,
     FLAG_CHECKED,
     FRAME_MAGIC,
+    HEAD_ARRAY,
+    HEAD_DEVICE,
+    HEAD_PICKLE,
     HEADER,
     HEADER_SIZE,
+    MAX_CONTROL_PAYLOAD,
     MAX_ERROR_PAYLOAD,
+    MAX_NDIM,
     NONE_U8,
     NONE_U16,
     UNKNOWN_TOTAL,
@@ -29,9 +34,12 @@ from rabit2.core.framing import (
     checksum,
     decode_error,
     encode_error,
+    pack_broadcast_head,
     pack_header,
     parse_header,
     shape_tag,
+    unpack_broadcast_head,
+    unpack_tail,
 )
 from rabit2.errors import ProtocolError
 
@@ -139,6 +147,24 @@ def test_every_single_bit_flip_of_a_header_is_caught() -> None:
             parse_header(damaged)
 
 
+def test_unpack_tail_catches_every_single_bit_flip_of_a_header_inside_a_buffer() -> None:
+    """The hot path reads a header where it lies in a landing buffer, not a 48-byte copy."""
+    at = 13
+    header = _header(payload_crc=12345).pack()
+    buf = bytearray(b"\xa5" * at) + bytearray(header) + bytearray(b"\x5a" * 29)
+    assert unpack_tail(buf, at) == (128, 64, 12345)
+    assert unpack_tail(memoryview(buf), at) == (128, 64, 12345)
+    for bit in range(8 * HEADER_SIZE):
+        damaged = bytearray(buf)
+        damaged[at + bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(FrameCorruptError, match="checksum"):
+            unpack_tail(damaged, at)
+    # bytes around the header are none of its business
+    around = bytearray(buf)
+    around[at - 1] ^= 0xFF
+    around[at + HEADER_SIZE] ^= 0xFF
+    assert unpack_tail(around, at) == (128, 64, 12345)
+
 
 @pytest.mark.parametrize("magic", [0, 0x5232, 0x3253, 0xFFFF])
 def test_parse_rejects_bad_magic(magic: int) -> None:
@@ -165,6 +191,13 @@ def test_parse_bounds_error_frame_length() -> None:
     for length in (MAX_ERROR_PAYLOAD + 1, U32_MAX):
         with pytest.raises(ProtocolError, match="exceeds"):
             parse_header(_raw(kind=FrameKind.ERROR, length=length))
+    # a CONTROL frame carries a small msgpack map, bounded the same way
+    assert parse_header(_raw(kind=FrameKind.CONTROL, length=MAX_CONTROL_PAYLOAD)).length == (
+        MAX_CONTROL_PAYLOAD
+    )
+    for length in (MAX_CONTROL_PAYLOAD + 1, U32_MAX):
+        with pytest.raises(ProtocolError, match=r"control frame .* exceeds"):
+            parse_header(_raw(kind=FrameKind.CONTROL, length=length))
     # a DATA frame's length is bounded by the agent against its stream, not here
     assert parse_header(_raw(kind=FrameKind.DATA, length=U32_MAX)).length == U32_MAX
 
@@ -296,6 +329,33 @@ def test_fuzz_error_payload_structures(value: object) -> None:
     if result is not None:
         assert isinstance(value, dict)
         assert result == (value["type"], value["reason"], value["origin"])
+
+
+@pytest.mark.parametrize(
+    ("kind", "code", "shape", "nbytes"),
+    [
+        (HEAD_PICKLE, 0, (), 12345),
+        (HEAD_ARRAY, 7, (3, 4), 96),
+        (HEAD_ARRAY, 2, (), 1),
+        (HEAD_DEVICE, 9, (1,) * MAX_NDIM, 4),
+        (HEAD_ARRAY, 7, (U64_MAX, 0, 2**40), U64_MAX),
+    ],
+)
+def test_a_broadcast_head_round_trips(kind: int, code: int, shape: tuple[int, ...],
+                                      nbytes: int) -> None:
+    head = pack_broadcast_head(kind, code, shape, nbytes)
+    assert unpack_broadcast_head(head) == (kind, code, shape, nbytes)
+    assert unpack_broadcast_head(bytes(head)) == unpack_broadcast_head(memoryview(head))
+
+
+@pytest.mark.parametrize("kind", [HEAD_ARRAY, HEAD_DEVICE])
+def test_a_broadcast_head_with_more_than_max_ndim_dimensions_is_refused(kind: int) -> None:
+    head = pack_broadcast_head(kind, 7, (2,) * MAX_NDIM, 2**MAX_NDIM)
+    assert unpack_broadcast_head(head)[2] == (2,) * MAX_NDIM
+    for ndim in (MAX_NDIM + 1, 0xFF):
+        head[2] = ndim  # the ndim byte, as a damaged or hostile root might send it
+        with pytest.raises(ValueError, match="dimensions"):
+            unpack_broadcast_head(head)
 
 
 def test_the_allgather_shape_tag_is_a_fixed_function_of_the_shape() -> None:

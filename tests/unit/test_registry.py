@@ -128,6 +128,21 @@ def test_a_rejoin_within_the_grace_is_no_loss() -> None:
     assert registry.task_of("c7") is registry.tasks["1"]
 
 
+def test_a_rejoin_proves_the_process_lives_and_its_next_connection_end_gets_a_grace(
+) -> None:
+    """The launcher saw a process of the task end while its connection still looked open,
+    then the worker rejoined on a new connection: what ended was another process, so the
+    end of the new connection gets the grace again, not a loss at once."""
+    registry, _ = job(2)
+    assert registry.worker_exited("1") == []  # (its connection is still open here)
+    decisions = registry.rejoin("c7", rejoin_msg("1", rank=1), host="h", peer="c7:1", now=1.0)
+    assert [d.conn for d in decisions if isinstance(d, Fence)] == ["c1"]
+    assert sends(decisions, "rejoined")["1"].conn == "c7"
+    (grace,) = registry.connection_ended("c7", "connection reset")
+    assert isinstance(grace, Grace) and grace.task_id == "1"
+    assert registry.status()["failures"] == 0
+
+
 def test_a_grace_ends_only_by_its_own_token() -> None:
     """The connection ends, the worker rejoins, its new connection ends too: the first
     grace running out does not cut the second one short."""
@@ -152,6 +167,29 @@ def test_no_rejoin_within_the_grace_is_a_loss_and_a_late_rejoin_is_refused() -> 
         registry.rejoin("c5", rejoin_msg("0", rank=0), host="h", peer="c5:1", now=9.0)
     with pytest.raises(ProtocolError, match="no such worker"):
         registry.rejoin("c5", rejoin_msg("1", rank=1, incarnation=3), host="h", peer="p", now=9)
+
+
+def test_a_second_process_of_a_running_task_is_refused() -> None:
+    """A task launched twice by mistake: a process with the same task id and attempt, while
+    the first one is connected and heard from recently, is not its restart."""
+    registry, _ = job(2)
+    registry.heard("c1", 10.0)
+    with pytest.raises(ProtocolError, match="runs already"):
+        register(registry, "c9", "1", now=12.0, port=9100, attempt=0)
+    task = registry.tasks["1"]
+    assert task.conn == "c1" and task.incarnation == 0 and task.port == 9001
+    assert registry.task_of("c9") is None
+    # once the first has gone quiet, the same attempt is taken for its restart
+    decisions = register(registry, "c9", "1", now=20.0, port=9100, attempt=0)
+    assert sends(decisions, "assign")["1"].msg["incarnation"] == 1
+    assert [d.conn for d in decisions if isinstance(d, Fence)] == ["c1"]
+    # a worker back within its grace runs again: another process is refused as well
+    (grace,) = registry.connection_ended("c9", "connection reset")
+    registry.rejoin("c5", rejoin_msg("1", rank=1, incarnation=1), host="h", peer="c5:1",
+                    now=21.0)
+    with pytest.raises(ProtocolError, match="runs already"):
+        register(registry, "c6", "1", now=22.0, attempt=0)
+    assert registry.tasks["1"].conn == "c5" and registry.grace_over("1", grace.token) == []
 
 
 def test_the_launcher_seeing_the_process_exit_ends_the_grace() -> None:
@@ -252,6 +290,19 @@ def test_a_new_tracker_adopts_the_workers_that_rejoin_it() -> None:
         registry.rejoin("c8", rejoin_msg("d", rank=0), host="h", peer="p", now=0.0)
 
 
+def test_a_new_tracker_adopts_one_worker_per_rank() -> None:
+    """Two workers that rejoin a restarted tracker claiming the same rank (ranks are still
+    free, so the tracker adopts): the first keeps it, the second is refused."""
+    registry: Registry[str] = Registry(3)
+    registry.rejoin("c1", rejoin_msg("a", 1), host="h", peer="p", now=0.0)
+    first = registry.by_rank[1]
+    assert first.task_id == "a"
+    with pytest.raises(ProtocolError, match="no such worker"):
+        registry.rejoin("c2", rejoin_msg("b", 1), host="h", peer="p", now=0.0)
+    assert registry.by_rank[1] is first and registry.task_of("c1") is first
+    assert "b" not in registry.tasks and registry.task_of("c2") is None
+
+
 def test_an_adopted_workers_exit_report_names_its_run() -> None:
     """A worker adopted after a tracker restart keeps the run its launcher counts (the
     ``attempt`` of its ``rejoin``, not its incarnation): a supervisor's report that this run
@@ -299,6 +350,50 @@ def test_an_abort_reaches_every_worker_and_keeps_the_first_reason() -> None:
     assert registry.status()["reason"] == reason and not registry.status()["success"]
 
 
+def test_the_task_whose_error_ended_the_job_stays_its_origin() -> None:
+    registry, _ = job(3)
+    registry.error("c1", "disk full")
+    assert registry.origin == "1"
+    assert registry.error("c2", "and another error") == []  # (the job had ended)
+    assert registry.origin == "1"
+    assert registry.outcome == Finish(False, "rank 1 (task 1) signalled an error: disk full")
+
+
+def test_a_collective_timeout_names_the_ranks_that_were_not_in_a_call() -> None:
+    """Who kept the others waiting: a timeout's reason names the ranks whose last heartbeat
+    said they were between calls (not those in a call, silent so far, whose heartbeats do
+    not say, or shut down)."""
+    registry, _ = job(6)
+    registry.heartbeat("c1", {"version": 1, "calls": 3, "in_call": False})
+    registry.heartbeat("c2", {"version": 1, "calls": 4, "in_call": True})
+    registry.heartbeat("c5", {"version": 1, "calls": 4})  # (an older worker: in_call unsaid)
+    registry.heartbeat("c3", {"version": 1, "calls": 3, "in_call": False})
+    registry.heartbeat("c4", {"version": 1, "calls": 4, "in_call": False})
+    registry.shutdown("c4", hold=True)  # (done: it keeps nobody waiting)
+    text = "CollectiveTimeoutError: allreduce timed out after 60 s"
+    decisions = registry.error("c0", text)
+    reason = (f"rank 0 (task 0) signalled an error: {text} (not in a collective call at "
+              "their last heartbeat: rank 1, 3)")
+    assert decisions[-1] == Finish(False, reason)
+    assert sends(decisions, "abort")["2"].msg["reason"] == reason
+    # any other error leaves the heartbeats out
+    other, _ = job(2)
+    other.heartbeat("c1", {"version": 1, "calls": 3, "in_call": False})
+    assert other.error("c0", "disk full")[-1] == Finish(
+        False, "rank 0 (task 0) signalled an error: disk full")
+
+
+def test_a_worker_that_registers_after_a_successful_end_is_not_told_to_abort() -> None:
+    registry: Registry[str] = Registry(3)
+    register(registry, "c0", "0")
+    register(registry, "c1", "1")
+    registry.finish(True, "every rank shut down")  # (as a tracker of classic workers does)
+    late = register(registry, "c2", "2")
+    assert sends(late, "abort") == {}
+    assert set(sends(late, "assign")) == {"0", "1", "2"}
+    assert registry.outcome == Finish(True, "every rank shut down")
+
+
 def test_the_first_outcome_stands() -> None:
     """(A job of classic workers reports that every rank shut down through ``finish``: after
     an abort, that must not turn the job into a success.)"""
@@ -338,6 +433,17 @@ def test_an_unreachable_rank_that_is_alive_is_a_partition() -> None:
     assert set(sends(decisions, "abort")) == {"0", "1", "2"}
 
 
+def test_an_unreachable_rank_that_shut_down_is_no_partition() -> None:
+    """A rank that finished closes its links: a neighbour that cannot reach it any more is
+    no partition, even while the finished worker still reaches the tracker."""
+    registry, _ = job(3)
+    registry.heard("c1", 100.0)
+    registry.shutdown("c1", hold=False)
+    assert registry.task_of("c1") is registry.tasks["1"]  # (connected until it closes)
+    assert registry.unreachable("c0", 1, "link down for 15 s", now=100.0) == []
+    assert registry.outcome is None
+
+
 def test_shutdown_holds_until_every_rank_finished_then_bye_and_success() -> None:
     registry, _ = job(2)
     held = registry.shutdown("c0", hold=True)
@@ -359,6 +465,37 @@ def test_a_shutdown_that_does_not_hold_is_final() -> None:
     assert registry.connection_ended("c0", "worker shut down") == []  # no loss
     with pytest.raises(ProtocolError, match="already shut down"):
         register(registry, "c9", "0")
+
+
+def test_a_neighbour_that_shut_down_for_good_hears_of_no_loss_or_recovery() -> None:
+    """peer_lost and peer_recovered go to the neighbours that still run or still serve
+    (held), not to one that finished for good, even while its connection is open."""
+    registry, _ = job(3)  # rank 1's neighbours: 0 and 2
+    registry.shutdown("c0", hold=False)
+    registry.shutdown("c2", hold=True)
+    assert registry.task_of("c0") is not None and registry.tasks["0"].finished
+    lost = registry.connection_ended("c1", f"{SILENCE_REASON} 30s")
+    assert set(sends(lost, "peer_lost")) == {"2"}
+    recovered = register(registry, "c9", "1", port=9100, attempt=1)
+    assert set(sends(recovered, "peer_recovered")) == {"2"}
+
+
+def test_a_worker_that_shut_down_for_good_cannot_rejoin_but_a_held_one_can() -> None:
+    registry, _ = job(3)
+    registry.shutdown("c0", hold=False)
+    with pytest.raises(ProtocolError, match="already shut down"):
+        registry.rejoin("c7", rejoin_msg("0", rank=0), host="h", peer="c7:1", now=1.0)
+    assert registry.connection_ended("c0", "connection reset") == []
+    with pytest.raises(ProtocolError, match="already shut down"):
+        registry.rejoin("c7", rejoin_msg("0", rank=0), host="h", peer="c7:1", now=1.0)
+    assert registry.task_of("c7") is None
+    # a held worker whose connection ended still serves its neighbours: it may rejoin
+    registry.shutdown("c1", hold=True)
+    (grace,) = registry.connection_ended("c1", "connection reset")
+    assert isinstance(grace, Grace)
+    decisions = registry.rejoin("c8", rejoin_msg("1", rank=1), host="h", peer="c8:1", now=2.0)
+    assert sends(decisions, "rejoined")["1"].conn == "c8"
+    assert registry.tasks["1"].held
 
 
 def test_a_held_worker_that_dies_is_lost() -> None:

@@ -169,3 +169,82 @@ def test_calls_before_the_first_load_are_kept_all_or_none(case: str) -> None:
     assert store.bootstrap_calls == 0 and store.limit == 10_000
     store.keep_bootstrap(2)  # (decided at the first load)
     assert store.bootstrap_calls == 0
+
+
+LARGE = SMALL_RESULT + 1  # the smallest result kept in a buffer of its own, not a slab
+
+
+def _take_and_keep(store: ResultStore, call: tuple[int, int], size: int) -> np.ndarray:
+    blob = store.take(size)
+    blob[:] = _result(call[1], size)
+    store.keep(call, DESC, blob)
+    return blob
+
+
+def test_a_result_that_is_not_kept_never_leaves_spares_over_the_bound() -> None:
+    """``keep`` of a result the store cannot keep puts its buffer with the spares only while
+    kept and spare bytes together stay within the bound."""
+    store = ResultStore(limit=3 * LARGE)
+    for seqno in range(3):
+        _take_and_keep(store, (0, seqno), LARGE)
+    assert store.nbytes == 3 * LARGE and store._spare_bytes == 0
+    lost = _take_and_keep(store, (0, 3), LARGE)  # version 0 loses (0, 0): none kept now
+    assert store.overflowed == 0 and store.nbytes == 0
+    assert store.nbytes + store._spare_bytes == 3 * LARGE <= store.limit
+    assert len(store._spare[LARGE]) == 3 and all(b is not lost for b in store._spare[LARGE])
+    # exactly at the bound: the buffer of a result not kept goes back to the spares
+    blob = store.take(LARGE)
+    assert store._spare_bytes == 2 * LARGE
+    store.keep((0, 4), DESC, blob)
+    assert store.get((0, 4)) is None and store._spare_bytes == 3 * LARGE
+    # a result larger than the bound is never kept, nor its buffer
+    over = ResultStore(limit=LARGE)
+    _take_and_keep(over, (0, 0), 2 * LARGE)
+    assert over.get((0, 0)) is None and over.nbytes == 0 and over._spare_bytes == 0
+    assert over._spare == {}
+
+
+def test_taking_a_buffer_of_a_new_size_frees_older_spares_within_the_bound() -> None:
+    """``take`` of a size no spare has frees spares until kept bytes, spares and the new
+    buffer fit in the bound, and no more."""
+    store = ResultStore(limit=4 * LARGE)
+    _take_and_keep(store, (0, 0), LARGE)
+    _take_and_keep(store, (0, 1), LARGE)
+    store.on_checkpoint(2)  # both dropped: two spares of their size
+    assert store.nbytes == 0 and store._spare_bytes == 2 * LARGE
+    store.take(2 * LARGE)  # (never kept) exactly fits beside both spares
+    assert store._spare_bytes == 2 * LARGE and len(store._spare[LARGE]) == 2
+    store.take(3 * LARGE)
+    assert store.nbytes + store._spare_bytes + 3 * LARGE <= store.limit
+    assert store._spare_bytes == LARGE and len(store._spare[LARGE]) == 1
+    _take_and_keep(store, (2, 0), LARGE)  # takes the last spare
+    assert store.nbytes == LARGE and store._spare == {LARGE: []}
+    store.clear_before((3, 0))
+    assert store._spare_bytes == LARGE
+    store.take(3 * LARGE + 1)  # one byte more than fits beside it
+    assert store._spare_bytes == 0 and store._spare == {}
+
+
+def test_results_that_add_up_to_the_bound_are_all_kept_and_one_byte_more_drops_the_oldest(
+) -> None:
+    store = ResultStore(limit=10_000)
+    assert store.fits(10_000) and not store.fits(10_001)
+    store.add((0, 0), DESC, [memoryview(_result(0, 6000))])
+    store.add((1, 0), DESC, [memoryview(_result(1, 4000))])
+    assert store.nbytes == 10_000 and store.oldest == (0, 0)
+    assert store.get((0, 0)) is not None and store.get((1, 0)) is not None
+    store.add((2, 0), DESC, [memoryview(_result(2, 1))])
+    assert store.get((0, 0)) is None and store.oldest == (0, 1)
+    assert store.nbytes == 4001 and store.overflowed == -1
+    # large results, and the spares made ahead for them, to the byte the same way
+    large = ResultStore(limit=2 * LARGE)
+    _take_and_keep(large, (0, 0), LARGE)
+    large.make_ready(LARGE + 1)  # one byte past the bound: not made
+    assert large._spare_bytes == 0
+    large.make_ready(LARGE)  # exactly the bound: made
+    assert large._spare_bytes == LARGE
+    _take_and_keep(large, (1, 0), LARGE)
+    assert large.nbytes == 2 * LARGE and large.get((0, 0)) is not None
+    _take_and_keep(large, (2, 0), 1 + SMALL_RESULT + 1)
+    assert large.get((0, 0)) is None and large.get((1, 0)) is None
+    assert large.oldest == (1, 1) and large.nbytes == LARGE + 1
