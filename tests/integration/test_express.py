@@ -203,7 +203,7 @@ def test_a_frame_the_loop_read_while_this_rank_computed_is_taken(size: int) -> N
 def test_a_late_peer_holds_the_loop_for_drive_ms_once() -> None:
     """An express start that waits ``drive_ms`` for a late peer hands the call to the loop
     then, not after a second ``drive_ms`` of the general path's own."""
-    tracker, engines = start_job(2, "uvloop", RABIT2_RECOVER="1", RABIT2_DRIVE_MS="100")
+    tracker, engines = start_job(2, "uvloop", RABIT2_RECOVER="1", RABIT2_DRIVE_MS="300")
     held: list[float] = []
     driver = engines[0].driver
     run = driver.run
@@ -220,13 +220,14 @@ def test_a_late_peer_holds_the_loop_for_drive_ms_once() -> None:
     def work(rank: int, engine: Engine) -> None:
         for i in range(3):
             if rank == 1:
-                time.sleep(0.4)
+                time.sleep(0.7)
             a = np.full(100, float(rank + i), dtype=np.float32)
             engine.run_call(allreduce_call(a, engine))
             assert (a == 2 * i + 1).all()
 
     assert on_all(engines, work) == [None, None]
-    assert len(held) == 3 and max(held) < 0.17, held  # (0.2 s and more: waited twice)
+    # (0.6 s and more: waited twice; the margin is for a loaded machine)
+    assert len(held) == 3 and max(held) < 0.5, held
     finish(tracker, engines)
 
 

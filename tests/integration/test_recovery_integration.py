@@ -454,7 +454,7 @@ def test_three_neighbours_killed_together_end_typed_or_recover(
     assert all("three or more neighbouring ranks" in f["msg"] or "no longer retains" in f["msg"]
                for f in failed), job.tail()
     assert {int(f["rank"].removeprefix("task")) for f in failed} == set(range(8)), job.tail()
-    assert job.elapsed < 20, job.elapsed
+    assert job.elapsed < 30, job.elapsed  # (the progress deadline is minutes away)
 
 
 @pytest.mark.integration
@@ -510,7 +510,7 @@ def test_two_neighbours_lost_rejoin_without_delay(world: int, calls: str,
     args = (f"--calls={calls}", "--iters=2", "--ring-count=200000", "--bcast-count=50000")
     job = run_job(world, *args, *mocks, timeout=90)
     assert_recovered(job, world, {int(m[5]): 1 for m in mocks}, args)
-    assert job.elapsed < 20, job.tail()
+    assert job.elapsed < 30, job.tail()  # (the stalls were 31 s and more)
 
 
 @pytest.mark.integration
