@@ -98,7 +98,8 @@ def run(client: Any, func: Callable[..., Any], *args: Any,
     XGBoost training through rabit2).  A keyword argument of ``func`` that has one of these
     names must be bound with ``functools.partial``.
 
-    Raises ``ValueError`` for bad arguments (a closed client, no workers, a worker address
+    Raises ``ValueError`` for bad arguments (a closed or asynchronous client, no workers, a
+    worker address
     the cluster does not have, two ranks that would share a process), ``TypeError`` for
     ``workers`` of another type; ``RuntimeError`` from a rank placed on a worker process
     that runs a rank of another job (a process joins one job at a time); an exception
@@ -116,6 +117,10 @@ def run(client: Any, func: Callable[..., Any], *args: Any,
 
     if getattr(client, "status", "running") in ("closing", "closed"):
         raise ValueError("the Dask client is closed")
+    if getattr(client, "asynchronous", False):
+        raise ValueError("rabit2.dask.run blocks until the job ends and needs a Client made "
+                         "with asynchronous=False (from async code: run it in a thread "
+                         "with a synchronous Client)")
     if max_attempts < 1:
         raise ValueError("max_attempts must be >= 1")
     if timeout is not None and not timeout > 0:
@@ -182,7 +187,8 @@ def _choose_workers(client: Any, wanted: int | Sequence[str] | None) -> list[str
         chosen = available
     elif isinstance(wanted, int):
         if not 1 <= wanted <= len(available):
-            raise ValueError(f"workers={wanted}: the cluster has {len(available)} workers")
+            raise ValueError(f"workers={wanted}: a job needs 1 to {len(available)} workers "
+                             f"(the cluster's)")
         chosen = available[:wanted]
     else:
         aliases: dict[str, str] = {}
@@ -230,6 +236,9 @@ def _tracker_host(client: Any) -> str:
         return str(probe.getsockname()[0])
 
 
+_SUBMITTING = threading.Lock()
+"""Held while one job submits its ranks (in the calling process)."""
+
 _ONE_RANK = threading.Lock()
 """Held by the rank that runs in this process: a process joins one job at a time (rabit2's
 communicator is process-wide), and a Dask worker with several threads may be given a rank
@@ -254,6 +263,11 @@ def _rank_main(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
             return func(*args, **kwargs)
     except SystemExit as exc:  # (out of a task it would end the Dask worker's process)
         raise RuntimeError(f"func called sys.exit({exc.code!r}) in rank "
+                           f"{params['dmlc_task_id']}'s task") from exc
+    except Exception:
+        raise
+    except BaseException as exc:  # (KeyboardInterrupt and the like: as sys.exit)
+        raise RuntimeError(f"func raised {type(exc).__name__} in rank "
                            f"{params['dmlc_task_id']}'s task") from exc
     finally:
         _ONE_RANK.release()
@@ -291,8 +305,12 @@ class _Job:
 
     def run(self) -> list[Any]:
         try:
-            for rank, address in zip(self.ranks, self.addresses, strict=True):
-                self._submit(rank, address)
+            # (one job's ranks all queued before another's: two jobs submitted from this
+            # process at once on workers of one thread each would otherwise each hold a
+            # worker with a rank waiting for the other's, until the join deadline)
+            with _SUBMITTING:
+                for rank, address in zip(self.ranks, self.addresses, strict=True):
+                    self._submit(rank, address)
             reason = self._watch()
             return self._results(reason)
         except BaseException as exc:
@@ -372,7 +390,8 @@ class _Job:
                 self.client.cancel([rank.future])
                 return (f"task {rank.task_id} did not join the job within "
                         f"{JOIN_TIMEOUT_SEC:g} s on Dask worker {rank.address} (are its "
-                        f"threads busy with other work?)")
+                        f"threads busy with other work, such as a rank of another job "
+                        f"submitted from another process?)")
         return None
 
     def _restart(self, addresses: list[str], workers: dict[str, Any]) -> str | None:

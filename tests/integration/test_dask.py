@@ -4,6 +4,7 @@ recovered (plain rabit2 and XGBoost through rabit2), errors that end the job, ba
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import os
 import sys
@@ -170,17 +171,24 @@ def test_a_given_up_job_ends_near_its_timeout_and_frees_a_rank_stuck_in_func(
     assert time.monotonic() - started < 20
 
 
-def exits_on_rank_1() -> int:
+def exits_on_rank_1(how: str = "exit") -> int:
     if rabit2.get_rank() == 1:
+        if how == "interrupt":
+            raise KeyboardInterrupt("stop")
         sys.exit(2)
     rabit2.allreduce(np.ones(2), rabit2.Op.SUM)
     return rabit2.get_rank()
 
 
-def test_sys_exit_in_func_ends_the_job_but_not_the_dask_worker(full: Any) -> None:
+@pytest.mark.parametrize(("how", "message"), [
+    ("exit", r"func called sys.exit\(2\) in rank 1's task"),
+    ("interrupt", r"func raised KeyboardInterrupt in rank 1's task"),
+])
+def test_sys_exit_in_func_ends_the_job_but_not_the_dask_worker(full: Any, how: str,
+                                                               message: str) -> None:
     before = full.run(os.getpid)
-    with pytest.raises(RuntimeError, match=r"func called sys.exit\(2\) in rank 1's task"):
-        rabit2.dask.run(full, exits_on_rank_1)
+    with pytest.raises(RuntimeError, match=message):
+        rabit2.dask.run(full, exits_on_rank_1, how)
     assert full.run(os.getpid) == before  # (the same worker processes: none ended)
 
 
@@ -207,7 +215,8 @@ def test_a_rank_lost_once_too_often_ends_the_job(full: Any) -> None:
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"workers": N_WORKERS + 1}, "the cluster has 3 workers"),
+    ({"workers": N_WORKERS + 1}, "a job needs 1 to 3 workers"),
+    ({"workers": 0}, "workers=0: a job needs 1 to 3 workers"),
     ({"workers": ["tcp://10.255.255.1:1"]}, "unknown"),
     ({"workers": "__twice__"}, r"named twice: \['tcp://"),
     ({"max_attempts": 0}, "max_attempts"),
@@ -270,6 +279,37 @@ def test_a_closed_client_is_refused() -> None:
         closed.close()
         with pytest.raises(ValueError, match="client is closed"):
             rabit2.dask.run(closed, rabit2.get_rank)
+
+
+def test_an_asynchronous_client_is_refused(full: Any) -> None:
+    async def main() -> None:
+        async with distributed.Client(full.scheduler.address, asynchronous=True) as client:
+            with pytest.raises(ValueError, match="needs a Client made with asynchronous=False"):
+                rabit2.dask.run(client, rabit2.get_rank)
+
+    asyncio.run(main())
+
+
+def test_two_jobs_started_at_once_from_one_process_queue_one_after_the_other(
+        full: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two jobs on the same two single-thread workers, named in opposite orders.  Their
+    ranks, submitted interleaved, held one worker each while waiting for the other's (until
+    the join deadline); one job's ranks are now all queued before the other's.  (Each
+    submission is slowed down here, so that the interleaving the lock prevents would
+    happen.)"""
+    submit = rabit2.dask._Job._submit
+
+    def slowly(job: Any, rank: Any, address: str) -> None:
+        submit(job, rank, address)
+        time.sleep(0.3)
+
+    monkeypatch.setattr(rabit2.dask._Job, "_submit", slowly)
+    monkeypatch.setattr(rabit2.dask, "JOIN_TIMEOUT_SEC", 10.0)
+    first, second = sorted(full.scheduler_info(n_workers=-1)["workers"])[:2]
+    with ThreadPoolExecutor(2) as pool:
+        jobs = [pool.submit(rabit2.dask.run, full, _sum_after_a_while, 0.5, workers=order,
+                            timeout=60) for order in ([first, second], [second, first])]
+        assert [job.result(timeout=90) for job in jobs] == [[2.0, 2.0], [2.0, 2.0]]
 
 
 def _sum_after_a_while(seconds: float) -> float:
