@@ -49,8 +49,9 @@ class Listener:
         # Handshakes in flight are bounded so that a flood of silent connections cannot
         # exhaust file descriptors; each one also ends at handshake_timeout.
         self._max_handshakes = max_handshakes
-        self._handshakes = 0
         self._in_handshake: dict[asyncio.Task[Any], float] = {}  # -> when it was accepted
+        # a handler cancelled before it ran never closes its own socket: closed when it ends
+        self._unstarted: dict[asyncio.Task[Any], socket.socket] = {}
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
 
@@ -107,26 +108,37 @@ class Listener:
                 await asyncio.sleep(_ACCEPT_ERROR_PAUSE_SEC)
                 continue
             peer = f"{address[0]}:{address[1]}"
-            if self._handshakes >= self._max_handshakes and self._in_handshake:
+            if len(self._in_handshake) >= self._max_handshakes:
                 # fair admission: the oldest unfinished handshake makes room.  A worker
                 # finishes its handshake in milliseconds, so under a flood of idle or slow
-                # connections it is the flood that is dropped, and a registration gets in
+                # connections it is the flood that is dropped, and a registration gets in.
+                # (Counted by the handlers not yet through: a burst of accepts runs before
+                # any of them starts, and one cancelled then leaves the count at once.)
                 oldest = min(self._in_handshake, key=self._in_handshake.__getitem__)
                 del self._in_handshake[oldest]
                 oldest.cancel()
                 self._refusals.warning(
                     "dropped the oldest of %d unfinished handshakes to admit %s",
-                    self._handshakes, peer)
-            self._handshakes += 1  # counted here: a burst of accepts must see the count
+                    len(self._in_handshake) + 1, peer)
             handler = asyncio.create_task(self._handle(sock, str(address[0]), peer))
             self._handlers.add(handler)
             self._in_handshake[handler] = loop.time()
-            handler.add_done_callback(self._handlers.discard)
+            self._unstarted[handler] = sock
+            handler.add_done_callback(self._ended)
+
+    def _ended(self, handler: asyncio.Task[None]) -> None:
+        self._handlers.discard(handler)
+        self._in_handshake.pop(handler, None)
+        sock = self._unstarted.pop(handler, None)
+        if sock is not None:  # (cancelled before it ran)
+            sock.close()
 
     async def _handle(self, sock: socket.socket, host: str, peer: str) -> None:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self._handshake_timeout
         classic = False
+        task = asyncio.current_task()
+        self._unstarted.pop(task, None)  # type: ignore[arg-type]  # (from here it closes sock)
         try:
             sock.setblocking(False)
             tune_socket(sock)
@@ -144,10 +156,7 @@ class Listener:
             sock.close()  # dropped to admit a newer connection, or the tracker closes
             raise
         finally:
-            self._handshakes -= 1
-            task = asyncio.current_task()
-            if task is not None:
-                self._in_handshake.pop(task, None)
+            self._in_handshake.pop(task, None)  # type: ignore[arg-type]
         if classic:
             await self._serve_classic(sock, host, peer)
         else:

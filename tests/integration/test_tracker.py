@@ -546,6 +546,33 @@ async def test_a_registration_gets_in_under_a_flood_of_idle_connections(
     assert 1 <= dropped <= 10, caplog.text  # 28+ drops, at most 10 lines per 10 s
 
 
+def test_after_a_burst_of_idle_connections_every_handshake_gets_in_again() -> None:
+    """A burst of connections (from another process, as fast as it can) accepted before any
+    handler ran: the handlers cancelled to make room never ran, and the count of
+    handshakes in flight kept them for good, so that later handshakes were dropped to
+    admit one another.  Once the burst is gone, 30 at once all get in."""
+    tracker = TrackerThread(2, secret=SECRET)
+    tracker.start()
+    port = int(tracker.worker_env()["DMLC_TRACKER_PORT"])
+    try:
+        burst = ("import socket, time\n"
+                 f"s = [socket.create_connection(('127.0.0.1', {port})) for _ in range(400)]\n"
+                 "time.sleep(1)\n")
+        subprocess.run([sys.executable, "-c", burst], check=True, timeout=60)
+        time.sleep(0.5)
+
+        async def thirty() -> list[Any]:
+            return await asyncio.gather(*(
+                query_tracker_status(HOST, port, SECRET, 10) for _ in range(30)),
+                return_exceptions=True)
+
+        answers = asyncio.run(thirty())
+        failed = [a for a in answers if isinstance(a, BaseException)]
+        assert not failed, failed[:3]
+    finally:
+        tracker.stop()
+
+
 def test_refusal_warnings_are_rate_limited() -> None:
     lines: list[str] = []
 
