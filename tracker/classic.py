@@ -106,12 +106,13 @@ class ClassicJob:
     _waiting: dict[int, _Waiting] = field(default_factory=dict)
     _pending: list[tuple[str, str, _Wire]] = field(default_factory=list)
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    _began: bool = False  # a worker started (its task id may be "NULL": not in ranks)
     _anonymous: set[int] = field(default_factory=set)  # ranks of "NULL" task ids
 
     @property
     def started(self) -> bool:
-        return self._began
+        """Whether the job is one of classic workers: a rank was handed out, or a start
+        waits for the others (one that left while it waited does not count)."""
+        return bool(self.ranks or self._anonymous or self._pending)
 
     def status(self) -> list[dict[str, Any]]:
         """The tasks, as ``Tracker.status`` lists its own (a classic worker holds no tracker
@@ -155,9 +156,11 @@ class ClassicJob:
             message = await wire.read_str()
             self.print_fn(labelled(rank if rank >= 0 else task_id, message.rstrip()))
             return
+        if command in ("shutdown", "recover") and not self._holds(rank, task_id):
+            # (a rank no worker was given cannot end the job, nor take a rank's place)
+            raise ProtocolError(f"{command} from rank {rank} (task {task_id}), which no "
+                                "worker of this job holds")
         if command == "shutdown":
-            if not 0 <= rank < self.n_workers:
-                raise ProtocolError(f"shutdown from rank {rank}")
             self.finished.add(rank)
             logger.info("classic rank %d (task %s) shut down", rank, task_id)
             if self.on_finished is not None and task_id != "NULL":
@@ -165,9 +168,6 @@ class ClassicJob:
             if len(self.finished) == self.n_workers:
                 self.on_done()
             return
-        if command == "recover" and not 0 <= rank < self.n_workers:
-            raise ProtocolError(f"recover from rank {rank}")
-        self._began = True
         known = self.ranks.get(task_id) if task_id != "NULL" else None
         if rank < 0 and known is None:
             await self._start(task_id, host, wire)
@@ -239,6 +239,12 @@ class ClassicJob:
         """``task_id`` was let in (the launcher judges how its process ends by it)."""
         if self.on_joined is not None and task_id != "NULL":
             self.on_joined(task_id)
+
+    def _holds(self, rank: int, task_id: str) -> bool:
+        """Whether ``rank`` was handed out, to ``task_id`` (or to a task without an id)."""
+        if task_id == "NULL":
+            return rank in self._anonymous
+        return self.ranks.get(task_id) == rank
 
     def _assigned(self) -> int:
         """How many ranks were handed out."""

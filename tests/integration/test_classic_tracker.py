@@ -9,6 +9,7 @@ same job under XGBoost 1.7's own tracker.  The protocol checks need no XGBoost.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import re
 import subprocess
@@ -232,15 +233,48 @@ async def test_a_job_speaks_one_protocol(caplog: pytest.LogCaptureFixture) -> No
     tracker = Tracker(2, secret=SECRET)
     await tracker.start()
     try:
-        parked = asyncio.ensure_future(_classic_start(tracker.port))
-        await asyncio.sleep(0.3)  # (a classic start, parked until the job has all workers)
+        # (a classic start, parked until the job has all its workers)
+        reader, writer = await _start_as(tracker.port, b"0")
+        assert await asyncio.wait_for(reader.readexactly(4), 5) == CLASSIC_MAGIC
         cfg = Config(tracker_uri="127.0.0.1", tracker_port=tracker.port, task_id="1",
                      secret=SECRET, connect_retry=1)
         client = await TrackerClient.connect(cfg, 20001)
         with pytest.raises(TrackerError, match="classic rabit protocol"):
             await client.wait_assignment(5)
         await client.close()
-        parked.cancel()
+        # a classic start that left while it waited does not make the job a classic one
+        writer.close()
+        await asyncio.sleep(0.3)
+        cfg = dataclasses.replace(cfg, task_id="0")
+        clients = [await TrackerClient.connect(cfg, 20002),
+                   await TrackerClient.connect(dataclasses.replace(cfg, task_id="1"), 20003)]
+        assert sorted([(await c.wait_assignment(5)).rank for c in clients]) == [0, 1]
+        for c in clients:
+            await c.close()
+    finally:
+        await tracker.close()
+
+
+@pytest.mark.asyncio
+async def test_a_rank_no_worker_holds_cannot_end_a_job_with_the_classic_protocol() -> None:
+    """Two classic ``shutdown`` messages, from ranks never handed out, with no secret, ended
+    a job that had no worker yet as a success; and a ``recover`` from such a rank took its
+    place.  Both are refused now, and the job waits for its workers."""
+    tracker = Tracker(2, secret=SECRET)
+    await tracker.start()
+    try:
+        for rank, command in ((0, b"shutdown"), (1, b"shutdown"), (1, b"recover")):
+            reader, writer = await asyncio.open_connection("127.0.0.1", tracker.port)
+            writer.write(CLASSIC_MAGIC + rank.to_bytes(4, "little", signed=True)
+                         + (-1).to_bytes(4, "little", signed=True)
+                         + (4).to_bytes(4, "little") + b"evil"
+                         + len(command).to_bytes(4, "little") + command)
+            await writer.drain()
+            assert await asyncio.wait_for(reader.read(64), 5) == CLASSIC_MAGIC
+            writer.close()
+        await asyncio.sleep(0.3)
+        assert tracker.result is None  # (the job did not end)
+        assert not tracker.classic
     finally:
         await tracker.close()
 
