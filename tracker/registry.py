@@ -172,6 +172,8 @@ class Registry(Generic[C]):
             raise ProtocolError(f"task_id must have 1..{_MAX_TASK_ID} characters")
         if not 0 < msg["port"] < 65536:
             raise ProtocolError(f"port {msg['port']} is not a TCP port")
+        if msg["attempt"] < 0:
+            raise ProtocolError(f"attempt {msg['attempt']} is negative")
         if not isinstance(msg.get("restarts", True), bool):
             raise ProtocolError("restarts must be a bool")
         if msg["world_size"] not in (-1, self.n_workers):

@@ -31,7 +31,7 @@ from typing import Any
 
 from rabit2.core.control import REFUSE_HELLO, FrameDecoder, check_progress, encode_frame
 from rabit2.errors import CollectiveTimeoutError, ProtocolError
-from rabit2.io.handshake import RateLimitedLog, is_loopback
+from rabit2.io.handshake import RateLimitedLog, bounded, is_loopback
 from tracker.classic import ClassicJob, labelled
 from tracker.decisions import (
     Decision,
@@ -406,17 +406,18 @@ class Tracker:
         reader, writer = streams
         try:
             await self._classic.serve(reader, writer, host)
-        except ProtocolError as exc:
-            logger.warning("classic rabit worker from %s: %s", peer, exc)
+        except ProtocolError as exc:  # (unauthenticated: limited as any refusal)
+            self._refusals.warning("classic rabit worker from %s: %s", peer, exc)
         except OSError as exc:
-            logger.warning("classic connection from %s failed: %s", peer, exc)
+            self._refusals.warning("classic connection from %s failed: %s", peer, exc)
         finally:
             writer.close()
 
     def _check_hello(self, hello: dict[str, Any]) -> dict[str, Any]:
         role = hello.get("role")
         if role not in ("worker", "monitor"):
-            raise ProtocolError(f"hello.role must be 'worker' or 'monitor', got {role!r}")
+            raise ProtocolError(f"hello.role must be 'worker' or 'monitor', got "
+                                f"{bounded(repr(role))}")
         return {"world_size": self.n_workers, "heartbeat_timeout": self._heartbeat_timeout}
 
     async def _serve(self, conn: _Conn, reader: asyncio.StreamReader) -> str:

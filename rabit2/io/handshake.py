@@ -192,16 +192,36 @@ async def sock_read_exact(
     return bytes(buffer)
 
 
+MAX_AUTH_FRAME = 64 * 1024
+"""The largest ``auth`` frame a server reads (its nonce, MAC and hello take a few hundred
+bytes): before the peer proved it knows the secret, no more memory is set aside for it."""
+
+_TEXT_LIMIT = 200  # characters of a peer's value that a refusal or a log line quotes
+
+
 async def sock_read_frame(
-    loop: asyncio.AbstractEventLoop, sock: socket.socket, deadline: float
+    loop: asyncio.AbstractEventLoop, sock: socket.socket, deadline: float,
+    limit: int | None = None,
 ) -> dict[str, Any]:
-    """Read one control frame (prefix, then exactly its body) before ``deadline``.
+    """Read one control frame (prefix, then exactly its body) before ``deadline``; a body
+    longer than ``limit`` bytes (default ``MAX_FRAME``) is refused before it is read.
 
     Raises :class:`ProtocolError` for an oversized or invalid frame, otherwise as
     :func:`sock_read_exact`.
     """
     length = decode_length(await sock_read_exact(loop, sock, LENGTH_PREFIX_SIZE, deadline))
+    if limit is not None and length > limit:
+        raise ProtocolError(f"frame of {length} bytes where at most {limit} are expected")
     return decode_body(await sock_read_exact(loop, sock, length, deadline))
+
+
+def bounded(text: object) -> str:
+    """``text`` as a refusal or a log line may quote a peer's value: at most
+    ``_TEXT_LIMIT`` characters, control characters escaped (no forged log lines)."""
+    shown = str(text)
+    if len(shown) > _TEXT_LIMIT:
+        shown = f"{shown[:_TEXT_LIMIT]}... ({len(shown)} characters)"
+    return shown.encode("unicode_escape").decode("ascii") if not shown.isprintable() else shown
 
 
 async def sock_write_frame(
@@ -220,9 +240,10 @@ async def _refuse(
 ) -> None:
     # Best effort: the peer may already be gone, and the refusal is only a courtesy that
     # turns a silent close into a readable error on the other side.
-    with contextlib.suppress(RabitError, OSError):
+    with contextlib.suppress(RabitError, OSError, ValueError):
         await asyncio.wait_for(
-            sock_write_frame(loop, sock, {"t": "refuse", "reason": reason, "code": code}), 1.0
+            sock_write_frame(loop, sock, {"t": "refuse", "reason": bounded(reason),
+                                          "code": code}), 1.0
         )
 
 
@@ -250,7 +271,7 @@ async def server_handshake(
             raise ProtocolError(f"wrong magic {magic!r} (not a rabit2 peer, or another version)")
         server_nonce = new_nonce()
         await sock_write_frame(loop, sock, {"t": "challenge", "nonce": server_nonce})
-        auth = await sock_read_frame(loop, sock, deadline)
+        auth = await sock_read_frame(loop, sock, deadline, limit=MAX_AUTH_FRAME)
         if auth["t"] != "auth":
             raise ProtocolError(f"expected auth, got {auth['t']}")
         client_nonce = auth["nonce"]
@@ -405,14 +426,17 @@ class RateLimitedLog:
                                   self._suppressed, self._period)
             self._start, self._count, self._suppressed = now, 0, 0
         self._count += 1
-        if self._count <= self._burst:
-            self._log.warning(message, *args)
+        if self._count <= self._burst:  # (each value bounded: a peer may have written it)
+            self._log.warning(message, *(bounded(arg) if isinstance(arg, (str, Exception))
+                                         else arg for arg in args))
         else:
             self._suppressed += 1
 
 
 __all__ = [
+    "MAX_AUTH_FRAME",
     "RateLimitedLog",
+    "bounded",
     "client_handshake",
     "connect_authenticated",
     "is_loopback",

@@ -7,6 +7,7 @@ core scenarios on uvloop, which the workers use by default.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ from rabit2.errors import (
     JobAbortedError,
     PeerLostError,
     ProtocolError,
+    RabitError,
     TrackerError,
 )
 from rabit2.io.assignment import Assignment
@@ -46,6 +48,7 @@ from rabit2.io.handshake import (
 )
 from rabit2.io.tracker_client import TrackerClient
 from rabit2.io.tracker_query import query_tracker_status
+from tracker.classic import CLASSIC_MAGIC
 from tracker.server import Tracker, TrackerThread, natural_key
 
 pytestmark = pytest.mark.timeout(30)
@@ -521,6 +524,42 @@ async def test_bad_connections_do_not_disturb_the_job(
     for reason in ("wrong magic", "exceeds", "undecodable", "failed authentication",
                    "deadline", "may only send status"):
         assert reason in log, reason
+
+
+@pytest.mark.asyncio
+async def test_a_stranger_gets_little_memory_and_short_log_lines(
+    make_tracker: Callable[..., Any], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Before it authenticates, a peer's ``auth`` frame may be 64 KiB (a declared 1 MiB was
+    set aside for each pending handshake); a peer's values are quoted in at most 200
+    characters, control characters escaped (a 10 KB role made a 10 KB line); the classic
+    protocol's refusals are rate-limited as the others (one line each)."""
+    caplog.set_level(logging.WARNING, logger="rabit2.tracker")
+    tracker = await make_tracker(2)
+    reader, writer = await asyncio.open_connection(HOST, tracker.port)
+    writer.write(MAGIC + struct.pack("<I", 1 << 20) + b"x")
+    await writer.drain()
+    with contextlib.suppress(ConnectionResetError):
+        while await asyncio.wait_for(reader.read(4096), 5):
+            pass  # (the challenge, then the close)
+    writer.close()
+    with pytest.raises(RabitError, match=r"hello\.role must be"):
+        await connect_authenticated(HOST, tracker.port, SECRET, {"role": "x\n" * 5000}, 5)
+    garbage = (CLASSIC_MAGIC + struct.pack("<ii", -1, -1) + struct.pack("<i", 5) + b"ttttt"
+               + struct.pack("<i", -9))
+    for _ in range(30):
+        reader, writer = await asyncio.open_connection(HOST, tracker.port)
+        writer.write(garbage)
+        await writer.drain()
+        with contextlib.suppress(ConnectionResetError):
+            await asyncio.wait_for(reader.read(4096), 5)
+        writer.close()
+    await asyncio.sleep(0.2)
+    messages = [record.getMessage() for record in caplog.records]
+    assert any("frame of 1048576 bytes where at most 65536" in m for m in messages), messages
+    assert max(len(m) for m in messages) < 1000, max(messages, key=len)[:300]
+    assert not any("\n" in m for m in messages)
+    assert sum("classic rabit worker from" in m for m in messages) <= 10, messages
 
 
 @pytest.mark.asyncio

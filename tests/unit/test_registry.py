@@ -91,6 +91,8 @@ def test_registrations_that_do_not_fit_the_job_are_refused() -> None:
         register(registry, "c9", "0", port=0)
     with pytest.raises(ProtocolError, match="characters"):
         register(registry, "c9", "x" * 257)
+    with pytest.raises(ProtocolError, match="attempt -5 is negative"):
+        register(registry, "c9", "0", attempt=-5)
     msg = {**register_msg("0"), "restarts": 1}  # (optional, but a bool where it is sent)
     with pytest.raises(ProtocolError, match="restarts must be a bool"):
         registry.register("c9", msg, host="10.0.0.9", peer="c9:1", now=0.0)
