@@ -11,7 +11,7 @@ from typing import Any
 import xgboost
 
 import rabit2
-from rabit2.api import abort_for
+from rabit2.api import abort_for, current_config
 from rabit2.config import load_config
 from rabit2.errors import RabitError
 from rabit2.xgboost.service import Endpoint
@@ -108,6 +108,12 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
     def _join(self) -> None:
         _left.add(_job_of(self.args, self.kwargs))  # (from now on this task cannot rejoin)
         check_xgboost()
+        config = current_config()
+        if config is not None and config.recover and config.local_replica == 0:
+            # (said here, naming what needs it, not by load_checkpoint below)
+            raise ValueError("rabit2.xgboost.CommunicatorContext with recovery on keeps each "
+                             "worker's own training state as a local model, which needs "
+                             "rabit_local_replica >= 1 (default 2)")
         rank, world = rabit2.get_rank(), rabit2.get_world_size()
         self.endpoint = Endpoint(rank, world)
         port = self.endpoint.start()

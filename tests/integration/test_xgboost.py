@@ -367,6 +367,8 @@ def test_bad_requests_fail_every_rank_with_the_reason(mode: str, reason: str) ->
     ("outside", "RuntimeError: rabit2.xgboost.train outside "
                 "rabit2.xgboost.CommunicatorContext in a job of several workers"),
     ("unbiased", "ValueError: lambdarank_unbiased cannot be recovered"),
+    ("no-replica", "ValueError: rabit2.xgboost.CommunicatorContext with recovery on keeps "
+                   "each worker's own training state as a local model"),
 ])
 def test_misuse_fails_every_rank_typed_at_once(mode: str, expected: str) -> None:
     """Ranks that would train different models (XGBoost itself checks only what changes a

@@ -5,7 +5,8 @@ first), ``finalized`` (xgboost.collective finalized inside the context), ``sched
 LearningRateScheduler of a list: its function is code, not checkpointed state),
 ``unpicklable`` (a callback holding an open file), ``outside`` (``rx.train`` after a plain
 ``rabit2.init``), ``per-host`` (nthread and verbosity per rank, eta a numpy float on one),
-``unbiased`` (``lambdarank_unbiased``, which no restart could go on with)."""
+``unbiased`` (``lambdarank_unbiased``, which no restart could go on with), ``no-replica``
+(``rabit_local_replica=0`` with recovery on)."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def main() -> None:
             rabit2.finalize()
             sys.exit(3)
     try:
-        with rx.CommunicatorContext():
+        with rx.CommunicatorContext(
+                rabit_local_replica=0 if mode == "no-replica" else None):
             rank = rabit2.get_rank()
             dtrain = xgboost.DMatrix(x[rank::2], y[rank::2])
             rounds = 3
@@ -76,6 +78,7 @@ def main() -> None:
                 pass
         print(f"outcome rank={rank} ok", flush=True)
     except (RuntimeError, TypeError, ValueError, rabit2.RabitError) as exc:
+        rank = rank if rank >= 0 else int(os.environ["DMLC_TASK_ID"])  # (failed to join)
         print(f"outcome rank={rank} {type(exc).__name__}: {' '.join(str(exc).split())}",
               flush=True)
         sys.exit(3)
