@@ -200,16 +200,35 @@ def _reason(error: BaseException) -> str:
     return f"rank {get_rank()} raised {type(error).__name__}" + (f": {text}" if text else "")
 
 
-def joined() -> bool:
-    """Whether this process is in a job (:func:`init` ran, :func:`finalize` did not yet).
-    A context entered then leaves the job as it found it: it neither joins nor leaves."""
-    return _comm.config is not None
+_open_contexts = [0]  # contexts open in this process (rabit2's, rabit2.collective's, ...)
+
+
+def enter(join: Callable[[], None]) -> bool:
+    """How a context begins; whether it owns the job.  The outermost one owns it: it joins
+    (``join()``, unless :func:`init` ran already) and, in :func:`leave`, ends it.  One
+    inside another neither joins nor leaves: the job ends with the outer one."""
+    owner = _open_contexts[0] == 0
+    if owner and _comm.config is None:
+        join()
+    _open_contexts[0] += 1
+    return owner
+
+
+def in_context() -> bool:
+    """Whether a context is open in this process."""
+    return _open_contexts[0] > 0
+
+
+def exited() -> None:
+    """A context ended (:func:`leave` says so; ``rabit2.xgboost``'s ends its own way)."""
+    _open_contexts[0] = max(0, _open_contexts[0] - 1)
 
 
 def leave(error: BaseException | None, owner: bool = True) -> None:
     """How a context ends: :func:`finalize`, or :func:`abort_for` the exception that ended
-    it; ``sys.exit()`` or ``sys.exit(0)`` is a normal end.  Nothing where the context is
-    not the ``owner`` of the job (a nested one: the outer context ends it)."""
+    it; ``sys.exit()`` or ``sys.exit(0)`` is a normal end.  Nothing more where the context
+    is not the ``owner`` of the job (one inside another: the outer context ends it)."""
+    exited()
     if not owner:
         return
     if error is None or (isinstance(error, SystemExit) and error.code in (None, 0)):
@@ -344,8 +363,8 @@ def communicator_print(msg: Any) -> None:
 class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext"]):
     """``with CommunicatorContext(**args):`` = ``init(**args)`` ... ``finalize()``; an
     exception inside the block aborts the job (:func:`abort_for`) and propagates
-    (``sys.exit(0)`` finalizes).  Entered inside another context (or after :func:`init`) it
-    neither joins nor leaves: the job ends where it began.
+    (``sys.exit(0)`` finalizes).  After :func:`init` it takes the job over (and ends it);
+    inside another context it neither joins nor leaves: the outer one ends the job.
 
     Entering raises what :func:`init` raises.  Leaving normally raises what :func:`finalize`
     raises; leaving by an exception raises no error of its own (the job is aborted, naming
@@ -356,9 +375,7 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
         self._owner = False
 
     def __enter__(self) -> CommunicatorContext:
-        self._owner = not joined()
-        if self._owner:
-            init(**self.args)
+        self._owner = enter(lambda: init(**self.args))
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:

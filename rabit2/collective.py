@@ -198,12 +198,12 @@ def signal_error(msg: str = "signal_error() called") -> None:
 class CommunicatorContext(contextlib.AbstractContextManager[dict[str, Any]]):
     """``with CommunicatorContext(**args) as args:`` = ``init(**args)`` ... ``finalize()``;
     an exception inside the block aborts the job, naming it (``rabit2.api.abort_for``), and
-    ``sys.exit(0)`` finalizes.  Entered inside another context (or after :func:`init`) it
-    neither joins nor leaves: the job ends where it began.
+    ``sys.exit(0)`` finalizes.  After :func:`init` it takes the job over (and ends it);
+    inside another context it neither joins nor leaves: the outer one ends the job.
 
     This connects the functions of this module only: XGBoost's own training inside it
     would train alone on each worker (a warning says so where ``xgboost`` is imported);
-    :class:`rabit2.xgboost.CommunicatorContext` connects XGBoost.
+    :class:`rabit2.xgboost.CommunicatorContext`, used instead of it, connects XGBoost.
 
     Entering raises what :func:`init` raises, leaving normally what :func:`finalize`
     raises; leaving by an exception raises nothing of its own (the exception propagates)."""
@@ -213,15 +213,13 @@ class CommunicatorContext(contextlib.AbstractContextManager[dict[str, Any]]):
         self._owner = False
 
     def __enter__(self) -> dict[str, Any]:
-        self._owner = not api.joined()
-        if self._owner:
-            init(**self.args)
-            if "xgboost" in sys.modules and api.get_world_size() > 1:
-                logger.warning(
-                    "rabit2.collective.CommunicatorContext connects rabit2.collective's "
-                    "functions, not XGBoost: xgboost.train or XGBModel.fit inside it trains "
-                    "alone on each worker; use rabit2.xgboost.CommunicatorContext "
-                    "(docs/xgboost.md)")
+        self._owner = api.enter(lambda: init(**self.args))
+        if self._owner and "xgboost" in sys.modules and api.get_world_size() > 1:
+            logger.warning(
+                "rabit2.collective.CommunicatorContext connects rabit2.collective's "
+                "functions, not XGBoost: xgboost.train or XGBModel.fit inside it trains "
+                "alone on each worker; use rabit2.xgboost.CommunicatorContext instead of it "
+                "(docs/xgboost.md)")
         return self.args
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
@@ -234,7 +232,7 @@ class RabitContext(contextlib.AbstractContextManager["RabitContext"]):
 
     Entering raises what :func:`rabit2.init` raises, leaving normally what
     :func:`rabit2.finalize` raises; an exception inside the block aborts the job and
-    propagates (``sys.exit(0)`` finalizes); nested, it neither joins nor leaves, as
+    propagates (``sys.exit(0)`` finalizes); after ``init`` and inside another context as
     :class:`CommunicatorContext`."""
 
     def __init__(self, rabit_args: Iterable[str | bytes] | None = None) -> None:
@@ -245,9 +243,7 @@ class RabitContext(contextlib.AbstractContextManager["RabitContext"]):
         self._owner = False
 
     def __enter__(self) -> RabitContext:
-        self._owner = not api.joined()
-        if self._owner:
-            api.init(self.args)
+        self._owner = api.enter(lambda: api.init(self.args))
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:

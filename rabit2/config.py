@@ -36,8 +36,9 @@ class MockSpec:
     processes live; with recovery on the link is dialed again and the call resumes).  With a
     seventh field ``damage`` = 1 it neither dies nor resets: it flips the bits of one byte
     that arrives from ``reset_peer`` there, as a faulty NIC, switch or memory can without
-    TCP noticing (``docs/protocol.md``, "Checksums"); ``checksum=auto`` is then on for every
-    link, within one host too.
+    TCP noticing (``docs/protocol.md``, "Checksums"); where ``checksum`` is not set it is
+    then on for every link, within one host too (give every rank the same ``mock=``: the
+    sender adds the checksums).
     """
 
     rank: int
@@ -435,8 +436,9 @@ def load_config(  # noqa: C901
         number = values.get(_ALIASES[name])
         if number is not None and number < least:
             raise ValueError(f"{spelled.get(_ALIASES[name], name)} must be >= {least}")
-    if any(spec.damage for spec in mocks) and values.get("checksum", "auto") == "auto":
-        # (a damaged byte is what checksums are for: links within one host carry none by
-        # default, and every rank reads the same mock= arguments, so every rank checks)
+    if any(spec.damage for spec in mocks) and "checksum" not in values:
+        # (a damaged byte is what checksums are for, and links within one host carry none
+        # by default.  The sender adds them: this holds where every rank gets the same
+        # mock= arguments, as rabit2-submit gives its workers the same command line)
         values["checksum"] = "on"
     return Config(**values, mock=tuple(mocks))

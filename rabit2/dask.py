@@ -305,9 +305,10 @@ class _Job:
 
     def run(self) -> list[Any]:
         try:
-            # (one job's ranks all queued before another's: two jobs submitted from this
-            # process at once on workers of one thread each would otherwise each hold a
-            # worker with a rank waiting for the other's, until the join deadline)
+            # (one job's ranks all queued before another's: two jobs submitted at once
+            # through one client, on workers of one thread each, would otherwise each hold
+            # a worker with a rank waiting for the other's, until the join deadline; two
+            # clients send on streams of their own, which this cannot order)
             with _SUBMITTING:
                 for rank, address in zip(self.ranks, self.addresses, strict=True):
                     self._submit(rank, address)
@@ -391,7 +392,7 @@ class _Job:
                 return (f"task {rank.task_id} did not join the job within "
                         f"{JOIN_TIMEOUT_SEC:g} s on Dask worker {rank.address} (are its "
                         f"threads busy with other work, such as a rank of another job "
-                        f"submitted from another process?)")
+                        f"submitted through another client?)")
         return None
 
     def _restart(self, addresses: list[str], workers: dict[str, Any]) -> str | None:

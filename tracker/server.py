@@ -36,7 +36,6 @@ class TrackerThread:
         self._disconnected: list[tuple[str, str, float]] = []
         self._finished: set[str] = set()
         self._joined: set[str] = set()
-        self._no_restarts: set[str] = set()
         # the job's first lost worker, as a summary's root cause row says it (None: none)
         self.first_loss: str | None = None
         self.tracker.on_rank_assigned = self._remember_rank
@@ -61,11 +60,9 @@ class TrackerThread:
         with self._ranks_lock:
             self._finished.add(task_id)
 
-    def _task_joined(self, task_id: str, restarts: bool) -> None:
+    def _task_joined(self, task_id: str) -> None:
         with self._ranks_lock:
             self._joined.add(task_id)
-            if not restarts:
-                self._no_restarts.add(task_id)
 
     def joined(self) -> set[str]:
         """Task ids whose rabit2 worker registered with the tracker (``init``), at any
@@ -77,8 +74,7 @@ class TrackerThread:
         """False once a worker of the job said it runs without recovery (and not in elastic
         mode): its calls fail when a neighbour is lost, so a restarted worker could not
         join, and a launcher gives up on a failed task at once."""
-        with self._ranks_lock:
-            return not self._no_restarts
+        return self.tracker.takes_restarts
 
     def has_finished(self, task_id: str) -> bool:
         """Whether the task told the tracker it is done for good (a ``shutdown`` that does

@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import operator
 import secrets
 import socket
 import sys
@@ -146,10 +147,8 @@ class Tracker:
 
     Hooks (called on the loop; exceptions are logged and ignored):
     ``on_worker_lost(task_id, rank_or_None, reason)``, ``on_rank_assigned(task_id, rank)``,
-    ``on_task_registered(task_id, restarts)`` (a rabit2 worker joined; ``restarts``: whether
-    a restart of a lost worker can join the job, false where it runs without recovery and
-    elastic mode) and ``on_task_finished(task_id)`` (a ``shutdown`` that does not hold: the
-    task is done for good).
+    ``on_task_registered(task_id)`` (a rabit2 worker joined) and ``on_task_finished(task_id)``
+    (a ``shutdown`` that does not hold: the task is done for good).
     """
 
     def __init__(
@@ -182,8 +181,10 @@ class Tracker:
         leaves the job while at least ``min_workers`` remain."""
         if classic not in ("loopback", "any", "none"):
             raise ValueError(f"classic must be loopback, any or none, got {classic!r}")
-        if isinstance(n_workers, bool) or not isinstance(n_workers, int):
-            raise TypeError(f"n_workers must be an int, got {type(n_workers).__name__}")
+        if isinstance(n_workers, bool):
+            raise TypeError("n_workers must be an int, got bool")
+        n_workers = operator.index(n_workers)  # (TypeError: "... cannot be interpreted as
+        # an integer"; numpy integers pass)
         if n_workers < 1:
             raise ValueError(f"n_workers must be >= 1, got {n_workers}")
         if secret is None:
@@ -216,6 +217,9 @@ class Tracker:
         self._set_host: str | None = None  # where members reach the sets' trackers
         self._graces: dict[str, asyncio.TimerHandle] = {}  # task id -> its rejoin grace
         self._classic_from = classic
+        # tasks whose worker registered without recovery or elastic mode: a restart of one
+        # of the job's workers could not join it (the launcher restarts none)
+        self._no_restarts: set[str] = set()
         self._classic: ClassicJob | None = None  # made by the first classic worker
         self._handshake_timeout = handshake_timeout
         self._print_fn = print_fn or _print_stdout
@@ -232,7 +236,7 @@ class Tracker:
         self.on_worker_lost: Callable[[str, int | None, str], None] | None = None
         self.on_rank_assigned: Callable[[str, int], None] | None = None
         self.on_task_finished: Callable[[str], None] | None = None
-        self.on_task_registered: Callable[[str, bool], None] | None = None
+        self.on_task_registered: Callable[[str], None] | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -295,6 +299,12 @@ class Tracker:
         """The job's result once it is done (every rank shut down, or aborted), else None.
         Never raises."""
         return self._result
+
+    @property
+    def takes_restarts(self) -> bool:
+        """False once a worker of the job registered without recovery (and not in elastic
+        mode).  Never raises; read from any thread."""
+        return not self._no_restarts
 
     @property
     def classic(self) -> bool:
@@ -398,7 +408,7 @@ class Tracker:
                 sort_key=(lambda t: (natural_key(t), t)) if self._sortby == "task" else None,
                 timeout=self._handshake_timeout,
                 on_rank=lambda task_id, rank: _call_hook(self.on_rank_assigned, task_id, rank),
-                on_joined=lambda task_id: _call_hook(self.on_task_registered, task_id, True),
+                on_joined=lambda task_id: _call_hook(self.on_task_registered, task_id),
                 on_finished=lambda task_id: _call_hook(self.on_task_finished, task_id))
         streams = await _streams(sock, f"classic connection from {peer}")
         if streams is None:
@@ -469,7 +479,9 @@ class Tracker:
             self._register(conn, msg, now)
             joined = registry.task_of(conn)
             if joined is not None:
-                _call_hook(self.on_task_registered, joined.task_id, msg.get("restarts", True))
+                if msg.get("restarts", True) is False:
+                    self._no_restarts.add(joined.task_id)
+                _call_hook(self.on_task_registered, joined.task_id)
             return True
         if kind == "heartbeat":  # reading it already reset the liveness deadline
             if "progress" in msg:

@@ -24,8 +24,11 @@ seconds whether it declared that worker lost (paused or wedged past the heartbea
 deadline): then it kills it, and the usual restart follows. SIGTERM, SIGINT or SIGHUP (the
 launcher cancelling the job) stop the command (SIGTERM, then SIGKILL after
 ``--kill-grace``; it runs in this program's process group, which the launcher tracks) and
-end the supervisor without a restart. Exit status: the last run's (128 + N for signal N), 2
-on bad usage.
+end the supervisor without a restart. A worker that had a rank in a job without recovery
+(``RABIT2_RECOVER=0``, not elastic) is not restarted (its neighbours' calls failed): the
+slot tells the tracker, which ends the job naming it. Exit status: the last run's (128 + N
+for signal N; in elastic mode 0 once the tracker was told, so that mpirun does not stop the
+others), 2 on bad usage.
 """
 
 from __future__ import annotations
@@ -72,6 +75,12 @@ def _ask_tracker(env: Mapping[str, str], task: str, give_up: tuple[str, str] | N
         return f"the tracker cannot be asked ({exc})"
 
 
+JOB_OVER = "the job is over"
+SHUT_DOWN = "it shut down with the tracker before it exited: it failed for good"
+NO_RECOVERY = ("the job runs without recovery (rabit2_recover off): its neighbours' calls "
+               "failed, and a restart could not join it")
+
+
 def restart_refused(env: Mapping[str, str], task: str,
                     patience: float = RESTART_QUERY_PATIENCE,
                     exited: int | None = None) -> str | None:
@@ -96,10 +105,13 @@ def restart_refused(env: Mapping[str, str], task: str,
     if status is None or isinstance(status, str):
         return status
     if status.get("done"):
-        return f"the job is over ({status.get('reason')})"
+        return f"{JOB_OVER} ({status.get('reason')})"
     for entry in status.get("tasks", []):
         if entry.get("task_id") == task and entry.get("finished"):
-            return "it shut down with the tracker before it exited: it failed for good"
+            return SHUT_DOWN
+        if (entry.get("task_id") == task and entry.get("rank") is not None
+                and not _joins_again(env)):
+            return NO_RECOVERY
     return None
 
 
@@ -176,24 +188,44 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901
                 _ask_tracker(env, task, (task, why))
         if code == 0 or stopped.is_set():
             return code
-        if run + 1 == args.max_attempts:
-            _note(task, f"exited with {code} after {attempts_text(run + 1)}; giving up")
-            # as rabit2-submit does: the job ends now, rather than the other workers
-            # waiting for a replacement that will not come
-            _ask_tracker(env, task, (task, f"exited with {code} after "
-                                           f"{attempts_text(run + 1)}"))
-            # elastic mode: the job may go on without it (the tracker decides, and the
-            # launcher reads the outcome there); a non-zero status would make mpirun stop
-            # every other worker, and srun report the job failed
-            return 0 if _elastic(env) else code
-        why = restart_refused(env, task, exited=first_attempt + run)
-        if why is not None:
-            _note(task, f"exited with {code}; not restarting: {why}")
-            return code
-        _note(task, f"exited with {code} (attempt {run + 1}/{args.max_attempts}); restarting")
+        final = _after_failure(env, task, code, run + 1, args.max_attempts, first_attempt)
+        if final is not None:
+            return final
         if stopped.wait(args.restart_delay):
             return code
     return code
+
+
+def _after_failure(env: Mapping[str, str], task: str, code: int, runs: int,
+                   max_attempts: int, first_attempt: int) -> int | None:
+    """The worker's ``runs``-th run exited with ``code``: None to restart it, or the slot's
+    exit status.  In elastic mode that is 0 once the tracker knows (the job may go on
+    without it, and a non-zero status would make mpirun stop every other worker, and srun
+    report the job failed)."""
+    if runs == max_attempts:
+        _note(task, f"exited with {code} after {attempts_text(runs)}; giving up")
+        # as rabit2-submit does: the job ends now, rather than the other workers waiting
+        # for a replacement that will not come
+        _ask_tracker(env, task, (task, f"exited with {code} after {attempts_text(runs)}"))
+        return 0 if _elastic(env) else code
+    why = restart_refused(env, task, exited=first_attempt + runs - 1)
+    if why is not None:
+        _note(task, f"exited with {code}; not restarting: {why}")
+        if why == NO_RECOVERY:  # (the job ends now, naming this exit, as out of attempts)
+            _ask_tracker(env, task, (task, f"exited with {code}; {why}"))
+        return 0 if why.startswith((JOB_OVER, SHUT_DOWN)) and _elastic(env) else code
+    _note(task, f"exited with {code} (attempt {runs}/{max_attempts}); restarting")
+    return None
+
+
+def _joins_again(env: Mapping[str, str]) -> bool:
+    """Whether a restart of the worker can join its job once it had a rank: with recovery
+    or in elastic mode (where its settings do not parse, restarting stays the answer)."""
+    try:
+        config = load_config(environ=env)
+    except ValueError:
+        return True
+    return config.recover or config.elastic
 
 
 def _elastic(env: Mapping[str, str]) -> bool:

@@ -11,7 +11,7 @@ from typing import Any
 import xgboost
 
 import rabit2
-from rabit2.api import abort_for, current_config
+from rabit2.api import abort_for, current_config, enter, exited, in_context
 from rabit2.config import load_config
 from rabit2.errors import RabitError
 from rabit2.xgboost.service import Endpoint
@@ -64,11 +64,13 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
     down; an exception inside the block first aborts the job, so that every other rank
     fails at once instead of waiting for this one.
 
-    Entering raises ``RuntimeError`` if a context is already open in this process (before
-    the job is touched); what :func:`rabit2.init` raises (``ValueError``, a
-    :class:`~rabit2.errors.RabitError`); in a job, ``RuntimeError`` for an XGBoost older
-    than 3.0 or built without the federated communicator, and, in a restarted worker, what
-    :func:`rabit2.load_checkpoint` raises
+    Entering raises ``RuntimeError`` if a context is already open in this process (this
+    one, or ``rabit2.CommunicatorContext`` or ``rabit2.collective``'s: it joins and leaves
+    the job itself, so use it instead of them; a ``rabit2.collective`` context inside it
+    neither joins nor leaves), before the job is touched; what :func:`rabit2.init` raises
+    (``ValueError``, a :class:`~rabit2.errors.RabitError`); in a job, ``RuntimeError`` for
+    an XGBoost older than 3.0 or built without the federated communicator, and, in a
+    restarted worker, what :func:`rabit2.load_checkpoint` raises
     (:class:`~rabit2.errors.UnrecoverableError` also when the checkpoint is not one
     :func:`rabit2.xgboost.train` wrote).  A failure after :func:`rabit2.init` aborts the job,
     naming it, before it is raised.  Leaving normally raises what :func:`rabit2.finalize`
@@ -81,12 +83,18 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
         self.restored: TrainingState | None = None
         self.trained = False
         self._xgb = False  # xgboost.collective initialised by this context
+        self._counted = False  # among the process's open contexts (rabit2.api.enter)
 
     def __enter__(self) -> CommunicatorContext:
         with _lock:
             if _active:
                 raise RuntimeError("a rabit2.xgboost.CommunicatorContext is already open "
                                    "in this process")
+            if in_context():
+                raise RuntimeError(
+                    "rabit2.xgboost.CommunicatorContext inside another rabit2 context: it "
+                    "joins and leaves the job itself (the outer context's block would go on "
+                    "alone after it); use it instead of the other")
             _active.append(self)
         try:
             job = _job_of(self.args, self.kwargs)
@@ -95,7 +103,8 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
                     "this worker already took part in this job and left it: a task joins "
                     "a job once, so one CommunicatorContext (and one rabit2.xgboost.train) "
                     "per worker process; train again in a new job")
-            rabit2.init(self.args, **self.kwargs)
+            enter(lambda: rabit2.init(self.args, **self.kwargs))
+            self._counted = True
             if rabit2.is_distributed():
                 self._join()
         except BaseException as exc:
@@ -147,5 +156,8 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
         finally:
             if self.endpoint is not None:
                 self.endpoint.stop()
+            if self._counted:
+                self._counted = False
+                exited()
             with _lock:
                 _active.clear()

@@ -150,11 +150,13 @@ def test_a_byte_damaged_between_hosts_is_caught_by_default_and_the_link_resumes(
     cluster: tuple[netns.Testbed, Path],
 ) -> None:
     """Rank 1 (host 2) damages one byte that arrives from rank 2 (host 3) in the middle of
-    the ring allreduce.  Links between hosts carry payload checksums by default: the frame
-    is refused, the link resets and resumes, and every rank's result is the exact one (the
-    worker asserts it)."""
+    the ring allreduce.  Links between hosts carry payload checksums by default
+    (``rabit2_checksum=auto``, given here: a damage mock alone turns them on everywhere):
+    the frame is refused, the link resets and resumes, and every rank's result is the exact
+    one (the worker asserts it)."""
     bed, keys = cluster
-    done = subprocess.run(submit(bed, keys, str(keys / "worker.py"), "mock=1,0,0,0,65536,2,1"),
+    done = subprocess.run(submit(bed, keys, str(keys / "worker.py"), "mock=1,0,0,0,65536,2,1",
+                                 "rabit2_checksum=auto"),
                           check=False, capture_output=True, text=True, timeout=120, cwd=keys)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "damages a byte from rank 2" in done.stdout + done.stderr

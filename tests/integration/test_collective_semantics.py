@@ -56,15 +56,28 @@ def test_nested_contexts_and_sys_exit_0_end_the_job_as_the_outer_one_began_it() 
     """A context inside another neither joins nor leaves (the inner one's end had finalized
     the job, and the rest of the outer block ran alone); ``sys.exit(0)`` inside a context
     is a normal end (it aborted the job); XGBoost imported: a warning says that this
-    context does not connect XGBoost's training."""
+    context does not connect XGBoost's training, and rabit2.xgboost's context, which joins
+    and leaves the job itself, is refused inside it.  A context after a plain init takes the
+    job over and ends it."""
     code = (
-        "import sys, numpy as np, xgboost\n"
+        "import sys, numpy as np, xgboost, rabit2, rabit2.xgboost as rx\n"
         "from rabit2 import collective as c\n"
+        "if 'again' in sys.argv:\n"
+        "    rabit2.init()\n"
+        "    with rabit2.CommunicatorContext():\n"
+        "        z = rabit2.allreduce(np.ones(1), rabit2.Op.SUM)\n"
+        "    print('TAKEN OVER', z[0], rabit2.is_distributed(), flush=True)\n"
+        "    sys.exit(0)\n"
         "with c.CommunicatorContext():\n"
         "    with c.CommunicatorContext():\n"
         "        x = c.allreduce(np.ones(1), c.Op.SUM)\n"
         "    with c.RabitContext():\n"
         "        pass\n"
+        "    try:\n"
+        "        with rx.CommunicatorContext():\n"
+        "            pass\n"
+        "    except RuntimeError as exc:\n"
+        "        print('REFUSED', c.get_rank(), exc, flush=True)\n"
         "    y = c.allreduce(np.ones(1), c.Op.SUM)\n"
         "    print('NESTED', c.get_rank(), x[0], y[0], c.is_distributed(), flush=True)\n"
         "    sys.exit(0)\n"
@@ -76,7 +89,15 @@ def test_nested_contexts_and_sys_exit_0_end_the_job_as_the_outer_one_began_it() 
     assert proc.returncode == 0, out
     for rank in (0, 1):
         assert f"NESTED {rank} 2.0 2.0 True" in out, out
+        assert f"REFUSED {rank} rabit2.xgboost.CommunicatorContext inside another" in out, out
     assert "xgboost.train or XGBModel.fit inside it trains alone" in out, out
+    again = subprocess.run([sys.executable, "-m", "tracker.submit", "--cluster", "local", "-n",
+                            "2", "--", sys.executable, "-c", code, "again"],
+                           capture_output=True, text=True, timeout=120, check=False,
+                           stdin=subprocess.DEVNULL)
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out
+    assert out.count("TAKEN OVER 2.0 False") == 2, out
 
 
 def test_allreduce_returns_a_new_flat_array_and_leaves_the_input() -> None:

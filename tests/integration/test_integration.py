@@ -288,7 +288,7 @@ def test_kill_9_mid_transfer_fails_every_survivor_fast(count: int, victim: int,
         "    sys.exit(3)\n"
         "print(f'SURVIVED {r}', flush=True)\n"
     )
-    # a second attempt keeps the launcher from stopping the survivors before they report
+    # (attempts left, recovery off: the victim is not restarted either)
     proc = submit(5, sys.executable, "-c", code, f"mock={victim},0,1,0,{after}", timeout=120,
                   extra=("--max-attempts", "2", "--env", "RABIT2_RECOVER=0"))
     out = proc.stdout + proc.stderr
@@ -326,7 +326,7 @@ def test_a_survivor_names_why_its_peer_left_not_the_lost_link() -> None:
         "    sys.exit(3)\n"
     )
     proc = submit(3, sys.executable, "-c", code, timeout=120,
-                  extra=("--env", "RABIT2_RECOVER=0"))
+                  extra=("--max-attempts", "3", "--env", "RABIT2_RECOVER=0"))
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0
     for rank in (0, 2):

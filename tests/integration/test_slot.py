@@ -248,6 +248,37 @@ def test_giving_up_aborts_the_job_at_the_tracker() -> None:
         tracker.stop()
 
 
+def test_without_recovery_a_worker_that_had_a_rank_is_not_restarted() -> None:
+    """``RABIT2_RECOVER=0`` with attempts left: the worker that exits 7 after its first call
+    is not restarted (its restarts failed to reach the survivors, and the job ended naming
+    their failures, not the exit); the slot ends the job naming the exit."""
+    tracker = TrackerThread(2, host="127.0.0.1", port=0, secret=SECRET)
+    tracker.start()
+    code = ("import os, numpy as np, rabit2\n"
+            "rabit2.init()\n"
+            "rabit2.allreduce(np.ones(2), rabit2.Op.SUM)\n"
+            "if rabit2.get_rank() == 1:\n"
+            "    os._exit(7)\n"
+            "try:\n"
+            "    rabit2.allreduce(np.ones(2), rabit2.Op.SUM)\n"
+            "except rabit2.RabitError as exc:\n"
+            "    print('FAILED', type(exc).__name__, exc, flush=True)\n"
+            "    raise SystemExit(3)\n")
+    try:
+        env = base_env(RABIT2_RECOVER="0", **tracker.worker_env())
+        procs = [slot(sys.executable, "-c", code, env={**env, "DMLC_TASK_ID": str(task)})
+                 for task in (0, 1)]
+        _, err1 = [proc.communicate(timeout=90) for proc in procs][1]
+        assert procs[1].returncode == 7, err1
+        assert "not restarting: the job runs without recovery" in err1, err1
+        assert "restarting\n" not in err1 and "attempt 1/3" not in err1, err1
+        result = tracker.join(10)
+        assert result is not None and not result.success
+        assert "exited with 7; the job runs without recovery" in result.reason, result.reason
+    finally:
+        tracker.stop()
+
+
 def test_a_signal_to_the_slot_alone_stops_the_worker(tmp_path: Path) -> None:
     """SIGTERM to the supervisor only (not its group): it passes it on to the worker, and
     does not restart it."""

@@ -128,7 +128,7 @@ def test_parse_args() -> None:
          """--srun "srun 'x": No closing quotation"""),
         (["--ssh", "ssh '", "-n", "2", "--", "x"], "--ssh \"ssh '\": No closing quotation"),
         (["--cluster", "mpi", "--bind", "core", "-n", "2", "--", "x"],
-         "--bind is for --cluster local"),
+         "--bind core is for --cluster local"),
         (["--ssh", "", "-n", "2", "--", "x"], "--ssh must name"),
         (["--cluster", "mpi", "--mpirun", " ", "-n", "2", "--", "x"], "--mpirun must name"),
         (["--cluster", "slurm", "--srun", "", "-n", "2", "--", "x"], "--srun must name"),

@@ -327,6 +327,8 @@ def test_a_damage_mock_turns_checksums_on_where_they_were_left_to_the_link() -> 
     assert load_config(["mock=1,0,2,0,4096,3,1"], environ={}).checksum == "on"
     assert load_config(["mock=1,0,2,0,4096,3,1", "rabit2_checksum=off"],
                        environ={}).checksum == "off"
+    assert load_config(["mock=1,0,2,0,4096,3,1", "rabit2_checksum=auto"],
+                       environ={}).checksum == "auto"  # (asked for: between hosts only)
 
 
 @pytest.mark.parametrize(("value", "expected"), [("1", True), ("true", True), ("0", False),

@@ -141,10 +141,11 @@ class GroupLauncher:
                 time.sleep(POLL_SEC)
         except (KeyboardInterrupt, Interrupted):
             interrupted = True
-            self._note("the launcher was interrupted")
-            self.tracker.abort("the launcher was interrupted")
         finally:
             with hurried() as hurry:  # (a second Ctrl-C or SIGTERM: SIGKILL at once)
+                if interrupted:
+                    self._note("the launcher was interrupted")
+                    self.tracker.abort("the launcher was interrupted")
                 code = self._stop(proc, hurry)
                 for reader in readers:
                     reader.join(options.kill_grace + 1.0)

@@ -357,9 +357,9 @@ def parse_args(argv: Sequence[str]) -> LaunchOptions:  # noqa: C901, PLR0912, PL
         parser.error("--host-file is for --cluster ssh")
     elif args.cluster in ("slurm", "mpi") and tracker_host is None:
         tracker_host = "0.0.0.0"  # the workers may run on any node
-    if args.bind != "auto" and args.cluster != "local":
-        parser.error(f"--bind is for --cluster local ({args.cluster} places the workers "
-                     "itself)")
+    if args.bind == "core" and args.cluster != "local":
+        parser.error(f"--bind core is for --cluster local ({args.cluster} places the "
+                     "workers itself)")
     group_option = "--srun" if args.cluster == "slurm" else "--mpirun"
     group_command = _words(parser, group_option,
                            args.srun if args.cluster == "slurm" else args.mpirun)

@@ -339,7 +339,8 @@ class TaskLauncher:
             task.status = "failed"
             self._note(f"task {task.task_id} exited with {code} after shutting down; "
                        "not restarting it")
-        elif task.rank is not None and not self.tracker.takes_restarts():
+        elif (task.rank is not None and task.attempts < self.options.max_attempts
+              and not self.tracker.takes_restarts()):
             # its neighbours' calls failed when it was lost: a restart could not join
             task.status = "failed"
             self._give_up(f"task {task.task_id} exited with {code}; the job runs without "
