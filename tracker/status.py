@@ -40,6 +40,8 @@ def _recovering(task: dict[str, Any]) -> bool:
     if task["rank"] is None or task["finished"] or "progress" not in task:
         return False
     progress = task.get("progress")
+    if progress is None and task["incarnation"] > 0:
+        return True  # (a restarted worker before its first heartbeat: about to replay)
     return not task["connected"] or bool(progress and progress.get("replaying"))
 
 

@@ -266,7 +266,7 @@ def _write_job_file(options: LaunchOptions, env: dict[str, str], metrics: str | 
 
 
 def _raise_interrupted(signum: int, frame: FrameType | None) -> None:
-    raise Interrupted(f"signal {signum}")
+    raise Interrupted(signal.Signals(signum).name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import time
 from typing import TYPE_CHECKING, cast
 
 from rabit2.errors import RabitError
@@ -129,7 +128,7 @@ class LinkKeeper:
             # (every rank finished: links close as the job ends)
             logger.debug("link to rank %d closed as the job ends: %s", peer, reason)
         elif self.engine.config.recover and agent.link_down_reason(peer) is None:
-            logger.info("link to rank %d down at %.6f: %s", peer, time.time(), reason)
+            logger.info("link to rank %d down: %s", peer, reason)
         self.engine.execute(self.engine.agent.on_hangup(peer, reason, self.engine.loop.time()))
         assignment = self.engine.assignment
         if (self.engine.config.recover and assignment is not None and peer < assignment.rank

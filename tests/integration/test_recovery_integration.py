@@ -546,7 +546,7 @@ def test_a_worker_that_never_comes_back_fails_the_job_in_bounded_time(on_sigterm
     assert job.returncode != 0, job.tail()
     assert job.elapsed < 60, job.tail()
     assert job.attempts()[victim] == 2, job.tail()
-    assert f"task {victim} exited with -9 after 2 attempts" in job.stderr, job.tail()
+    assert f"task {victim} was killed by SIGKILL after 2 attempts" in job.stderr, job.tail()
     assert not job.digests(), job.tail()
     assert not job.leftovers(), job.leftovers()
     if on_sigterm == "report":
@@ -1179,7 +1179,8 @@ def test_calls_before_the_first_load_checkpoint_are_replayed(mock: str) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(re.findall(r"RESULT (\d) (\w+)", proc.stdout)) == [
         (str(r), want) for r in range(3)], proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "task 1 exited with -9 (attempt 1/3); restarting" in proc.stderr, proc.stderr[-3000:]
+    assert "task 1 was killed by SIGKILL (attempt 1/3); restarting" in proc.stderr, (
+        proc.stderr[-3000:])
 
 
 @pytest.mark.integration

@@ -348,7 +348,8 @@ def test_cli_interrupt_leaves_no_worker(worker: Path, signum: int) -> None:
         proc.kill()
         proc.wait()
     assert proc.returncode == EXIT_INTERRUPTED, stderr
-    assert "interrupted" in stderr and "killed" in stderr
+    how = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+    assert f"the launcher was interrupted ({how})" in stderr and "killed" in stderr, stderr
     assert_all_dead(pid_dir)
 
 

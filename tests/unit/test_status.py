@@ -132,6 +132,13 @@ def test_metrics_of_a_status_snapshot() -> None:
     assert ("rabit2_worker_heartbeat_age_seconds", rank1) not in samples
     # the rejoin grace has not passed: not lost yet, but not connected: recovering
     assert samples[("rabit2_job_workers_recovering", ())] == 1
+    # its restart, connected, before its first heartbeat: still recovering (it read 0 then
+    # 1 again once it reported replaying)
+    registry.register("c2", {"task_id": "1", "attempt": 1, "port": 9003, "world_size": -1},
+                      host="h", peer="p", now=1.0)
+    status = registry.status(now=1.0)
+    assert status["recovering"] == [1], status
+    assert _scrape(status)[("rabit2_job_workers_recovering", ())] == 1
 
 
 def test_the_endpoint_answers_over_http_and_closes() -> None:

@@ -26,7 +26,13 @@ EXIT_USAGE = 2
 
 
 class Interrupted(Exception):
-    """SIGTERM to the launcher: unwind like Ctrl-C so the workers are stopped."""
+    """SIGTERM to the launcher: unwind like Ctrl-C so the workers are stopped.  Its text
+    is the signal's name."""
+
+
+def interruption(exc: BaseException) -> str:
+    """How the launcher was interrupted, as its summary says it: "Ctrl-C" or the signal."""
+    return "Ctrl-C" if isinstance(exc, KeyboardInterrupt) else str(exc) or "a signal"
 
 
 @contextlib.contextmanager
@@ -164,18 +170,23 @@ def attempts_text(count: int) -> str:
     return f"{count} attempt{'' if count == 1 else 's'}"
 
 
+def how_ended(code: int) -> str:
+    """A process's end as the launcher says it: "exited with 3", "was killed by SIGKILL"
+    (``code``: a ``Popen.returncode``, negative for a signal)."""
+    if code >= 0:
+        return f"exited with {code}"
+    try:
+        return f"was killed by {signal.Signals(-code).name}"
+    except ValueError:
+        return f"was killed by signal {-code}"
+
+
 def describe_failure(task: TaskRun, code: int, attempts: int, when: float) -> str:
     """The first failure of a job, as the summary's ``root cause:`` row says it (pure):
     who, how it ended (an exit status, or the signal that killed it), which attempt, when,
     and the last line it wrote on stderr."""
     who = f"task {task.task_id}" if task.rank is None else f"rank {task.rank} (task {task.task_id})"
-    if code < 0:
-        try:
-            how = f"was killed by {signal.Signals(-code).name}"
-        except ValueError:
-            how = f"was killed by signal {-code}"
-    else:
-        how = f"exited with {code}"
+    how = how_ended(code)
     by = f", by the launcher: {task.killed_for}" if task.killed_for else ""
     said = f": {task.last_error}" if task.last_error else ""
     clock = time.strftime("%H:%M:%S", time.localtime(when))

@@ -27,6 +27,7 @@ from tracker.launch.common import (
     build_worker_env,
     format_summary,
     hurried,
+    interruption,
     output_segments,
 )
 from tracker.launch.options import LaunchOptions
@@ -116,7 +117,7 @@ class GroupLauncher:
                    for pipe, stream in ((proc.stdout, self._out), (proc.stderr, self._err))]
         for reader in readers:
             reader.start()
-        interrupted = False
+        interrupted = ""  # (how, once it was)
         deadline = None if options.timeout is None else time.monotonic() + options.timeout
         over_since: float | None = None
         try:
@@ -139,13 +140,13 @@ class GroupLauncher:
                         self._note(f"{argv[0]} did not exit after the job ended; stopping it")
                         break
                 time.sleep(POLL_SEC)
-        except (KeyboardInterrupt, Interrupted):
-            interrupted = True
+        except (KeyboardInterrupt, Interrupted) as exc:
+            interrupted = interruption(exc)
         finally:
             with hurried() as hurry:  # (a second Ctrl-C or SIGTERM: SIGKILL at once)
                 if interrupted:
-                    self._note("the launcher was interrupted")
-                    self.tracker.abort("the launcher was interrupted")
+                    self._note(f"the launcher was interrupted ({interrupted})")
+                    self.tracker.abort(f"the launcher was interrupted ({interrupted})")
                 code = self._stop(proc, hurry)
                 for reader in readers:
                     reader.join(options.kill_grace + 1.0)

@@ -33,7 +33,9 @@ from tracker.launch.common import (
     attempts_text,
     describe_failure,
     format_summary,
+    how_ended,
     hurried,
+    interruption,
     left_early,
     output_segments,
 )
@@ -107,9 +109,9 @@ class TaskLauncher:
                 time.sleep(POLL_SEC)
             else:
                 self._settle_left_early()
-        except (KeyboardInterrupt, Interrupted):
+        except (KeyboardInterrupt, Interrupted) as exc:
             interrupted = True
-            self._give_up("the launcher was interrupted")
+            self._give_up(f"the launcher was interrupted ({interruption(exc)})")
         finally:
             with hurried() as hurry:
                 self._terminate_all(hurry)
@@ -312,6 +314,8 @@ class TaskLauncher:
             if self._root_cause is None:
                 self._root_cause = failure
         missing = self._never_joined(task) if code != 0 else []
+        # (a signal by its name; one the launcher sent says why)
+        ended = how_ended(code) + (f" ({task.killed_for})" if task.killed_for else "")
         if code == 0:
             task.status = "ok"
             self._ended_ok[task.task_id] = now
@@ -337,13 +341,13 @@ class TaskLauncher:
             # it shut down with the tracker before exiting (e.g. after a typed error it
             # reported): the tracker refuses a replacement, so do not start one
             task.status = "failed"
-            self._note(f"task {task.task_id} exited with {code} after shutting down; "
+            self._note(f"task {task.task_id} {ended} after shutting down; "
                        "not restarting it")
         elif (task.rank is not None and task.attempts < self.options.max_attempts
               and not self.tracker.takes_restarts()):
             # its neighbours' calls failed when it was lost: a restart could not join
             task.status = "failed"
-            self._give_up(f"task {task.task_id} exited with {code}; the job runs without "
+            self._give_up(f"task {task.task_id} {ended}; the job runs without "
                           "recovery (rabit2_recover off), so it is not restarted",
                           task_id=task.task_id)
             self._abort_seen_at = now
@@ -353,11 +357,11 @@ class TaskLauncher:
             # find nobody to take the state from)
             task.status = "restarting"
             task.restart_at = now + self.options.restart_delay
-            self._note(f"task {task.task_id} exited with {code} (attempt {task.attempts}/"
+            self._note(f"task {task.task_id} {ended} (attempt {task.attempts}/"
                        f"{self.options.max_attempts}); restarting")
         else:
             task.status = "failed"
-            self._give_up(f"task {task.task_id} exited with {code} after "
+            self._give_up(f"task {task.task_id} {ended} after "
                           f"{attempts_text(task.attempts)}", task_id=task.task_id)
             if self.options.elastic:
                 # the tracker lets the job go on without it while --min-workers remain (or
