@@ -4,7 +4,7 @@ A rank waiting for peers that are themselves still receiving over a slow link mu
 out, so each rank tells the neighbours of its call how long ago the call last moved (its own
 bytes, or what a neighbour told it).  The notes carry ages, not times, so that clocks need
 not agree, and a note passed round a cycle only ever grows older (``docs/design.md``,
-"Timeouts").
+"Deadlines").
 """
 
 from __future__ import annotations

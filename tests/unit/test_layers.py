@@ -1,6 +1,6 @@
 """The layers stay sealed: a pure core, the I/O layer over it, the API over both, and the
-tracker apart (docs/design.md, "Layers").  Checked on the source, so a stray import fails
-here rather than in a review."""
+tracker apart (docs/design.md, "Three layers, one import direction").  Checked on the
+source, so a stray import fails here rather than in a review."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What a rank asks a neighbour for with ``fetch`` (a result, a checkpoint, a local model, a
 range of a neighbour's stream), the answers it serves, and where each answer lands
-(``docs/recovery.md``, "Fetches").
+(``docs/recovery.md``, "Wire additions", "A survivor").
 
 A ``reply`` announces the BLOB frame that follows it; the link lands the blob where the
 fetch says (``Link.blob``) and hands it back here whole.

@@ -1,5 +1,5 @@
 """Where each stream restarts: the ``need`` a rank sends for a call (``docs/recovery.md``,
-"Needs").
+"Resume offsets, schedule by schedule").
 
 A neighbour that comes back during a call (or a restarted rank that reaches it) says from
 which byte of this rank's stream of the call it wants the rest; until then this rank holds

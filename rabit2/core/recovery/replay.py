@@ -1,7 +1,7 @@
-"""A restarted rank's replay (``docs/recovery.md``, "Replay"): it loads its checkpoint from
-its neighbours, then runs its program again; each call that a live neighbour finished is
-fetched, the call the live neighbours are blocked in is resumed at the offsets, and every
-later call runs as usual.
+"""A restarted rank's replay (``docs/recovery.md``, "A restarted rank"): it loads its
+checkpoint from its neighbours, then runs its program again; each call that a live
+neighbour finished is fetched, the call the live neighbours are blocked in is resumed at the
+offsets, and every later call runs as usual.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Local models handed along the ring (``docs/recovery.md``, "Local models").
+"""Local models handed along the ring (``docs/recovery.md``, "What every rank keeps",
+local checkpoints).
 
 A rank's local model of each version goes to the next ``local_replica`` ranks of the ring
 (and, from 2 on, to the previous one too), so that both ring neighbours of a lost rank hold
