@@ -53,8 +53,8 @@ WORKER = textwrap.dedent(
         print(f"argv {sys.argv[3:]} role {os.environ['DMLC_ROLE']} extra "
               f"{os.environ.get('EXTRA')}", flush=True)
         if MODE == "always-fail" and task == 1:
-            print("giving up", file=sys.stderr, flush=True)
-            return 3
+            print(f"giving up ({attempt})", file=sys.stderr, flush=True)
+            return 3 + attempt
         if MODE == "hang" or (MODE == "always-fail" and task == 0):
             # a stuck worker that even ignores SIGTERM: only SIGKILL ends it
             signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -282,15 +282,16 @@ def test_permanent_failure_stops_everyone(worker: Path, monkeypatch: pytest.Monk
     assert code == EXIT_FAILED
     assert time.monotonic() - start < 15
     text = err.getvalue()
-    assert "task 1 exited with 3 after 2 attempts" in text
-    assert "[rank 1] giving up" in text
+    assert "task 1 exited with 4 after 2 attempts" in text
+    assert "[rank 1] giving up (0)" in text
     rows = [line.split() for line in text.splitlines() if line[:1].isdigit()]
-    assert rows == [["0", "-", "1", "-9", "killed"], ["1", "-", "2", "3", "failed"]]
+    assert rows == [["0", "-", "1", "-9", "killed"], ["1", "-", "2", "4", "failed"]]
     assert "job: task 1 failed for good" in text
     assert "workers did not exit after the abort; stopping them" in text
-    # the first failure, with what the worker said last on stderr
-    assert re.search(r"^root cause: task 1 exited with 3 at \d\d:\d\d:\d\d \(attempt 1/2\): "
-                     r"giving up$", text, re.M), text
+    # the failure the job ended for (not the task's first, which a restart went on from),
+    # with what the worker said last on stderr
+    assert re.search(r"^root cause: task 1 exited with 4 at \d\d:\d\d:\d\d \(attempt 2/2\): "
+                     r"giving up \(1\)$", text, re.M), text
     assert_all_dead(worker.parent / "pids")
 
 

@@ -82,6 +82,7 @@ class TaskLauncher:
         self._abort_seen_at: float | None = None
         self._done_seen_at: float | None = None
         self._root_cause: str | None = None  # the job's first failure, as the summary says
+        self._root_task: int | None = None  # the task whose exit it was, if it was one
         self._ended_ok: dict[int, float] = {}  # task id -> when its program ended with 0
         self._failures: dict[int, str] = {}  # task id -> its last failure (elastic mode)
         # task id -> (why, when) the tracker declared it lost because its connection ended
@@ -129,13 +130,16 @@ class TaskLauncher:
         result = self.tracker.result()
         for task in self.tasks:
             task.rank = self.tracker.rank_of(str(task.task_id))
-        if options.elastic and result is not None and not result.success:
-            # the first failure may be a loss the job went on without: the root cause is
-            # the failure of the task the job ended for, where it names one
+        if result is not None and not result.success:
+            # the first failure may be one the job went on from (elastic mode went on
+            # without it, or a restart recovered it): the root cause is then the failure of
+            # the task the job ended for, where it names one
             ended_by = next((task.task_id for task in self.tasks
                              if task.task_id in self._failures and self._aborted_by(task)),
                             None)
-            if ended_by is not None:
+            first = next((t for t in self.tasks if t.task_id == self._root_task), None)
+            if ended_by is not None and first is not None and (
+                    options.elastic or first.task_id == ended_by or first.status != "failed"):
                 self._root_cause = self._failures[ended_by]
         self._note("summary:")
         # (elastic: a task that left a job that went on to succeed is no failure of it)
@@ -305,14 +309,14 @@ class TaskLauncher:
         task.proc = None
         task.exit_code = code
         task.rank = self.tracker.rank_of(str(task.task_id))
-        if code != 0 and (self.options.elastic or (self._root_cause is None and (
-                self._abort_seen_at is None or self._aborted_by(task)))):
+        if code != 0 and (self.options.elastic or self._abort_seen_at is None
+                          or self._aborted_by(task)):
             for reader in task.readers:
                 reader.join(0.5)  # (its last lines, to name what it said last)
             failure = describe_failure(task, code, self.options.max_attempts, time.time())
-            self._failures[task.task_id] = failure  # (elastic: the one that ended the job)
+            self._failures[task.task_id] = failure  # (its latest: the one a job may end for)
             if self._root_cause is None:
-                self._root_cause = failure
+                self._root_cause, self._root_task = failure, task.task_id
         missing = self._never_joined(task) if code != 0 else []
         # (a signal by its name; one the launcher sent says why)
         ended = how_ended(code) + (f" ({task.killed_for})" if task.killed_for else "")
