@@ -237,7 +237,7 @@ def test_an_elastic_job_goes_on_without_a_worker_out_of_attempts(
             "            rabit2.allreduce(np.ones(2), rabit2.Op.SUM)\n"
             "    except rabit2.LiveSetError:\n"
             "        pass\n"
-            "print('DONE', r, flush=True)\n"
+            "rabit2.tracker_print(f'DONE {r}')  # (whole lines: mpirun interleaves prints)\n"
             "rabit2.finalize()\n")
     done = subprocess.run(submit(kind, "-c", code, extra=("--elastic", "--max-attempts", "1")),
                           env=env, capture_output=True, text=True, timeout=150, check=False)
