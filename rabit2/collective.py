@@ -176,11 +176,12 @@ def allreduce(data: np.ndarray, op: Op) -> np.ndarray:
                          f"({', '.join(f'{o.name}={o.value}' for o in Op)})") from None
     buf = data.ravel().copy()
     try:
-        check_op_dtype(rabit_op, buf.dtype)
-    except TypeError as exc:  # (said in this module's names: BITWISE_OR, not BITOR)
-        raise TypeError(str(exc).replace(rabit_op.name, Op(op).name)) from None
-    if _initialised():  # (without init, as XGBoost: one worker's result)
-        api.allreduce(buf, rabit_op)  # (in place: a fresh contiguous copy, of its subclass)
+        if _initialised():  # (in place: a fresh contiguous copy, of its subclass)
+            api.allreduce(buf, rabit_op)
+        else:  # (without init, as XGBoost: one worker's result, checked as in a job)
+            check_op_dtype(rabit_op, buf.dtype)
+    except TypeError as exc:  # (raised before anything is sent; said in this module's
+        raise TypeError(str(exc).replace(rabit_op.name, Op(op).name)) from None  # names)
     return buf
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 from rabit2.core.control import REFUSE_HELLO, FrameDecoder, check_progress, encode_frame
 from rabit2.errors import CollectiveTimeoutError, ProtocolError
-from rabit2.io.handshake import RateLimitedLog, bounded, is_loopback
+from rabit2.io.handshake import RateLimitedLog, is_loopback
 from tracker.classic import ClassicJob, labelled
 from tracker.decisions import (
     Decision,
@@ -170,7 +170,7 @@ class Tracker:
     ) -> None:
         """Raises ``ValueError`` for a non-positive size or timeout, an unknown ``sortby`` or
         an empty ``secret`` (a key anyone can compute authenticates nobody), ``TypeError``
-        for a size that is not an ``int`` or a secret that is not ``bytes``.  ``secret``:
+        for a size that is not an integer or a secret that is not ``bytes``.  ``secret``:
         the job's key; None (the default) makes a random one, which :meth:`worker_env`
         hands on.
         ``rejoin_grace``: how long a worker whose connection ended keeps its place for the
@@ -426,8 +426,7 @@ class Tracker:
     def _check_hello(self, hello: dict[str, Any]) -> dict[str, Any]:
         role = hello.get("role")
         if role not in ("worker", "monitor"):
-            raise ProtocolError(f"hello.role must be 'worker' or 'monitor', got "
-                                f"{bounded(repr(role))}")
+            raise ProtocolError(f"hello.role must be 'worker' or 'monitor', got {role!r}")
         return {"world_size": self.n_workers, "heartbeat_timeout": self._heartbeat_timeout}
 
     async def _serve(self, conn: _Conn, reader: asyncio.StreamReader) -> str:

@@ -218,23 +218,27 @@ def _after_failure(env: Mapping[str, str], task: str, code: int, runs: int,
     return None
 
 
-def _joins_again(env: Mapping[str, str]) -> bool:
-    """Whether a restart of the worker can join its job once it had a rank: with recovery
-    or in elastic mode (where its settings do not parse, restarting stays the answer)."""
+def _modes(env: Mapping[str, str]) -> tuple[bool, bool] | None:
+    """The worker's (recover, elastic) settings; None where they do not even parse (the
+    worker says what is wrong with them)."""
     try:
         config = load_config(environ=env)
     except ValueError:
-        return True
-    return config.recover or config.elastic
+        return None
+    return config.recover, config.elastic
+
+
+def _joins_again(env: Mapping[str, str]) -> bool:
+    """Whether a restart of the worker can join its job once it had a rank: with recovery
+    or in elastic mode (unknown settings: restarting stays the answer)."""
+    modes = _modes(env)
+    return modes is None or any(modes)
 
 
 def _elastic(env: Mapping[str, str]) -> bool:
-    """Whether the worker runs in elastic mode (a worker may leave the job); not where its
-    settings do not even parse (the worker says what is wrong with them)."""
-    try:
-        return load_config(environ=env).elastic
-    except ValueError:
-        return False
+    """Whether the worker runs in elastic mode (a worker may leave the job)."""
+    modes = _modes(env)
+    return modes is not None and modes[1]
 
 
 def _left_early(env: Mapping[str, str], task: str) -> str | None:

@@ -24,7 +24,6 @@ from rabit2.errors import (
 )
 from rabit2.io.handshake import (
     RateLimitedLog,
-    bounded,
     connect_authenticated,
     is_loopback,
     server_handshake,
@@ -346,11 +345,10 @@ class Connections:
             if assignment is None:
                 raise ProtocolError("not ready: no rank assigned yet")
             if world != assignment.world_size:
-                raise ProtocolError(f"world size {bounded(repr(world))} != "
-                                    f"{assignment.world_size}")
+                raise ProtocolError(f"world size {world!r} != {assignment.world_size}")
             if not isinstance(rank, int) or rank not in self._expect_accept:
-                raise ProtocolError(f"rank {bounded(repr(rank))} is not a neighbour that "
-                                    f"dials rank {assignment.rank}")
+                raise ProtocolError(f"rank {rank!r} is not a neighbour that dials rank "
+                                    f"{assignment.rank}")
             incarnation = hello.get("incarnation")
             if not isinstance(incarnation, int) or isinstance(incarnation, bool):
                 raise ProtocolError("hello.incarnation is not an int")

@@ -217,7 +217,8 @@ async def sock_read_frame(
 
 def bounded(text: object) -> str:
     """``text`` as a refusal or a log line may quote a peer's value: at most
-    ``_TEXT_LIMIT`` characters, control characters escaped (no forged log lines)."""
+    ``_TEXT_LIMIT`` characters, control characters escaped (no forged log lines).  Applied
+    where such text leaves: :func:`_refuse` and :class:`RateLimitedLog`."""
     shown = str(text)
     if len(shown) > _TEXT_LIMIT:
         shown = f"{shown[:_TEXT_LIMIT]}... ({len(shown)} characters)"

@@ -84,7 +84,7 @@ class TaskLauncher:
         self._root_cause: str | None = None  # the job's first failure, as the summary says
         self._root_task: int | None = None  # the task whose exit it was, if it was one
         self._ended_ok: dict[int, float] = {}  # task id -> when its program ended with 0
-        self._failures: dict[int, str] = {}  # task id -> its last failure (elastic mode)
+        self._failures: dict[int, str] = {}  # task id -> its last failure, as said
         # task id -> (why, when) the tracker declared it lost because its connection ended
         self._lost: dict[str, tuple[str, float]] = {}
 
