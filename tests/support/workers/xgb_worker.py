@@ -1,6 +1,7 @@
 """A real XGBoost training, through rabit2 (``rabit2.xgboost``) or through XGBoost's own
-collectives (``--backend xgboost``, with the tracker's arguments as JSON in XGB_TRACKER_ARGS),
-on the same data.  Prints one line per rank: the model's and the predictions' digests.
+collectives (``--backend xgboost``, with the arguments of its ``CommunicatorContext`` as JSON in
+XGB_TRACKER_ARGS: its tracker's, or its federated server's), on the same data.  Prints one
+line per rank: the model's and the predictions' digests, and the device the booster used.
 
 Options (``--key value``): rows, features, rounds, depth, method, world (for the data split;
 defaults to the job's), kill ``rank,round,when`` (``when``: ``before`` the round's checkpoint,
@@ -140,7 +141,9 @@ def report(rank: int, world: int, booster: xgboost.Booster, dtrain: xgboost.DMat
     x, _ = data(0, 1, 2000, booster.num_features())
     pred = booster.predict(xgboost.DMatrix(x))
     digest = hashlib.sha256(np.ascontiguousarray(pred).tobytes()).hexdigest()
-    print(f"xgb rank={rank} world={world} model={model} pred={digest}", flush=True)
+    device = json.loads(booster.save_config())["learner"]["generic_param"]["device"]
+    print(f"xgb rank={rank} world={world} model={model} pred={digest} device={device}",
+          flush=True)
     if rank == 0 and os.environ.get("XGB_PRED_OUT"):
         np.save(os.environ["XGB_PRED_OUT"], pred)
 
