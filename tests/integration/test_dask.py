@@ -37,10 +37,34 @@ def client() -> Iterator[Any]:
         yield dask_client
 
 
+_LOST: list[str] = []
+"""Why the module's cluster lost a worker for good (a nanny whose restart failed): later tests
+fail at once with it instead of each waiting out the minute."""
+
+
+def all_back(client: Any) -> None:
+    """Every worker of the cluster is back (a nanny restarts a killed one), within a minute;
+    otherwise fail with what the nannies logged last."""
+    if _LOST:
+        pytest.fail(f"an earlier test left the cluster without a worker: {_LOST[0]}")
+    try:
+        client.wait_for_workers(N_WORKERS, timeout=60)
+    except TimeoutError:
+        try:
+            logs = client.get_worker_logs(nanny=True)
+            said = "; ".join(f"{nanny}: {' | '.join(msg for _, msg in lines[-4:])}"
+                             for nanny, lines in logs.items())
+        except Exception as exc:  # (only for the message)
+            said = f"(the nannies' logs could not be read: {exc})"
+        _LOST.append(f"{len(client.scheduler_info()['workers'])} of {N_WORKERS} workers "
+                     f"after a minute; the nannies logged: {said[-3000:]}")
+        pytest.fail(_LOST[0])
+
+
 @pytest.fixture
 def full(client: Any) -> Any:
-    """The cluster with every worker back (a nanny restarts a killed one)."""
-    client.wait_for_workers(N_WORKERS, timeout=60)
+    """The cluster with every worker back."""
+    all_back(client)
     return client
 
 
@@ -108,7 +132,7 @@ def test_xgboost_training_survives_a_killed_dask_worker_with_the_same_model(
 
     clean = rabit2.dask.run(full, train_xgboost, 6, context=rx.CommunicatorContext)
     assert len(set(clean)) == 1
-    full.wait_for_workers(N_WORKERS, timeout=60)
+    all_back(full)
     killed = rabit2.dask.run(full, train_xgboost, 6, context=rx.CommunicatorContext,
                              config={"mock": "2,3,1,0"})
     assert killed == clean
@@ -165,7 +189,7 @@ def test_a_given_up_job_ends_near_its_timeout_and_frees_a_rank_stuck_in_func(
                                               r"\(the Dask workers .* were restarted"):
         rabit2.dask.run(full, stuck_in_func_on_rank_1, timeout=4)
     assert time.monotonic() - started < 4 + 5 + 30  # (the timeout, the grace, a restart)
-    full.wait_for_workers(N_WORKERS, timeout=60)
+    all_back(full)
     started = time.monotonic()
     assert rabit2.dask.run(full, rabit2.get_rank) == list(range(N_WORKERS))
     assert time.monotonic() - started < 20
