@@ -15,12 +15,18 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
+import queue
 import threading
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
+import numpy as np
+
 from rabit2 import api
-from rabit2.device import on_callers_stream
+from rabit2.core.ops import check_op_dtype, dtype_code
+from rabit2.device import is_device_array, on_callers_stream
+from rabit2.errors import RabitError
 
 T = TypeVar("T")
 
@@ -29,62 +35,106 @@ class Communicator:
     """Async wrapper of the process-wide communicator (there is one per process, as in rabit).
 
     ``args`` and ``kwargs`` are those of :func:`rabit2.init`.  Constructing it does not join
-    the job and never raises: ``async with`` (or :meth:`init`) does.  Each method issues its
-    blocking :mod:`rabit2` function at once to this communicator's worker thread, which runs
-    them one at a time in the order issued, and raises that function's errors from the
+    the job and never raises: ``async with`` (or :meth:`init`) does.  Each method checks its
+    arguments' types at once (``TypeError``/``ValueError`` from the method itself), then
+    issues its blocking :mod:`rabit2` function to this communicator's worker thread, which
+    runs them one at a time in the order issued, and raises that function's errors from the
     ``await``.  Cancelling an ``await`` (``asyncio.wait_for``, ``task.cancel()``) does not
     cancel the collective: it runs to its end in that thread, and the next call runs after
-    it.
+    it; if it fails, the job's error is raised by :meth:`finalize` (and so by the end of the
+    ``async with`` block) rather than lost.  The worker thread is a daemon: a call left
+    running never holds up the interpreter's exit.
     """
 
     def __init__(self, args: Iterable[str | bytes] | None = None, **kwargs: Any) -> None:
         self._args = args  # (checked by init: rabit2.init's TypeError and ValueError)
         self._kwargs = kwargs
         self._guard = threading.Lock()
-        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self._worker: _Worker | None = None
+        self._owner = False  # this block joined the job and ends it (rabit2.api.enter)
+        self._unseen: BaseException | None = None  # a failed call whose await was cancelled
+
+    def _submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        """Hand ``fn(*args)`` to the worker thread now, after the calls issued before it."""
+        with self._guard:
+            if self._worker is None or self._worker.pid != os.getpid():
+                # (one thread for the communicator's life: a second would break the order;
+                # a process forked after init has none, and gets the blocking API's error)
+                self._worker = _Worker()
+            return self._worker.submit(fn, *args)
 
     def _issue(self, fn: Callable[..., T], *args: Any) -> Coroutine[Any, Any, T]:
-        """Hand ``fn(*args)`` to the worker thread now (after the calls issued before it);
-        a coroutine that waits for its result."""
-        with self._guard:
-            if self._worker is None:
-                # (one thread for the communicator's life: a second would break the order)
-                self._worker = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix="rabit2-aio")
-            done = self._worker.submit(fn, *args)
-        return _result(done)
+        """:meth:`_submit`; a coroutine that waits for its result."""
+        return self._result(self._submit(fn, *args))
 
-    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
-        return await self._issue(fn, *args)
+    async def _result(self, done: concurrent.futures.Future[T]) -> T:
+        """The result of a call issued to the worker thread.  Cancelling this wait leaves
+        the call running (it is never taken off the thread's queue); a job's error it then
+        meets is kept for :meth:`finalize`."""
+        waited = asyncio.wrap_future(done)
+        # (shielded: cancelling the wrapper would cancel a call still queued; its outcome is
+        # then nobody's to retrieve, which asyncio must not report)
+        waited.add_done_callback(lambda f: f.cancelled() or f.exception())
+        try:
+            return await asyncio.shield(waited)
+        except asyncio.CancelledError:
+            done.add_done_callback(self._keep_unseen)
+            raise
+
+    def _keep_unseen(self, done: concurrent.futures.Future[Any]) -> None:
+        error = None if done.cancelled() else done.exception()
+        if isinstance(error, RabitError) and self._unseen is None:
+            self._unseen = error
+
+    def _raise_unseen(self) -> None:
+        error, self._unseen = self._unseen, None
+        if error is not None:
+            raise error
 
     async def init(self) -> None:
         """Join the job: :func:`rabit2.init` with the constructor's arguments, and its
         errors (``ValueError`` for bad parameters, a :class:`~rabit2.errors.RabitError` when
         the job cannot be joined)."""
-        await self._run(lambda: api.init(self._args, **self._kwargs))
+        await self._issue(self._join)
+
+    def _join(self) -> None:
+        api.init(self._args, **self._kwargs)
 
     async def finalize(self) -> None:
         """Leave the job: :func:`rabit2.finalize`, and its errors
         (:class:`~rabit2.errors.JobAbortedError` if the job is aborted while this worker
-        waits for the others with recovery on)."""
-        await self._run(api.finalize)
+        waits for the others with recovery on); then the error of a call whose ``await``
+        was cancelled, if that call failed."""
+        await self._issue(api.finalize)
+        self._raise_unseen()
 
     async def __aenter__(self) -> Communicator:
-        """:meth:`init`, with its errors; returns this communicator."""
-        await self.init()
+        """:meth:`init`, with its errors; returns this communicator.  As
+        :class:`rabit2.CommunicatorContext`: after :func:`rabit2.init` the block takes the
+        job over, and inside another context it neither joins nor leaves.  Cancelled while
+        it joins (``asyncio.timeout``), the join goes on in the worker thread and then ends
+        the job, as an exception leaving the block would."""
+        done = self._submit(api.enter, self._join)
+        try:
+            self._owner = await self._result(done)
+        except asyncio.CancelledError:
+            done.add_done_callback(_leave_if_joined)
+            raise
         return self
 
     async def __aexit__(self, kind: type[BaseException] | None, error: BaseException | None,
                         tb: object) -> None:
-        """:meth:`finalize`, with its errors, when the block ended normally; when it raised,
-        the exception ends the job as in :class:`rabit2.CommunicatorContext` (every other
-        rank raises :class:`~rabit2.errors.JobAbortedError` naming it) and propagates.  That
-        is not queued behind a call still under way (an ``await`` that timed out left it
-        running): ending the job fails that call at once."""
-        if error is None:
-            await self.finalize()
+        """:meth:`finalize`, with its errors, when the block ended normally (``sys.exit(0)``
+        included), after the calls issued before; when it raised, the exception ends the job
+        as in :class:`rabit2.CommunicatorContext` (every other rank raises
+        :class:`~rabit2.errors.JobAbortedError` naming it) and propagates.  That is not
+        queued behind a call still under way (an ``await`` that timed out left it running)
+        and needs no thread of the event loop's: ending the job fails that call at once."""
+        if api.ends_normally(error):
+            await self._issue(api.leave, error, self._owner)
+            self._raise_unseen()
         else:
-            await asyncio.to_thread(api.abort_for, error)
+            await asyncio.wrap_future(_on_a_thread_of_its_own(api.leave, error, self._owner))
 
     @property
     def rank(self) -> int:
@@ -107,13 +157,17 @@ class Communicator:
         :class:`~rabit2.errors.RabitError` subclasses when the job fails.  The caller must
         not touch ``data`` until the ``await`` returns.  A cupy array is staged on the
         stream current where the method is called."""
+        _check_array("allreduce", data)
+        check_op_dtype(op, np.dtype(data.dtype))
         return self._issue(on_callers_stream(api.allreduce, data), data, op, prepare_fun)
 
     def broadcast(self, obj: Any, root: int) -> Coroutine[Any, Any, Any]:
         """:func:`rabit2.broadcast`: ``obj`` from ``root`` to every rank, returned.  Raises
         ``ValueError`` for a bad root, ``TypeError`` for an object the root cannot pickle,
         :class:`~rabit2.errors.NotInitializedError` before :meth:`init`, and
-        :class:`~rabit2.errors.RabitError` subclasses when ranks disagree or the job fails."""
+        :class:`~rabit2.errors.RabitError` subclasses when ranks disagree or the job fails.
+        The root pickles ``obj`` when the call runs: do not change it before the ``await``
+        returns."""
         return self._issue(on_callers_stream(api.broadcast, obj), obj, root)
 
     def allgather(self, data: Any) -> Coroutine[Any, Any, Any]:
@@ -122,18 +176,23 @@ class Communicator:
         :class:`~rabit2.errors.NotInitializedError` before :meth:`init`,
         :class:`~rabit2.errors.MismatchError` for different dtypes or trailing shapes, other
         :class:`~rabit2.errors.RabitError` subclasses when the job fails."""
+        _check_array("allgather", data)
+        dtype_code(np.dtype(data.dtype))
         return self._issue(on_callers_stream(api.allgather, data), data)
 
     def agree(self, flag: bool) -> Coroutine[Any, Any, bool]:
         """:func:`rabit2.agree`: True on every rank iff every rank passed a true ``flag``.
         Raises :class:`~rabit2.errors.NotInitializedError` before :meth:`init` and
         :class:`~rabit2.errors.RabitError` subclasses when the job fails."""
+        if not isinstance(flag, (bool, np.bool_, int, np.integer)):
+            raise TypeError(f"agree takes a bool, got {type(flag).__name__}")
         return self._issue(api.agree, flag)
 
     def checkpoint(self, global_model: Any, local_model: Any = None) -> Coroutine[Any, Any, None]:
         """:func:`rabit2.checkpoint`: pickle and keep the models; the version goes up by
         one.  Raises :class:`~rabit2.errors.NotInitializedError` before :meth:`init`, and
-        ``TypeError`` or ``ValueError`` as :func:`rabit2.checkpoint` does."""
+        ``TypeError`` or ``ValueError`` as :func:`rabit2.checkpoint` does.  The models are
+        pickled when the call runs: do not change them before the ``await`` returns."""
         return self._issue(api.checkpoint, global_model, local_model)
 
     def load_checkpoint(self, with_local: bool = False) -> Coroutine[Any, Any, tuple[Any, ...]]:
@@ -151,11 +210,60 @@ class Communicator:
         api.tracker_print(msg)
 
 
-async def _result(done: concurrent.futures.Future[T]) -> T:
-    """The result of a call issued to a communicator's worker thread; cancelling this wait
-    leaves the call running (it is never taken off the thread's queue)."""
-    waited = asyncio.wrap_future(done)
-    # (shielded: cancelling the wrapper would cancel a call still queued; its outcome is
-    # then nobody's to retrieve, which asyncio must not report)
-    waited.add_done_callback(lambda f: f.cancelled() or f.exception())
-    return await asyncio.shield(waited)
+def _check_array(what: str, data: Any) -> None:
+    if not isinstance(data, np.ndarray) and not is_device_array(data):
+        raise TypeError(f"{what} takes a numpy array, got {type(data).__name__}")
+
+
+class _Worker:
+    """The thread that runs one communicator's calls, one at a time, in the order issued.
+    A daemon: a call left running by a cancelled ``await`` must not hold up the
+    interpreter's exit (Python joins the threads of its executors before the exit handlers
+    that close the job would run)."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self._queue: queue.SimpleQueue[tuple[concurrent.futures.Future[Any],
+                                             Callable[..., Any], tuple[Any, ...]]]
+        self._queue = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="rabit2-aio", daemon=True).start()
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._queue.put((done, fn, args))
+        return done
+
+    def _serve(self) -> None:
+        while True:
+            done, fn, args = self._queue.get()
+            _settle(done, fn, args)
+            del done, fn, args  # (not kept alive until the next call)
+
+
+def _settle(done: concurrent.futures.Future[T], fn: Callable[..., T],
+            args: tuple[Any, ...]) -> None:
+    if not done.set_running_or_notify_cancel():
+        return
+    try:
+        result = fn(*args)
+    except BaseException as exc:  # (the caller's to see, whatever it is)
+        done.set_exception(exc)
+    else:
+        done.set_result(result)
+
+
+def _on_a_thread_of_its_own(fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+    """``fn(*args)`` on a new daemon thread (not the event loop's executor, which may be
+    busy or shut down)."""
+    done: concurrent.futures.Future[T] = concurrent.futures.Future()
+    threading.Thread(target=_settle, args=(done, fn, args), name="rabit2-aio-leave",
+                     daemon=True).start()
+    return done
+
+
+def _leave_if_joined(entered: concurrent.futures.Future[bool]) -> None:
+    """A block whose join was cancelled: once the join is done, end the job as an exception
+    leaving the block would (nobody will leave it otherwise)."""
+    if not entered.cancelled() and entered.exception() is None:
+        _on_a_thread_of_its_own(api.leave, asyncio.CancelledError(
+            "the asyncio block was cancelled while it joined the job"), entered.result())

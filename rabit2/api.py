@@ -231,10 +231,16 @@ def leave(error: BaseException | None, owner: bool = True) -> None:
     exited()
     if not owner:
         return
-    if error is None or (isinstance(error, SystemExit) and error.code in (None, 0)):
+    if error is None or ends_normally(error):
         finalize()
     else:
         abort_for(error)
+
+
+def ends_normally(error: BaseException | None) -> bool:
+    """Whether a context that ``error`` ended (None: none) ends the job normally: no error,
+    or ``sys.exit()`` / ``sys.exit(0)``."""
+    return error is None or (isinstance(error, SystemExit) and error.code in (None, 0))
 
 
 _previous_excepthook: list[Callable[..., Any]] = []

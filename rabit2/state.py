@@ -6,6 +6,7 @@ the engine.  Shared by the API's modules (:mod:`rabit2.api`, :mod:`rabit2.calls`
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -149,9 +150,26 @@ def run(call: Call) -> None:
                 engine.run_call(call, *mock_hit(call.kind.name.lower()))
             else:
                 engine.run_call(call)
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # (KeyboardInterrupt: the call left midway)
+                interrupted(call, exc)
+            raise
         finally:
             comm.calling = False
         comm.seqno += 1
+
+
+def interrupted(call: Call, exc: BaseException) -> None:
+    """The caller left a collective midway (``KeyboardInterrupt`` in its wait, or while it
+    made the call's steps itself): this rank's part of the call, and perhaps the call's
+    state, is unfinished, so it cannot go on with the job.  The job ends, as after
+    :func:`rabit2.signal_error` (every other rank raises ``JobAbortedError`` naming this
+    call at once instead of waiting for it), and every later call on this rank raises that
+    ``JobAbortedError`` (never blocks)."""
+    what = call.kind.name.lower().split("_")[0]
+    with contextlib.suppress(Exception):
+        job().signal_error(f"rank {comm.rank}'s {what} call was interrupted by "
+                           f"{type(exc).__name__}")
 
 
 
@@ -164,5 +182,5 @@ def beyond_the_block(left: tuple[int, int], comm: Communicator) -> str:
             "the same calls in a block")
 
 
-__all__ = ["Communicator", "beyond_the_block", "collective", "comm", "job", "mock_hit",
-           "require", "run"]
+__all__ = ["Communicator", "beyond_the_block", "collective", "comm", "interrupted", "job",
+           "mock_hit", "require", "run"]

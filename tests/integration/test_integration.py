@@ -202,6 +202,44 @@ def test_leaving_an_asyncio_block_after_a_timed_out_wait_ends_the_job_at_once() 
 
 
 @pytest.mark.integration
+def test_sys_exit_0_in_an_asyncio_block_ends_the_job_well() -> None:
+    out = _async_job(2, "exit0", ok=True, extra=("--max-attempts", "3"))
+    assert "ASYNC EXIT0 rank=1 left" in out and "job: every rank shut down" in out, out[-4000:]
+
+
+@pytest.mark.integration
+def test_a_context_inside_an_asyncio_block_neither_joins_nor_leaves() -> None:
+    out = _async_job(2, "nested", ok=True)
+    for rank in range(2):
+        assert f"ASYNC NESTED rank={rank} inner=2 after=2" in out, out[-4000:]
+
+
+@pytest.mark.integration
+def test_the_failure_of_a_call_nobody_awaits_is_raised_leaving_the_block() -> None:
+    out = _async_job(2, "unseen", ok=False, extra=("--max-attempts", "1"))
+    assert re.search(r"ASYNC UNSEEN rank=0 (JobAbortedError|PeerLostError): .*rank 1", out), \
+        out[-4000:]
+
+
+@pytest.mark.integration
+def test_an_exception_leaving_an_asyncio_block_ends_the_job_with_the_executor_busy() -> None:
+    out = _async_job(2, "busy", ok=False, extra=("--env", "RABIT2_TIMEOUT_SEC=60"))
+    left = re.search(r"ASYNC BUSY rank=1 after=([0-9.]+) JobAbortedError: .*rank 0 raised "
+                     r"ValueError: bad input on rank 0", out)
+    assert left and float(left.group(1)) < 5, out[-4000:]  # (not the executor's 8 s)
+
+
+@pytest.mark.integration
+def test_a_process_exits_at_once_though_a_call_whose_wait_it_gave_up_runs() -> None:
+    started = time.monotonic()
+    out = _async_job(2, "exit2", ok=False, extra=("--max-attempts", "1",
+                                                  "--env", "RABIT2_TIMEOUT_SEC=60"))
+    assert "ASYNC EXITING rank=0" in out, out[-4000:]
+    assert re.search(r"rank 0 \(task 0\) exited with 2", out), out[-4000:]
+    assert time.monotonic() - started < 20, out[-4000:]  # (not rank 1's 30 s nor the 60 s)
+
+
+@pytest.mark.integration
 def test_one_asyncio_communicator_serves_two_threads_with_loops_of_their_own() -> None:
     out = _async_job(2, "threads", ok=True)
     for rank in range(2):

@@ -242,6 +242,47 @@ def test_the_rank_that_signals_an_error_raises_it_at_its_next_call_too(
         assert found is not None and float(found.group(1)) < 5, out
 
 
+INTERRUPTED = textwrap.dedent("""
+    import os, signal, sys, threading, time
+    import numpy as np
+    import rabit2
+
+    rabit2.init(sys.argv[1:])
+    rank = rabit2.get_rank()
+    if rank == 1:
+        time.sleep(2)  # (rank 0 waits for it in its call, and is interrupted there)
+    else:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT)).start()
+    started = time.monotonic()
+    for _ in range(3 if rank == 0 else 1):  # (rank 0: the call interrupted, then two more)
+        try:
+            rabit2.allreduce(np.ones(4), rabit2.Op.SUM)
+            print(f"rank {rank} call done", flush=True)
+        except KeyboardInterrupt:
+            print(f"rank {rank} interrupted", flush=True)
+        except Exception as exc:
+            print(f"rank {rank} {type(exc).__name__} after {time.monotonic() - started:.1f} s: "
+                  f"{exc}", flush=True)
+    rabit2.finalize()
+""")
+
+
+def test_a_call_left_by_an_interrupt_ends_the_job_typed(tmp_path: Path) -> None:
+    """KeyboardInterrupt in a collective (Ctrl-C in a notebook or a terminal): the call is
+    left midway, so the job ends: the interrupted rank's later calls and the other ranks
+    raise JobAbortedError naming it at once (not an internal error in the next call, nor a
+    wait for this rank's part of the call until the deadline)."""
+    done, out = run_job(tmp_path / "interrupted.py", INTERRUPTED, 2, "rabit_timeout_sec=30",
+                        options=("--max-attempts", "1"))
+    assert done.returncode == 1, out
+    assert "rank 0 interrupted" in out, out
+    reason = r"rank 0's allreduce call was interrupted by KeyboardInterrupt"
+    found = re.findall(rf"rank 0 JobAbortedError after ([\d.]+) s: .*{reason}", out)
+    assert len(found) == 2 and all(float(t) < 5 for t in found), out
+    found = re.findall(rf"rank 1 JobAbortedError after ([\d.]+) s: .*{reason}", out)
+    assert found and float(found[0]) < 8, out
+
+
 FORKED = textwrap.dedent("""
     import os, sys, time
     import numpy as np

@@ -449,3 +449,44 @@ async def test_an_aio_call_issued_after_a_timed_out_finalize_runs_after_it() -> 
         await comm.allreduce(np.ones(2), rabit2.Op.SUM)
     await slow
     assert rabit2.version_number() == 0  # (finalized: not initialised any more)
+
+
+def test_aio_methods_refuse_bad_arguments_when_called_not_when_awaited() -> None:
+    """A bad argument raises from the method itself, before anything is queued (it would
+    otherwise wait behind the calls issued before it)."""
+    comm = rabit2.aio.Communicator()
+    with pytest.raises(TypeError, match="numpy array"):
+        comm.allreduce([1, 2], rabit2.Op.SUM)
+    with pytest.raises(ValueError, match="op"):
+        comm.allreduce(np.ones(2), "median")
+    with pytest.raises(TypeError, match="bitwise"):
+        comm.allreduce(np.ones(2), rabit2.Op.BITOR)
+    with pytest.raises(TypeError, match="numpy array"):
+        comm.allgather("ab")
+    with pytest.raises(TypeError, match="unsupported dtype"):
+        comm.allgather(np.array(["a"]))
+    with pytest.raises(TypeError, match="bool"):
+        comm.agree("yes")
+    assert comm._worker is None  # (nothing was issued)
+
+
+def test_aio_calls_in_a_process_forked_after_init_raise_at_once() -> None:
+    """The communicator's thread stays with the parent: in the child a call raises the
+    blocking API's NotInitializedError instead of waiting for a thread that is not there."""
+    code = (
+        "import asyncio, os, sys, numpy as np, rabit2, rabit2.aio\n"
+        "comm = rabit2.aio.Communicator()\n"
+        "asyncio.run(comm.init())\n"
+        "asyncio.run(comm.allreduce(np.ones(2), rabit2.Op.SUM))\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    try:\n"
+        "        asyncio.run(asyncio.wait_for(comm.allreduce(np.ones(2), rabit2.Op.SUM), 10))\n"
+        "    except Exception as exc:\n"
+        "        print('child', type(exc).__name__, flush=True)\n"
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "asyncio.run(comm.finalize())\n")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
+                         text=True, timeout=60, check=True).stdout
+    assert out.strip() == "child NotInitializedError", out

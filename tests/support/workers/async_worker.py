@@ -6,6 +6,8 @@ block instead, and every other rank reports the error its next collective raises
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import os
 import sys
 import threading
@@ -67,6 +69,81 @@ async def leave_after_timeout() -> None:
               f"{type(exc).__name__}: {exc}", flush=True)
 
 
+async def exit_zero_in_block() -> None:
+    """Rank 0 calls ``sys.exit(0)`` inside the block: a normal end, as in
+    ``CommunicatorContext``; the job ends well."""
+    async with rabit2.aio.Communicator() as comm:
+        await comm.allreduce(np.ones(2), rabit2.Op.SUM)
+        if comm.rank == 0:
+            sys.exit(0)
+        await asyncio.sleep(0.5)
+    print("ASYNC EXIT0 rank=1 left", flush=True)
+
+
+async def context_inside_block() -> None:
+    """Library code opens ``rabit2.CommunicatorContext`` inside the block: it neither joins
+    nor leaves, and the block's next call runs in the same job."""
+    async with rabit2.aio.Communicator() as comm:
+        def library() -> float:
+            with rabit2.CommunicatorContext():
+                return float(rabit2.allreduce(np.ones(2), rabit2.Op.SUM)[0])
+
+        inner = await asyncio.to_thread(library)
+        after = (await comm.allreduce(np.ones(2), rabit2.Op.SUM))[0]
+        print(f"ASYNC NESTED rank={comm.rank} inner={inner:g} after={after:g}", flush=True)
+
+
+async def failure_after_a_cancelled_wait() -> None:
+    """Rank 0 gives up waiting for a call (rank 1 is late), and rank 1 is then killed: the
+    call fails with nobody awaiting it, and leaving the block raises that error, not
+    nothing."""
+    rank = -1
+    try:
+        async with rabit2.aio.Communicator() as comm:
+            rank = comm.rank
+            if rank == 1:
+                await asyncio.sleep(1.0)
+                os.kill(os.getpid(), 9)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(comm.allreduce(np.ones(2), rabit2.Op.SUM), 0.3)
+            await asyncio.sleep(3.0)
+        print(f"ASYNC UNSEEN rank={rank} left without an error", flush=True)
+    except rabit2.RabitError as exc:
+        print(f"ASYNC UNSEEN rank={rank} {type(exc).__name__}: {exc}", flush=True)
+
+
+async def leave_with_a_busy_executor() -> None:
+    """The loop's default executor is busy (one thread, sleeping) when an exception leaves
+    rank 0's block: the job still ends at once, not once the executor is free."""
+    start = time.monotonic()
+    rank = -1
+    try:
+        async with rabit2.aio.Communicator() as comm:
+            rank = comm.rank
+            if rank == 0:
+                loop = asyncio.get_running_loop()
+                loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(1))
+                loop.run_in_executor(None, time.sleep, 8)
+                raise ValueError("bad input on rank 0")
+            await comm.allreduce(np.ones(2), rabit2.Op.SUM)
+    except (ValueError, rabit2.RabitError) as exc:
+        print(f"ASYNC BUSY rank={rank} after={time.monotonic() - start:.1f} "
+              f"{type(exc).__name__}: {exc}", flush=True)
+
+
+async def exit_after_a_cancelled_wait() -> None:
+    """Rank 0 gives up a wait (rank 1 is late) and exits with status 2 while the call runs:
+    the process ends at once, not at the call's deadline."""
+    comm = rabit2.aio.Communicator()
+    await comm.init()
+    if comm.rank == 1:
+        await asyncio.sleep(30)
+    with contextlib.suppress(TimeoutError):
+        await asyncio.wait_for(comm.allreduce(np.ones(2), rabit2.Op.SUM), 0.5)
+    print(f"ASYNC EXITING rank={comm.rank}", flush=True)
+    sys.exit(2)
+
+
 def from_two_threads() -> None:
     """One communicator, two threads, each with an event loop of its own."""
     comm = rabit2.aio.Communicator()
@@ -97,6 +174,12 @@ async def main() -> None:
         return
     if sys.argv[1:] == ["timeout"]:
         await leave_after_timeout()
+        return
+    modes = {"exit0": exit_zero_in_block, "nested": context_inside_block,
+             "unseen": failure_after_a_cancelled_wait, "busy": leave_with_a_busy_executor,
+             "exit2": exit_after_a_cancelled_wait}
+    if sys.argv[1:2] and sys.argv[1] in modes:
+        await modes[sys.argv[1]]()
         return
     async with rabit2.aio.Communicator(sys.argv[1:]) as comm:
         rank, world = comm.rank, comm.world_size
