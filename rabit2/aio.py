@@ -80,6 +80,9 @@ class Communicator:
         except asyncio.CancelledError:
             done.add_done_callback(self._keep_unseen)
             raise
+        except RabitError:
+            self._unseen = None  # (the job's error, seen by the program after all)
+            raise
 
     def _keep_unseen(self, done: concurrent.futures.Future[Any]) -> None:
         error = None if done.cancelled() else done.exception()
