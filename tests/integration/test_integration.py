@@ -224,7 +224,8 @@ def test_the_failure_of_a_call_nobody_awaits_is_raised_leaving_the_block() -> No
 @pytest.mark.integration
 def test_an_exception_leaving_an_asyncio_block_ends_the_job_with_the_executor_busy() -> None:
     out = _async_job(2, "busy", ok=False, extra=("--env", "RABIT2_TIMEOUT_SEC=60"))
-    left = re.search(r"ASYNC BUSY rank=1 after=([0-9.]+) JobAbortedError: .*rank 0 raised "
+    # (the abort may reach rank 1 while it still joins, before it knows its rank)
+    left = re.search(r"ASYNC BUSY rank=(?:-1|1) after=([0-9.]+) JobAbortedError: .*rank 0 raised "
                      r"ValueError: bad input on rank 0", out)
     assert left and float(left.group(1)) < 5, out[-4000:]  # (not the executor's 8 s)
 
