@@ -24,7 +24,7 @@ except ModuleNotFoundError as _missing:
     if _missing.name != "xgboost":
         raise
     raise ModuleNotFoundError(
-        "rabit2.xgboost needs XGBoost 3: pip install 'rabit2[xgboost]' (in a checkout: "
+        "rabit2.xgboost needs XGBoost 3.0-3.2: pip install 'rabit2[xgboost]' (in a checkout: "
         "pip install '.[xgboost]')", name="xgboost") from _missing
 
 from rabit2.xgboost.context import CommunicatorContext

@@ -5,7 +5,7 @@ unary gRPC call of the service ``xgboost.collective.federated.Federated``.  The 
 ``federated.proto`` beside this module; the same descriptor is compiled into
 ``libxgboost.so``; ``tests/integration/test_xgboost.py`` checks the two are equal.  Building
 the classes from the descriptor at run time (instead of committing ``protoc`` output) keeps
-them working on every protobuf runtime from 4.21 on, which generated code does not.
+them working on every protobuf runtime from 4.22 on, which generated code does not.
 """
 
 from __future__ import annotations

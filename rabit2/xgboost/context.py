@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -32,11 +33,15 @@ def active() -> CommunicatorContext | None:
 
 def check_xgboost() -> None:
     """Raise ``RuntimeError`` (before the job is touched) for an XGBoost that cannot use the
-    endpoint: older than 3.0, or built without its federated communicator (``xgboost-cpu``,
-    the macOS and Windows wheels)."""
-    major = int(xgboost.__version__.split(".", 1)[0])
-    if major < 3:
-        raise RuntimeError(f"rabit2.xgboost needs XGBoost 3.x, found {xgboost.__version__}")
+    endpoint: older than 3.0; 3.3, whose federated communicator refuses calls that training
+    makes; 3.4 and later, whose wheels dropped it; or built without it (``xgboost-cpu``, the
+    macOS and Windows wheels)."""
+    major, minor = (int(part) for part in re.findall(r"\d+", xgboost.__version__)[:2])
+    if major != 3 or minor >= 3:
+        raise RuntimeError(
+            f"rabit2.xgboost needs XGBoost 3.0, 3.1 or 3.2 (pip install 'xgboost>=3,<3.3'), "
+            f"found {xgboost.__version__}: it serves XGBoost's federated communicator, which "
+            "XGBoost 3.3 no longer lets training use and later releases removed")
     if not xgboost.build_info().get("USE_FEDERATED"):
         raise RuntimeError(
             f"this XGBoost build ({xgboost.__version__}) has no federated communicator, which "

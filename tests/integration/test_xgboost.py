@@ -105,9 +105,11 @@ def test_an_xgboost_without_the_federated_communicator_is_refused_at_entry(
     monkeypatch.setattr(xgboost, "build_info", lambda: {"USE_FEDERATED": False})
     with pytest.raises(RuntimeError, match=r"no federated communicator.*xgboost-cpu"):
         context.check_xgboost()
-    monkeypatch.setattr(xgboost, "__version__", "2.1.4")
-    with pytest.raises(RuntimeError, match=r"needs XGBoost 3\.x, found 2\.1\.4"):
-        context.check_xgboost()
+    for version in ("2.1.4", "3.3.0", "3.4.1", "4.0.0rc1"):  # (3.3 refuses training's calls,
+        monkeypatch.setattr(xgboost, "__version__", version)  # later ones have no plugin)
+        with pytest.raises(RuntimeError,
+                           match=rf"needs XGBoost 3\.0, 3\.1 or 3\.2 .*found {version}"):
+            context.check_xgboost()
 
 
 @pytest.fixture

@@ -254,7 +254,7 @@ def test_pair_exchange_agrees_bitwise_on_nan_payloads() -> None:
     """op(a, b) and op(b, a) may keep different NaNs: both ranks use one operand order."""
     a = np.array([np.nan, 1.0, -0.0], dtype=np.float64)
     b = np.array([np.nan, 2.0, 0.0], dtype=np.float64)
-    b.view(np.uint64)[0] |= 0x1234  # a different NaN payload
+    b.view(np.uint64)[0] |= np.uint64(0x1234)  # a different NaN payload
     bufs = [a.copy(), b.copy()]
     for op in (Op.MAX, Op.MIN, Op.SUM):
         bufs = [a.copy(), b.copy()]
