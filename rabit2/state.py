@@ -150,9 +150,8 @@ def run(call: Call) -> None:
                 engine.run_call(call, *mock_hit(call.kind.name.lower()))
             else:
                 engine.run_call(call)
-        except BaseException as exc:
-            if not isinstance(exc, Exception):  # (KeyboardInterrupt: the call left midway)
-                interrupted(call, exc)
+        except KeyboardInterrupt as exc:  # (the call left midway; a SystemExit from a
+            interrupted(call, exc)  # signal handler ends the process: a lost worker, as ever)
             raise
         finally:
             comm.calling = False
