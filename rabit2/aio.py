@@ -18,6 +18,7 @@ import concurrent.futures
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
@@ -61,6 +62,8 @@ class Communicator:
                 # (one thread for the communicator's life: a second would break the order;
                 # a process forked after init has none, and gets the blocking API's error)
                 self._worker = _Worker()
+                # (its thread ends once this communicator is gone and its calls are done)
+                weakref.finalize(self, self._worker.stop)
             return self._worker.submit(fn, *args)
 
     def _issue(self, fn: Callable[..., T], *args: Any) -> Coroutine[Any, Any, T]:
@@ -227,7 +230,7 @@ class _Worker:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self._queue: queue.SimpleQueue[tuple[concurrent.futures.Future[Any],
-                                             Callable[..., Any], tuple[Any, ...]]]
+                                             Callable[..., Any], tuple[Any, ...]] | None]
         self._queue = queue.SimpleQueue()
         threading.Thread(target=self._serve, name="rabit2-aio", daemon=True).start()
 
@@ -236,11 +239,14 @@ class _Worker:
         self._queue.put((done, fn, args))
         return done
 
+    def stop(self) -> None:
+        """End the thread once the calls issued before are done."""
+        self._queue.put(None)
+
     def _serve(self) -> None:
-        while True:
-            done, fn, args = self._queue.get()
-            _settle(done, fn, args)
-            del done, fn, args  # (not kept alive until the next call)
+        while (item := self._queue.get()) is not None:
+            _settle(*item)
+            del item  # (not kept alive until the next call)
 
 
 def _settle(done: concurrent.futures.Future[T], fn: Callable[..., T],

@@ -108,6 +108,7 @@ class Engine:
         self._completed = False  # the agent finished the call; waiting for writes to drain
         self.calling = 0  # collectives under way in run_call (the callers' threads)
         self._sent_at = 0.0  # when bytes last left on a link, or a drain wait began
+        self._drain_timer: asyncio.TimerHandle | None = None  # the drain wait's deadline
         self._tick_handle: asyncio.TimerHandle | None = None
         self._writelines = self.loop_thread.is_uvloop
         self._overflow_told = False  # the replay store's first overflow was logged
@@ -247,9 +248,11 @@ class Engine:
                     # wait has the same progress deadline as the call itself
                     waiting = self._pending
                     self._sent_at = max(self._sent_at, self.loop.time())
-                    self.loop.call_later(self.config.timeout_sec, self._drain_deadline, waiting)
+                    self._drain_timer = self.loop.call_later(
+                        self.config.timeout_sec, self._drain_deadline, waiting)
             elif isinstance(cmd, CallFailed):
                 waiter, self._pending = self._pending, None
+                self._stop_drain_timer()
                 if waiter is not None:
                     waiter.finish(cmd.error)
                 if (self.holding and self.tracker is not None
@@ -334,13 +337,22 @@ class Engine:
                 return
         waiter, self._pending = self._pending, None
         self._completed = False
+        self._stop_drain_timer()
         waiter.finish(None)
+
+    def _stop_drain_timer(self) -> None:
+        """The drain's deadline is moot (the call ended): cancelled, not left pending for
+        ``timeout_sec`` (one per call that had to wait for its last bytes to leave)."""
+        if self._drain_timer is not None:
+            self._drain_timer.cancel()
+            self._drain_timer = None
 
     def _drain_deadline(self, waiter: Waiter) -> None:
         quiet = self.loop.time() - self._sent_at
         if self._pending is waiter and quiet < self.config.timeout_sec:
             # bytes are still leaving (a slow link): a progress deadline, not a total one
-            self.loop.call_later(self.config.timeout_sec - quiet, self._drain_deadline, waiter)
+            self._drain_timer = self.loop.call_later(self.config.timeout_sec - quiet,
+                                                     self._drain_deadline, waiter)
             return
         if self._pending is waiter:
             self._pending, self._completed = None, False

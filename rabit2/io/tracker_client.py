@@ -124,6 +124,7 @@ class TrackerClient:
         self._listen_port = 0
         self._rejoining = False
         self._held: list[dict[str, Any]] = []  # sent while the connection is rebuilt
+        self._dropped_prints = 0  # prints that did not fit in _held
         self._refused = ""
         self._heartbeat_sec = heartbeat_sec
         self._read_task = asyncio.create_task(self._read_loop(), name="rabit2-tracker-reader")
@@ -338,13 +339,27 @@ class TrackerClient:
 
     def _send(self, msg: dict[str, Any]) -> None:
         if self._rejoining and msg["t"] != "heartbeat":
-            if len(self._held) < _MAX_HELD_MESSAGES:
-                self._held.append(msg)  # sent once the connection is back
+            self._hold(msg)
             return
         if self._writer.is_closing():
             logger.debug("dropping %s: tracker connection is closed", msg["t"])
             return
         self._writer.write(encode_frame(msg))
+
+    def _hold(self, msg: dict[str, Any]) -> None:
+        """Keep ``msg`` until the connection is back.  At most ``_MAX_HELD_MESSAGES``: prints
+        give way (the newest dropped, or the oldest for a control message), never a control
+        message (``shutdown``, ``error``: finalize and signal_error wait on them)."""
+        if len(self._held) >= _MAX_HELD_MESSAGES:
+            if msg["t"] == "print":
+                self._dropped_prints += 1
+                return
+            for i, held in enumerate(self._held):
+                if held["t"] == "print":
+                    del self._held[i]
+                    self._dropped_prints += 1
+                    break
+        self._held.append(msg)
 
     async def _heartbeat_loop(self, interval: float) -> None:
         while not self._writer.is_closing():
@@ -426,6 +441,10 @@ class TrackerClient:
                     "incarnation": assignment.incarnation, "port": self._listen_port,
                     "attempt": config.num_attempt}))
                 held, self._held = self._held, []
+                if self._dropped_prints:
+                    logger.warning("%d tracker_print lines were dropped while the tracker "
+                                   "connection was rebuilt", self._dropped_prints)
+                    self._dropped_prints = 0
                 for msg in held:
                     self._writer.write(encode_frame(msg))
                 # what is still waited for may have been lost with the old connection: the

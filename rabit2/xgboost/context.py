@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import re
 import threading
@@ -22,8 +23,9 @@ logger = logging.getLogger("rabit2.xgboost")
 
 _lock = threading.Lock()
 _active: list[CommunicatorContext] = []  # the open context (one per process at most)
-# the jobs this process has left: (tracker host, port, task id); its task cannot join again
-_left: set[tuple[str | None, int, str]] = set()
+# the jobs this process has left (tracker host, port, task id, digest of the job secret): its
+# task cannot join one again
+_left: set[tuple[str | None, int, str, bytes]] = set()
 
 
 def active() -> CommunicatorContext | None:
@@ -50,11 +52,14 @@ def check_xgboost() -> None:
 
 
 def _job_of(args: Iterable[str | bytes] | None,
-            kwargs: dict[str, Any]) -> tuple[str | None, int, str]:
+            kwargs: dict[str, Any]) -> tuple[str | None, int, str, bytes]:
     """The job and task that ``rabit2.init(args, **kwargs)`` would join (its ``ValueError``
-    and ``TypeError`` for bad parameters)."""
+    and ``TypeError`` for bad parameters): the tracker's address, the task and a digest of
+    the job's secret (each tracker makes its own: a later job on the same port is another
+    job)."""
     config = load_config(args, kwargs)
-    return config.tracker_uri, config.tracker_port, config.task_id
+    return (config.tracker_uri, config.tracker_port, config.task_id,
+            hashlib.sha256(config.secret).digest())
 
 
 class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext"]):

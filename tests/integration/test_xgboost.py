@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -417,3 +418,49 @@ def test_checkpoint_every_takes_numpy_integers_and_refuses_the_rest() -> None:
         with pytest.raises(ValueError, match=f"got {bad!r}"):
             rx.train({"max_depth": 1}, dtrain, 2, checkpoint_every=bad,  # type: ignore[arg-type]
                      verbose_eval=False)
+
+
+JOBS_IN_A_ROW = """
+import json, sys, numpy as np, xgboost, rabit2.xgboost as rx
+for line in sys.stdin:
+    x = np.random.default_rng(0).normal(size=(200, 4))
+    try:
+        with rx.CommunicatorContext(**json.loads(line)):
+            rx.train({"nthread": 1}, xgboost.DMatrix(x, label=x[:, 0] > 0), 2)
+        print("ok", flush=True)
+    except Exception as exc:
+        print(f"{type(exc).__name__}: {exc}", flush=True)
+"""
+
+
+def test_one_process_trains_in_jobs_one_after_another_on_one_port() -> None:
+    """A long-lived worker process (a notebook, a service) joins one job after another,
+    each with a tracker of its own on the same port: every job is a new one (a process
+    refuses only to join a job it left)."""
+    from tracker.server import TrackerThread  # noqa: PLC0415
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", JOBS_IN_A_ROW], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, bufsize=1) for _ in range(2)]
+    try:
+        for _ in range(2):
+            tracker = TrackerThread(2, host="127.0.0.1", port=port, print_fn=lambda s: None)
+            tracker.start()
+            env = tracker.worker_env()
+            for task, proc in enumerate(procs):
+                assert proc.stdin is not None
+                proc.stdin.write(json.dumps({
+                    "dmlc_tracker_uri": env["DMLC_TRACKER_URI"],
+                    "dmlc_tracker_port": env["DMLC_TRACKER_PORT"],
+                    "rabit2_secret": env["RABIT2_SECRET"], "dmlc_task_id": str(task)}) + "\n")
+                proc.stdin.flush()
+            said = [proc.stdout.readline().strip() for proc in procs if proc.stdout]
+            assert said == ["ok", "ok"], said
+            assert tracker.join(30).success
+            tracker.stop()
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.communicate(timeout=30)

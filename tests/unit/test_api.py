@@ -490,3 +490,26 @@ def test_aio_calls_in_a_process_forked_after_init_raise_at_once() -> None:
     out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
                          text=True, timeout=60, check=True).stdout
     assert out.strip() == "child NotInitializedError", out
+
+
+def test_an_aio_communicators_thread_ends_once_the_communicator_is_gone() -> None:
+    """A long-lived process running job after job keeps no thread per job."""
+    import asyncio  # noqa: PLC0415
+    import gc  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    def aio_threads() -> int:
+        return sum(t.name == "rabit2-aio" for t in threading.enumerate())
+
+    async def job() -> None:
+        async with rabit2.aio.Communicator() as comm:
+            await comm.allreduce(np.ones(2), rabit2.Op.SUM)
+
+    before = aio_threads()
+    for _ in range(5):
+        asyncio.run(job())
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while aio_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert aio_threads() == before

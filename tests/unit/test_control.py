@@ -217,3 +217,22 @@ def test_progress_keeps_known_fields_and_drops_unknown_ones() -> None:
 def test_bad_progress_is_a_protocol_error(bad: object) -> None:
     with pytest.raises(ProtocolError, match=r"heartbeat\.progress"):
         check_progress(bad)
+
+
+def test_messages_held_while_the_tracker_link_is_rebuilt_keep_every_control_message() -> None:
+    """While a worker rejoins, prints give way to control messages once the held queue is
+    full: a shutdown or an error is never dropped (finalize and signal_error wait on them)."""
+    from types import SimpleNamespace  # noqa: PLC0415
+
+    from rabit2.io import tracker_client  # noqa: PLC0415
+
+    client = SimpleNamespace(_held=[], _dropped_prints=0)
+    limit = tracker_client._MAX_HELD_MESSAGES
+    for i in range(limit + 5):
+        tracker_client.TrackerClient._hold(client, {"t": "print", "msg": str(i)})
+    assert len(client._held) == limit and client._dropped_prints == 5
+    tracker_client.TrackerClient._hold(client, {"t": "error", "msg": "disk full"})
+    tracker_client.TrackerClient._hold(client, {"t": "shutdown", "hold": True})
+    assert len(client._held) == limit and client._dropped_prints == 7
+    assert [m["t"] for m in client._held[-2:]] == ["error", "shutdown"]
+    assert client._held[0]["msg"] == "2"  # (the oldest prints gave way)
