@@ -25,8 +25,9 @@ from typing import Any, TypeVar
 import numpy as np
 
 from rabit2 import api
+from rabit2.calls import check_array, check_flag
 from rabit2.core.ops import check_op_dtype, dtype_code
-from rabit2.device import is_device_array, on_callers_stream
+from rabit2.device import on_callers_stream
 from rabit2.errors import RabitError
 
 T = TypeVar("T")
@@ -163,7 +164,7 @@ class Communicator:
         :class:`~rabit2.errors.RabitError` subclasses when the job fails.  The caller must
         not touch ``data`` until the ``await`` returns.  A cupy array is staged on the
         stream current where the method is called."""
-        _check_array("allreduce", data)
+        check_array("allreduce", data)
         check_op_dtype(op, np.dtype(data.dtype))
         return self._issue(on_callers_stream(api.allreduce, data), data, op, prepare_fun)
 
@@ -182,7 +183,7 @@ class Communicator:
         :class:`~rabit2.errors.NotInitializedError` before :meth:`init`,
         :class:`~rabit2.errors.MismatchError` for different dtypes or trailing shapes, other
         :class:`~rabit2.errors.RabitError` subclasses when the job fails."""
-        _check_array("allgather", data)
+        check_array("allgather", data)
         dtype_code(np.dtype(data.dtype))
         return self._issue(on_callers_stream(api.allgather, data), data)
 
@@ -190,8 +191,7 @@ class Communicator:
         """:func:`rabit2.agree`: True on every rank iff every rank passed a true ``flag``.
         Raises :class:`~rabit2.errors.NotInitializedError` before :meth:`init` and
         :class:`~rabit2.errors.RabitError` subclasses when the job fails."""
-        if not isinstance(flag, (bool, np.bool_, int, np.integer)):
-            raise TypeError(f"agree takes a bool, got {type(flag).__name__}")
+        check_flag(flag)
         return self._issue(api.agree, flag)
 
     def checkpoint(self, global_model: Any, local_model: Any = None) -> Coroutine[Any, Any, None]:
@@ -214,11 +214,6 @@ class Communicator:
         """:func:`rabit2.tracker_print`, at once (not awaited: it never blocks).  Needs no
         :meth:`init` and raises no :class:`~rabit2.errors.RabitError`."""
         api.tracker_print(msg)
-
-
-def _check_array(what: str, data: Any) -> None:
-    if not isinstance(data, np.ndarray) and not is_device_array(data):
-        raise TypeError(f"{what} takes a numpy array, got {type(data).__name__}")
 
 
 class _Worker:

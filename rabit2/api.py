@@ -231,10 +231,10 @@ def leave(error: BaseException | None, owner: bool = True) -> None:
     exited()
     if not owner:
         return
-    if error is None or ends_normally(error):
-        finalize()
-    else:
+    if error is not None and not ends_normally(error):
         abort_for(error)
+    else:
+        finalize()
 
 
 def ends_normally(error: BaseException | None) -> bool:

@@ -298,12 +298,24 @@ def agree(flag: bool) -> bool:
     :class:`~rabit2.errors.NotInitializedError` before :func:`init`, other
     :class:`~rabit2.errors.RabitError` subclasses when the job fails.  It is not ULFM's
     agreement: a rank lost for good fails it as it fails any collective."""
-    if not isinstance(flag, (bool, np.bool_, int, np.integer)):
-        raise TypeError(f"agree takes a bool, got {type(flag).__name__}")
+    check_flag(flag)
     value = np.array([1 if flag else 0], dtype=np.uint8)
     allreduce(value, Op.MIN)
     return bool(value[0])
 
 
 
-__all__ = ["agree", "allgather", "allreduce", "broadcast", "pickled"]
+def check_flag(flag: Any) -> None:
+    """``agree``'s ``TypeError`` for a flag that is not a bool or an integer."""
+    if not isinstance(flag, (bool, np.bool_, int, np.integer)):
+        raise TypeError(f"agree takes a bool, got {type(flag).__name__}")
+
+
+def check_array(what: str, data: Any) -> None:
+    """``what``'s ``TypeError`` for data that is neither a numpy nor a device array."""
+    if not isinstance(data, np.ndarray) and not is_device_array(data):
+        raise TypeError(f"{what} takes a numpy array, got {type(data).__name__}")
+
+
+__all__ = ["agree", "allgather", "allreduce", "broadcast", "check_array", "check_flag",
+           "pickled"]

@@ -171,8 +171,6 @@ def interrupted(call: Call, exc: BaseException) -> None:
                            f"{type(exc).__name__}")
 
 
-
-
 def beyond_the_block(left: tuple[int, int], comm: Communicator) -> str:
     """Elastic mode: this member is at a call of the block that member ``left[0]``, which
     left the block after ``left[1]`` calls, never made."""
