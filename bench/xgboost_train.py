@@ -2,6 +2,7 @@
 
     python bench/xgboost_train.py [--workers 2,4] [--rows 1000000] [--features 50]
                                   [--rounds 50] [--depth 8] [--repeat 1]
+                                  [--device cpu|cuda] [--backends NAME,...]
 
 The same ``hist`` training (``bench/xgboost_worker.py``: binary logistic, depth 8, one
 thread per worker, data generation and DMatrix construction outside the timing) through:
@@ -12,7 +13,8 @@ thread per worker, data generation and DMatrix construction outside the timing) 
 * ``rabit2-ft``: the same with recovery on: a checkpoint every round, the prelude probes.
 
 Backends alternate within each repeat.  Printed per world size: rank 0's training time
-(median, min, max over repeats) and its ratio to ``xgboost-rabit``; for rabit2 the
+(median, min, max over repeats) and its ratio to the first of XGBoost's own backends run
+(``xgboost-rabit`` unless ``--backends`` leaves it out); for rabit2 the
 endpoint's counters per round (calls, MB, the time in rabit2's collectives and the time in
 the gRPC handler); and whether every backend trained the same model.  The targets: rabit2
 within 1.15x of ``xgboost-rabit``, ``rabit2-ft`` within 1.25x.
@@ -81,8 +83,9 @@ def run_own(backend: str, n: int, worker_args: list[str], timeout: float) -> dic
 
 def run_rabit2(backend: str, n: int, worker_args: list[str], timeout: float) -> dict[str, Any]:
     attempts = "1" if backend == "rabit2" else "3"
-    cmd = ["rabit2-submit", "--cluster", "local", "-n", str(n), "--max-attempts", attempts,
-           "--", sys.executable, str(WORKER), "--backend", "rabit2", *worker_args]
+    cmd = [sys.executable, "-m", "tracker.submit", "--cluster", "local", "-n", str(n),
+           "--max-attempts", attempts, "--", sys.executable, str(WORKER), "--backend", "rabit2",
+           *worker_args]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           stdin=subprocess.DEVNULL, check=False)
     if done.returncode:
@@ -99,15 +102,23 @@ def main() -> None:
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--device", default="cpu", help="XGBoost's device: cpu or cuda")
+    parser.add_argument("--backends", default=",".join(BACKENDS))
     opts = parser.parse_args()
+    backends = tuple(b for b in BACKENDS if b in opts.backends.split(","))
+    unknown = set(opts.backends.split(",")) - set(BACKENDS)
+    if unknown or not any(b.startswith("xgboost") for b in backends):
+        parser.error(f"--backends: a comma-separated subset of {', '.join(BACKENDS)} "
+                     "with at least one of XGBoost's own")
     worker_args = ["--rows", str(opts.rows), "--features", str(opts.features), "--rounds",
-                   str(opts.rounds), "--depth", str(opts.depth)]
+                   str(opts.rounds), "--depth", str(opts.depth), "--device", opts.device]
     print(f"# {time.strftime('%Y-%m-%d')} {os.cpu_count()} cores; rows={opts.rows} "
-          f"features={opts.features} rounds={opts.rounds} depth={opts.depth}", flush=True)
+          f"features={opts.features} rounds={opts.rounds} depth={opts.depth} "
+          f"device={opts.device}", flush=True)
     for n in (int(w) for w in opts.workers.split(",")):
-        results: dict[str, list[dict[str, Any]]] = {b: [] for b in BACKENDS}
+        results: dict[str, list[dict[str, Any]]] = {b: [] for b in backends}
         for rep in range(opts.repeat):
-            order = BACKENDS if rep % 2 == 0 else tuple(reversed(BACKENDS))
+            order = backends if rep % 2 == 0 else tuple(reversed(backends))
             for backend in order:
                 run = run_rabit2 if backend.startswith("rabit2") else run_own
                 result = run(backend, n, worker_args, opts.timeout)
@@ -117,18 +128,19 @@ def main() -> None:
 
 
 def report(n: int, rounds: int, results: dict[str, list[dict[str, Any]]]) -> None:
-    base = statistics.median(r["train_s"] for r in results["xgboost-rabit"])
-    print(f"\n## N={n}\n\n| backend | train s (median, min-max) | per round | vs xgboost-rabit "
+    own = next(b for b in results if b.startswith("xgboost"))
+    base = statistics.median(r["train_s"] for r in results[own])
+    print(f"\n## N={n}\n\n| backend | train s (median, min-max) | per round | vs {own} "
           "| target |\n| --- | --- | --- | --- | --- |")
     for backend, runs in results.items():
         times = [r["train_s"] for r in runs]
         med = statistics.median(times)
-        target = TARGETS.get(backend)
+        target = TARGETS.get(backend) if own == "xgboost-rabit" else None
         verdict = "" if target is None else (
             f"<= {target}x: {'met' if med / base <= target else 'missed'}")
         print(f"| {backend} | {med:.2f} ({min(times):.2f}-{max(times):.2f}) | "
               f"{med / rounds * 1e3:.1f} ms | {med / base:.2f}x | {verdict} |")
-    for backend in ("rabit2", "rabit2-ft"):
+    for backend in (b for b in ("rabit2", "rabit2-ft") if b in results):
         stats = results[backend][-1].get("endpoint") or {}
         if stats:
             calls = stats["calls"]

@@ -46,7 +46,8 @@ def train(opts: argparse.Namespace, rank: int, world: int, fn: Any,
     x, y = shard(rank, world, opts.rows, opts.features)
     dtrain = xgboost.DMatrix(x, y)
     params = {"tree_method": "hist", "max_depth": opts.depth, "eta": 0.1,
-              "objective": "binary:logistic", "eval_metric": "logloss", "nthread": opts.nthread}
+              "objective": "binary:logistic", "eval_metric": "logloss", "nthread": opts.nthread,
+              "device": opts.device}
     start = time.perf_counter()
     booster = fn(params, dtrain, opts.rounds, evals=[(dtrain, "train")], verbose_eval=False,
                  **kwargs)
@@ -68,6 +69,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, required=True)
     parser.add_argument("--depth", type=int, required=True)
     parser.add_argument("--nthread", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--rank", type=int, default=-1)
     opts = parser.parse_args()
     if opts.backend == "rabit2":
