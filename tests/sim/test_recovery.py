@@ -18,7 +18,7 @@ from rabit2.core.agent import Agent, Call, CallComplete, Command, Send
 from rabit2.core.framing import CallDescriptor, CollectiveKind
 from rabit2.core.fsm import State
 from rabit2.core.ops import Op
-from rabit2.core.recovery.store import ResultStore
+from rabit2.core.recovery.store import ENTRY_COST, ResultStore
 from rabit2.core.schedule import RingAllreduce
 from rabit2.core.topology import topology
 from rabit2.errors import (
@@ -407,7 +407,7 @@ def test_the_store_tells_when_it_dropped_a_result_of_the_version_being_made() ->
     """``overflowed`` is the version that lost one of its own results for want of room
     (then no restart can replay it); dropping an older version's results to make room is
     the bound doing its job, not an overflow."""
-    store = ResultStore(limit=3000)
+    store = ResultStore(limit=3 * (1000 + ENTRY_COST))  # (three results with their objects)
     desc = CallDescriptor(CollectiveKind.ALLREDUCE_RING, 0, 0, 0, 1000)
     blob = memoryview(bytes(1000))
     store.add((1, 0), desc, [blob])
@@ -420,7 +420,7 @@ def test_the_store_tells_when_it_dropped_a_result_of_the_version_being_made() ->
     store.add((2, 3), desc, [blob])  # drops (2, 0): version 2 can no longer be replayed
     # ... so nothing of it is worth keeping: everything up to (2, 3) is forgotten
     assert store.overflowed == 2 and store.oldest == (2, 4) and store.nbytes == 0
-    store.add((3, 0), desc, [memoryview(bytes(4000))])  # never fits
+    store.add((3, 0), desc, [memoryview(bytes(store.limit))])  # never fits (with its objects)
     assert store.overflowed == 3 and store.get((3, 0)) is None
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from rabit2.core.framing import CallDescriptor, CollectiveKind
 from rabit2.core.recovery import store as store_mod
-from rabit2.core.recovery.store import SMALL_RESULT, ResultStore, Slab
+from rabit2.core.recovery.store import ENTRY_COST, SMALL_RESULT, ResultStore, Slab
 
 DESC = CallDescriptor(CollectiveKind.ALLREDUCE_PAIR, 0, 0, 0, 0)
 
@@ -58,7 +58,7 @@ def test_the_bound_still_drops_the_oldest_results(monkeypatch: pytest.MonkeyPatc
     """Slabs do not change what is kept: the oldest results go once the results exceed the
     bound.  (Also where the kernel cannot make pages ahead: the copies touch them.)"""
     monkeypatch.setattr(Slab, "populate", False)
-    store = ResultStore(limit=10_000)
+    store = ResultStore(limit=10_000 + 3 * ENTRY_COST)
     for seqno in range(3):
         store.add((0, seqno), DESC, [memoryview(_result(seqno, 3000))])
     store.on_checkpoint(1)  # (version 0 is kept: a neighbour may still resume there)
@@ -148,7 +148,7 @@ def test_the_calls_before_the_first_load_are_kept_for_good() -> None:
         got = store.get((0, seqno))
         assert got is not None and bytes(got[1]) == results[seqno].tobytes()
     assert store.get((0, 2)) is None
-    assert store.limit == (1 << 20) - 100 - 101
+    assert store.limit == (1 << 20) - 100 - 101 - 2 * ENTRY_COST  # (with what each costs)
     store.keep_bootstrap(3)
     assert store.bootstrap_calls == 2
 
@@ -164,7 +164,8 @@ def test_calls_before_the_first_load_are_kept_all_or_none(case: str) -> None:
         store.add((0, seqno), DESC, [memoryview(_result(seqno, size))])
     why = store.keep_bootstrap(0 if case == "checkpointed first" else 2)
     assert why == {"dropped": "the store dropped some of their results already",
-                   "over half": "their results (5500 B) would take more than half of it",
+                   "over half": f"their results ({5500 + 2 * ENTRY_COST} B) would take "
+                                "more than half of it",
                    "checkpointed first": None}[case]
     assert store.bootstrap_calls == 0 and store.limit == 10_000
     store.keep_bootstrap(2)  # (decided at the first load)
@@ -184,7 +185,7 @@ def _take_and_keep(store: ResultStore, call: tuple[int, int], size: int) -> np.n
 def test_a_result_that_is_not_kept_never_leaves_spares_over_the_bound() -> None:
     """``keep`` of a result the store cannot keep puts its buffer with the spares only while
     kept and spare bytes together stay within the bound."""
-    store = ResultStore(limit=3 * LARGE)
+    store = ResultStore(limit=3 * (LARGE + ENTRY_COST))
     for seqno in range(3):
         _take_and_keep(store, (0, seqno), LARGE)
     assert store.nbytes == 3 * LARGE and store._spare_bytes == 0
@@ -227,8 +228,9 @@ def test_taking_a_buffer_of_a_new_size_frees_older_spares_within_the_bound() -> 
 
 def test_results_that_add_up_to_the_bound_are_all_kept_and_one_byte_more_drops_the_oldest(
 ) -> None:
-    store = ResultStore(limit=10_000)
-    assert store.fits(10_000) and not store.fits(10_001)
+    """Each result counts its bytes and ``ENTRY_COST`` against the bound."""
+    store = ResultStore(limit=10_000 + 2 * ENTRY_COST)
+    assert store.fits(10_000 + ENTRY_COST) and not store.fits(10_001 + ENTRY_COST)
     store.add((0, 0), DESC, [memoryview(_result(0, 6000))])
     store.add((1, 0), DESC, [memoryview(_result(1, 4000))])
     assert store.nbytes == 10_000 and store.oldest == (0, 0)
@@ -237,7 +239,7 @@ def test_results_that_add_up_to_the_bound_are_all_kept_and_one_byte_more_drops_t
     assert store.get((0, 0)) is None and store.oldest == (0, 1)
     assert store.nbytes == 4001 and store.overflowed == -1
     # large results, and the spares made ahead for them, to the byte the same way
-    large = ResultStore(limit=2 * LARGE)
+    large = ResultStore(limit=2 * (LARGE + ENTRY_COST))
     _take_and_keep(large, (0, 0), LARGE)
     large.make_ready(LARGE + 1)  # one byte past the bound: not made
     assert large._spare_bytes == 0
@@ -248,3 +250,34 @@ def test_results_that_add_up_to_the_bound_are_all_kept_and_one_byte_more_drops_t
     _take_and_keep(large, (2, 0), 1 + SMALL_RESULT + 1)
     assert large.get((0, 0)) is None and large.get((1, 0)) is None
     assert large.oldest == (1, 1) and large.nbytes == LARGE + 1
+
+
+def test_many_tiny_results_stay_within_the_bound_in_memory() -> None:
+    """The bound holds for what the store takes in memory, not only for result bytes: a
+    loop of 8-byte calls that never checkpoints keeps as many results as their bytes and
+    the objects holding them fit in, and then its version is lost for replay (before each
+    result was charged its objects, 50 000 of them took some 24 MB of Python objects under
+    a 4 MiB bound, and the bound would have applied only at 524 288)."""
+    import tracemalloc  # noqa: PLC0415
+
+    limit = 4 << 20
+    store = ResultStore(limit=limit)
+    fit = limit // (8 + ENTRY_COST)
+    lost_at = None
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for seqno in range(50_000):
+            desc = CallDescriptor(CollectiveKind.ALLREDUCE_PAIR, 0, 0, 0, 8)
+            store.add((0, seqno), desc, [memoryview(np.full(8, seqno % 256, np.uint8))])
+            if seqno == fit - 1:
+                assert len(store._results) == fit and store.charged <= limit
+                got = store.get((0, seqno))
+                assert got is not None and bytes(got[1]) == bytes([seqno % 256]) * 8
+            if lost_at is None and store.overflowed == 0:
+                lost_at = seqno
+        peak = tracemalloc.get_traced_memory()[1] - before
+    finally:
+        tracemalloc.stop()
+    assert lost_at == fit and not store._results
+    assert peak <= fit * ENTRY_COST, (peak, fit)  # the charge covers what it holds
