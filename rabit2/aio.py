@@ -211,9 +211,10 @@ class Communicator:
         return self._issue(api.load_checkpoint, with_local)
 
     def tracker_print(self, msg: Any) -> None:
-        """:func:`rabit2.tracker_print`, at once (not awaited: it never blocks).  Needs no
-        :meth:`init` and raises no :class:`~rabit2.errors.RabitError`."""
-        api.tracker_print(msg)
+        """:func:`rabit2.tracker_print`, at once (not awaited: it never blocks; where 4 MiB
+        of earlier lines still wait for the tracker, the line is dropped and counted).
+        Needs no :meth:`init` and raises no :class:`~rabit2.errors.RabitError`."""
+        api.print_line(msg, wait=False)
 
 
 class _Worker:

@@ -337,15 +337,22 @@ def get_processor_name() -> str:
 def tracker_print(msg: Any) -> None:
     """Print ``str(msg)`` on the tracker's console (locally when not distributed).
 
-    Needs no :func:`init`.  In a job it never blocks: the line is queued for the tracker,
-    which prints one worker's lines in the order they were sent; once the tracker connection
-    is gone lines are dropped rather than raised."""
+    Needs no :func:`init`.  In a job the line is queued for the tracker, which prints one
+    worker's lines in the order they were sent.  It waits only while 4 MiB of earlier lines
+    wait for the tracker, at most 10 s; then the line is dropped (a warning counts them), as
+    are lines once the tracker connection is gone, rather than raised."""
+    print_line(msg, wait=True)
+
+
+def print_line(msg: Any, wait: bool) -> None:
+    """:func:`tracker_print`; with ``wait`` False a line that finds no room is dropped at
+    once (``rabit2.aio``: an event loop must not wait)."""
     text = str(msg)
     job = _job()
     if job is None:
         print(text, flush=True)
     else:
-        job.tracker_print(text)
+        job.tracker_print(text, wait)
 
 
 def signal_error(msg: str = "signal_error() called") -> None:

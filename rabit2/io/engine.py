@@ -383,10 +383,10 @@ class Engine:
 
     # ------------------------------------------------------------------ tracker services
 
-    def tracker_print(self, msg: str) -> None:
+    def tracker_print(self, msg: str, wait: bool = True) -> None:
         if self.tracker is None:
             raise TrackerError("not connected to a tracker")
-        self.tracker.print(msg)
+        self.tracker.print(msg, wait)
         self.loop_thread.wake()  # (a loop lent to calls must not hold it back)
 
     def signal_error(self, msg: str) -> None:

@@ -156,9 +156,9 @@ class Membership:
                 engine.signalled_error = self.signalled
                 engine.fail_soon(self.signalled)
 
-    def tracker_print(self, msg: str) -> None:
+    def tracker_print(self, msg: str, wait: bool = True) -> None:
         if self.tracker is not None:
-            self.tracker.print(msg)
+            self.tracker.print(msg, wait)
 
     def close(self) -> None:
         """Release everything; safe to call twice and from any state."""

@@ -51,6 +51,11 @@ up: the same tracker keeps its place for ``tracker.server.REJOIN_GRACE_SEC`` (5 
 refuses it after that; a tracker restarted at the same address within this time takes the
 job over from the workers that rejoin it."""
 _MAX_HELD_MESSAGES = 1000  # prints and errors kept while the connection is being rebuilt
+PRINT_BACKLOG = 4 << 20
+"""Bytes of prints that may wait for the tracker (in the connection's write buffer, or held
+while it is rebuilt): a print beyond them waits for room (``PRINT_WAIT_SEC``), or is dropped
+and counted where it cannot wait."""
+PRINT_WAIT_SEC = 10.0
 
 
 def _truncate(text: str) -> str:
@@ -124,7 +129,12 @@ class TrackerClient:
         self._listen_port = 0
         self._rejoining = False
         self._held: list[dict[str, Any]] = []  # sent while the connection is rebuilt
+        self._held_print_bytes = 0
         self._dropped_prints = 0  # prints that did not fit in _held
+        self._backlog_drops = 0  # prints dropped for want of room since the last that fit
+        self._in_flight = 0  # print characters handed to the loop and not yet written
+        self._print_lock = threading.Lock()  # (for those two: printing threads and the loop)
+        self._limit_writes(writer)
         self._refused = ""
         self._heartbeat_sec = heartbeat_sec
         self._read_task = asyncio.create_task(self._read_loop(), name="rabit2-tracker-reader")
@@ -209,13 +219,74 @@ class TrackerClient:
             return self._assignment
         raise self._failure or TrackerError("no assignment")
 
-    def print(self, msg: str) -> None:
-        """Queue ``msg`` for the tracker to print as ``[rank] msg``; never blocks.
+    def print(self, msg: str, wait: bool = True) -> None:
+        """Queue ``msg`` for the tracker to print as ``[rank] msg``.
 
-        Messages from one worker are printed in call order.  Silently dropped once the
-        connection is gone (the engine learns about that through ``on_abort``).
+        Messages from one worker are printed in call order.  While more than
+        ``PRINT_BACKLOG`` bytes of prints wait for the tracker, a thread other than the
+        loop's waits for room, up to ``PRINT_WAIT_SEC`` (with ``wait``); then, or at once,
+        the line is dropped and counted (a warning says how many).  Silently dropped once
+        the connection is gone (the engine learns about that through ``on_abort``).
         """
-        self._send_from_any_thread({"t": "print", "msg": _truncate(str(msg))})
+        line = {"t": "print", "msg": _truncate(str(msg))}
+        on_loop = threading.get_ident() == self._loop_thread
+        if self._print_backlog() > PRINT_BACKLOG:
+            if wait and not on_loop:
+                with contextlib.suppress(Exception):  # (the loop closed, or no room in time)
+                    asyncio.run_coroutine_threadsafe(self._room_for_prints(),
+                                                     self._loop).result(PRINT_WAIT_SEC + 1.0)
+            if self._print_backlog() > PRINT_BACKLOG:
+                with self._print_lock:
+                    self._backlog_drops += 1
+                    first = self._backlog_drops == 1
+                if first:
+                    logger.warning("tracker_print lines are being dropped: more than %d bytes "
+                                   "of them wait for the tracker, which prints them slower "
+                                   "than this worker makes them", PRINT_BACKLOG)
+                return
+        with self._print_lock:
+            dropped, self._backlog_drops = self._backlog_drops, 0
+            self._in_flight += len(line["msg"])
+        if dropped:
+            logger.warning("%d tracker_print lines were dropped for want of room", dropped)
+        if on_loop:
+            self._send_print(line)
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is already closed: drop
+            self._loop.call_soon_threadsafe(self._send_print, line)
+
+    def _send_print(self, line: dict[str, Any]) -> None:
+        with self._print_lock:
+            self._in_flight -= len(line["msg"])
+        self._send(line)
+
+    def _print_backlog(self) -> int:
+        """Bytes of prints waiting for the tracker: on their way to the loop, then in the
+        connection's write buffer or held while it is rebuilt (any thread: an estimate)."""
+        if self._rejoining:
+            return self._in_flight + self._held_print_bytes
+        transport = self._writer.transport
+        waiting = 0 if transport.is_closing() else int(transport.get_write_buffer_size())
+        return self._in_flight + waiting
+
+    async def _room_for_prints(self) -> None:
+        """Wait (on the loop) until the prints waiting for the tracker are down to half of
+        ``PRINT_BACKLOG``, at most ``PRINT_WAIT_SEC``."""
+        deadline = self._loop.time() + PRINT_WAIT_SEC
+        while self._loop.time() < deadline and self._print_backlog() > PRINT_BACKLOG // 2:
+            if not self._rejoining:
+                with contextlib.suppress(ConnectionError, TimeoutError):
+                    await asyncio.wait_for(self._writer.drain(), deadline - self._loop.time())
+            if self._print_backlog() > PRINT_BACKLOG // 2:
+                await asyncio.sleep(0.02)  # (held while rejoining, or drained only in part)
+
+    @staticmethod
+    def _limit_writes(writer: asyncio.StreamWriter) -> None:
+        """``drain`` waits while more than ``PRINT_BACKLOG`` bytes wait to be sent, until
+        half of that is left (heartbeats and control messages never wait: they are written,
+        not drained)."""
+        with contextlib.suppress(Exception):
+            writer.transport.set_write_buffer_limits(high=PRINT_BACKLOG, low=PRINT_BACKLOG // 2)
 
     def leave_hold(self) -> None:
         """End a held shutdown now (this worker failed while it held): the tracker answers
@@ -357,8 +428,11 @@ class TrackerClient:
             for i, held in enumerate(self._held):
                 if held["t"] == "print":
                     del self._held[i]
+                    self._held_print_bytes -= len(held["msg"])
                     self._dropped_prints += 1
                     break
+        if msg["t"] == "print":
+            self._held_print_bytes += len(msg["msg"])
         self._held.append(msg)
 
     async def _heartbeat_loop(self, interval: float) -> None:
@@ -440,7 +514,9 @@ class TrackerClient:
                     "t": "rejoin", "task_id": config.task_id, "rank": assignment.rank,
                     "incarnation": assignment.incarnation, "port": self._listen_port,
                     "attempt": config.num_attempt}))
+                self._limit_writes(self._writer)
                 held, self._held = self._held, []
+                self._held_print_bytes = 0
                 if self._dropped_prints:
                     logger.warning("%d tracker_print lines were dropped while the tracker "
                                    "connection was rebuilt", self._dropped_prints)

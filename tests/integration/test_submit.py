@@ -1018,3 +1018,32 @@ def test_under_nohup_a_hangup_does_not_stop_the_job() -> None:
         proc.wait()
     assert proc.returncode == EXIT_OK, stderr
     assert "job: every rank shut down" in stderr
+
+
+def test_a_worker_that_prints_faster_than_the_tracker_holds_a_bounded_backlog(
+        tmp_path: Path) -> None:
+    """Lines printed faster than the tracker prints them wait in the worker only up to
+    ``PRINT_BACKLOG``: the printing thread waits for room, and every line still arrives in
+    order (before, 80 MB of lines took the worker's memory up by about that much)."""
+    worker = tmp_path / "printer.py"
+    worker.write_text(textwrap.dedent("""
+        import resource, rabit2
+        rabit2.init()
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        for i in range(400):
+            rabit2.tracker_print(f"line {i:04d} " + "x" * 200_000)
+        grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+        print(f"GREW {grown // 1024} MiB", flush=True)
+        rabit2.finalize()
+    """))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tracker.submit", "--cluster", "local", "-n", "1", "--",
+         sys.executable, str(worker)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = re.findall(r"line (\d{4}) x{200000}$", proc.stdout, re.MULTILINE)
+    assert lines == [f"{i:04d}" for i in range(400)]
+    assert "dropped" not in proc.stderr
+    grew = int(re.findall(r"GREW (\d+) MiB", proc.stdout)[0])
+    assert grew < 40, grew  # (4 MiB of frames, the lines being made, the allocator's slack)

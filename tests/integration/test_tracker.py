@@ -1102,3 +1102,49 @@ def test_a_tracker_on_every_interface_advertises_a_name_others_can_reach() -> No
     host = advertised_host()
     addresses = {info[4][0] for info in socket.getaddrinfo(host, None, socket.AF_INET)}
     assert any(not str(a).startswith("127.") for a in addresses), (host, addresses)
+
+
+@pytest.mark.asyncio
+async def test_prints_to_a_tracker_that_reads_nothing_are_bounded_and_counted(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """A tracker that stops reading: prints wait in the worker only up to
+    ``PRINT_BACKLOG``; beyond it a print from the loop is dropped at once, one from another
+    thread after ``PRINT_WAIT_SEC``, and a warning counts them once lines flow again."""
+    from rabit2.io import tracker_client as tc  # noqa: PLC0415
+
+    monkeypatch.setattr(tc, "PRINT_WAIT_SEC", 0.3)
+    ours, theirs = socket.socketpair()
+    reader, writer = await asyncio.open_connection(sock=ours)
+    client = TrackerClient(reader, writer, heartbeat_sec=60.0)
+    line = "x" * 200_000
+    try:
+        with caplog.at_level(logging.WARNING, logger="rabit2.tracker_client"):
+            for _ in range(100):  # 20 MB from the loop's own thread
+                client.print(line)
+                await asyncio.sleep(0)
+            waiting = writer.transport.get_write_buffer_size()
+            assert tc.PRINT_BACKLOG - len(line) <= waiting <= tc.PRINT_BACKLOG + len(line)
+            assert "being dropped" in caplog.text
+            loop = asyncio.get_running_loop()
+            start = time.monotonic()
+            await loop.run_in_executor(None, client.print, line)  # waits, then drops
+            assert 0.25 <= time.monotonic() - start < 5
+            assert writer.transport.get_write_buffer_size() == waiting
+            theirs.setblocking(False)
+            got = bytearray()
+            deadline = time.monotonic() + 10
+            while writer.transport.get_write_buffer_size() and time.monotonic() < deadline:
+                with contextlib.suppress(BlockingIOError):
+                    got += theirs.recv(1 << 20)
+                await asyncio.sleep(0)
+            client.print("after")  # flows again: the count of what was lost is logged
+            while b"after" not in got[-64:] and time.monotonic() < deadline:
+                with contextlib.suppress(BlockingIOError):
+                    got += theirs.recv(1 << 20)
+                await asyncio.sleep(0)
+            kept = bytes(got).count(line.encode())
+            assert 20 < kept < 40, kept  # (what the kernel and 4 MiB of buffer held)
+            assert f"{101 - kept} tracker_print lines were dropped" in caplog.text
+    finally:
+        await client.close()
+        theirs.close()
