@@ -226,7 +226,7 @@ def test_messages_held_while_the_tracker_link_is_rebuilt_keep_every_control_mess
 
     from rabit2.io import tracker_client  # noqa: PLC0415
 
-    client = SimpleNamespace(_held=[], _dropped_prints=0)
+    client = SimpleNamespace(_held=[], _dropped_prints=0, _held_print_bytes=0)
     limit = tracker_client._MAX_HELD_MESSAGES
     for i in range(limit + 5):
         tracker_client.TrackerClient._hold(client, {"t": "print", "msg": str(i)})
@@ -236,3 +236,5 @@ def test_messages_held_while_the_tracker_link_is_rebuilt_keep_every_control_mess
     assert len(client._held) == limit and client._dropped_prints == 7
     assert [m["t"] for m in client._held[-2:]] == ["error", "shutdown"]
     assert client._held[0]["msg"] == "2"  # (the oldest prints gave way)
+    assert client._held_print_bytes == sum(len(m["msg"]) for m in client._held
+                                           if m["t"] == "print")

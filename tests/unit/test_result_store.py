@@ -164,8 +164,8 @@ def test_calls_before_the_first_load_are_kept_all_or_none(case: str) -> None:
         store.add((0, seqno), DESC, [memoryview(_result(seqno, size))])
     why = store.keep_bootstrap(0 if case == "checkpointed first" else 2)
     assert why == {"dropped": "the store dropped some of their results already",
-                   "over half": f"their results ({5500 + 2 * ENTRY_COST} B) would take "
-                                "more than half of it",
+                   "over half": f"their results (5500 B, {5500 + 2 * ENTRY_COST} B as kept) "
+                                "would take more than half of it",
                    "checkpointed first": None}[case]
     assert store.bootstrap_calls == 0 and store.limit == 10_000
     store.keep_bootstrap(2)  # (decided at the first load)

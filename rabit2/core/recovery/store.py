@@ -334,9 +334,11 @@ class ResultStore:
         wanted = [(0, seqno) for seqno in range(calls)]
         if not all(call in self._results for call in wanted):
             return "the store dropped some of their results already"
-        size = sum(self._results[call][1].nbytes + ENTRY_COST for call in wanted)
+        data = sum(self._results[call][1].nbytes for call in wanted)
+        size = data + ENTRY_COST * len(wanted)
         if size > self.limit // 2:
-            return f"their results ({size} B) would take more than half of it"
+            return (f"their results ({data} B, {size} B as kept) would take more than half "
+                    "of it")
         for call in wanted:
             desc, blob, slab = self._results.pop(call)
             self._boot[call] = (desc, bytes(blob))  # (its own memory: slabs are reused)
