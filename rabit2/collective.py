@@ -118,8 +118,8 @@ def get_processor_name() -> str:
 
 def communicator_print(msg: Any) -> None:
     """Print ``str(msg)``, stripped, on the tracker's console (locally when alone).  Needs
-    no :func:`init`; never blocks, and raises no :class:`~rabit2.errors.RabitError` (as
-    :func:`rabit2.tracker_print`)."""
+    no :func:`init`; waits only while earlier lines crowd the tracker connection, and
+    raises no :class:`~rabit2.errors.RabitError` (as :func:`rabit2.tracker_print`)."""
     api.tracker_print(str(msg).strip())
 
 

@@ -58,11 +58,14 @@ and counted where it cannot wait."""
 PRINT_WAIT_SEC = 10.0
 
 
-def _truncate(text: str) -> str:
+def _truncate(text: str) -> tuple[str, int]:
+    """The line as sent (at most ``_MAX_PRINT_BYTES`` of UTF-8, what does not encode
+    replaced) and its size in bytes."""
     data = text.encode("utf-8", errors="replace")
-    if len(data) <= _MAX_PRINT_BYTES:
-        return text
-    return data[:_MAX_PRINT_BYTES].decode("utf-8", errors="ignore") + " ...[truncated]"
+    if len(data) > _MAX_PRINT_BYTES:
+        data = data[:_MAX_PRINT_BYTES].decode("utf-8", errors="ignore").encode() + (
+            b" ...[truncated]")
+    return data.decode(), len(data)
 
 
 def _heartbeat_interval(config: Config, welcome: dict[str, Any]) -> float:
@@ -132,7 +135,8 @@ class TrackerClient:
         self._held_print_bytes = 0
         self._dropped_prints = 0  # prints that did not fit in _held
         self._backlog_drops = 0  # prints dropped for want of room since the last that fit
-        self._in_flight = 0  # print characters handed to the loop and not yet written
+        self._in_flight = 0  # print bytes handed to the loop and not yet written
+        self._print_stalled = False  # a print waited for room in vain: the next ones do not
         self._print_lock = threading.Lock()  # (for those two: printing threads and the loop)
         self._limit_writes(writer)
         self._refused = ""
@@ -228,14 +232,32 @@ class TrackerClient:
         the line is dropped and counted (a warning says how many).  Silently dropped once
         the connection is gone (the engine learns about that through ``on_abort``).
         """
-        line = {"t": "print", "msg": _truncate(str(msg))}
+        text, nbytes = _truncate(str(msg))
+        line = {"t": "print", "msg": text}
         on_loop = threading.get_ident() == self._loop_thread
-        if self._print_backlog() > PRINT_BACKLOG:
-            if wait and not on_loop:
-                with contextlib.suppress(Exception):  # (the loop closed, or no room in time)
-                    asyncio.run_coroutine_threadsafe(self._room_for_prints(),
-                                                     self._loop).result(PRINT_WAIT_SEC + 1.0)
+        loop = self._loop
+        if not on_loop and (loop.is_closed() or not loop.is_running()):
+            return  # (the client is going away: nothing would send it)
+        backlog = self._print_backlog()
+        if self._print_stalled and backlog <= PRINT_BACKLOG // 2:
+            self._print_stalled = False
+        if backlog > PRINT_BACKLOG:
+            waited = wait and not on_loop and not self._print_stalled
+            if waited:
+                waiting = self._room_for_prints()
+                try:
+                    future = asyncio.run_coroutine_threadsafe(waiting, loop)
+                except RuntimeError:  # (the loop closed meanwhile)
+                    waiting.close()
+                else:
+                    try:
+                        future.result(PRINT_WAIT_SEC + 1.0)
+                    except Exception:  # (no room in time, or the loop stopped)
+                        future.cancel()
             if self._print_backlog() > PRINT_BACKLOG:
+                # waited in vain, the tracker stalled: later lines drop at once, until half
+                # of the backlog has drained
+                self._print_stalled = self._print_stalled or waited
                 with self._print_lock:
                     self._backlog_drops += 1
                     first = self._backlog_drops == 1
@@ -246,18 +268,21 @@ class TrackerClient:
                 return
         with self._print_lock:
             dropped, self._backlog_drops = self._backlog_drops, 0
-            self._in_flight += len(line["msg"])
+            self._in_flight += nbytes
         if dropped:
             logger.warning("%d tracker_print lines were dropped for want of room", dropped)
         if on_loop:
-            self._send_print(line)
+            self._send_print(line, nbytes)
             return
-        with contextlib.suppress(RuntimeError):  # the loop is already closed: drop
-            self._loop.call_soon_threadsafe(self._send_print, line)
+        try:
+            loop.call_soon_threadsafe(self._send_print, line, nbytes)
+        except RuntimeError:  # the loop closed meanwhile: dropped
+            with self._print_lock:
+                self._in_flight -= nbytes
 
-    def _send_print(self, line: dict[str, Any]) -> None:
+    def _send_print(self, line: dict[str, Any], nbytes: int) -> None:
         with self._print_lock:
-            self._in_flight -= len(line["msg"])
+            self._in_flight -= nbytes
         self._send(line)
 
     def _print_backlog(self) -> int:
@@ -301,12 +326,12 @@ class TrackerClient:
 
     def signal_error(self, msg: str) -> None:
         """Ask the tracker to abort the whole job with ``msg`` as the reason; never blocks."""
-        self._send_from_any_thread({"t": "error", "msg": _truncate(str(msg))})
+        self._send_from_any_thread({"t": "error", "msg": _truncate(str(msg))[0]})
 
     def report_unreachable(self, rank: int, reason: str) -> None:
         """Tell the tracker that the link to ``rank`` cannot be rebuilt (it decides whether
         that is a partition: ``docs/recovery.md``, "Partial partitions"); loop thread."""
-        self._send({"t": "unreachable", "rank": rank, "reason": _truncate(reason)})
+        self._send({"t": "unreachable", "rank": rank, "reason": _truncate(reason)[0]})
 
     async def ask(self, msg: dict[str, Any], reply: str, timeout: float) -> dict[str, Any]:
         """Send ``msg`` and wait for the tracker's next message of type ``reply`` (elastic
@@ -380,6 +405,10 @@ class TrackerClient:
     async def close(self) -> None:
         """Close the connection without the shutdown exchange.  Idempotent; never raises."""
         self._closing = True
+        if self._backlog_drops:
+            logger.warning("%d tracker_print lines were dropped for want of room",
+                           self._backlog_drops)
+            self._backlog_drops = 0
         self._connection_closed(TrackerError("the tracker client was closed"))
         tasks = [self._read_task, self._heartbeat_task]
         for task in tasks:
@@ -428,11 +457,11 @@ class TrackerClient:
             for i, held in enumerate(self._held):
                 if held["t"] == "print":
                     del self._held[i]
-                    self._held_print_bytes -= len(held["msg"])
+                    self._held_print_bytes -= len(held["msg"].encode())
                     self._dropped_prints += 1
                     break
         if msg["t"] == "print":
-            self._held_print_bytes += len(msg["msg"])
+            self._held_print_bytes += len(msg["msg"].encode())
         self._held.append(msg)
 
     async def _heartbeat_loop(self, interval: float) -> None:

@@ -16,6 +16,7 @@ import socket
 import struct
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -1129,6 +1130,9 @@ async def test_prints_to_a_tracker_that_reads_nothing_are_bounded_and_counted(
             start = time.monotonic()
             await loop.run_in_executor(None, client.print, line)  # waits, then drops
             assert 0.25 <= time.monotonic() - start < 5
+            start = time.monotonic()  # the tracker stalled: the next line does not wait
+            await loop.run_in_executor(None, client.print, line)
+            assert time.monotonic() - start < 0.2
             assert writer.transport.get_write_buffer_size() == waiting
             theirs.setblocking(False)
             got = bytearray()
@@ -1144,7 +1148,52 @@ async def test_prints_to_a_tracker_that_reads_nothing_are_bounded_and_counted(
                 await asyncio.sleep(0)
             kept = bytes(got).count(line.encode())
             assert 20 < kept < 40, kept  # (what the kernel and 4 MiB of buffer held)
-            assert f"{101 - kept} tracker_print lines were dropped" in caplog.text
+            assert f"{102 - kept} tracker_print lines were dropped" in caplog.text
+            client.print("a\udcff")  # (a lone surrogate: replaced, not raised)
     finally:
         await client.close()
         theirs.close()
+
+
+def test_a_print_counts_its_utf8_bytes_and_never_raises_on_what_does_not_encode() -> None:
+    from rabit2.io.tracker_client import _MAX_PRINT_BYTES, _truncate  # noqa: PLC0415
+
+    assert _truncate("é" * 10) == ("é" * 10, 20)
+    assert _truncate("a\udcff") == ("a?", 2)
+    text, nbytes = _truncate("€" * _MAX_PRINT_BYTES)  # (3 bytes each: cut on a character)
+    assert text.endswith(" ...[truncated]") and nbytes == len(text.encode())
+    assert nbytes <= _MAX_PRINT_BYTES + len(" ...[truncated]")
+
+
+def test_a_print_after_the_clients_loop_ended_returns_at_once() -> None:
+    """A thread that prints while the worker shuts down: the loop stopped, then closed.
+    The line is dropped at once, leaves no count behind and no coroutine unawaited."""
+    loop = asyncio.new_event_loop()
+    ours, theirs = socket.socketpair()
+
+    async def make() -> TrackerClient:
+        reader, writer = await asyncio.open_connection(sock=ours)
+        return TrackerClient(reader, writer, heartbeat_sec=60.0)
+
+    def from_another_thread(msg: str) -> float:
+        took: list[float] = []
+
+        def run() -> None:
+            start = time.monotonic()
+            client.print(msg)
+            took.append(time.monotonic() - start)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join(30)
+        return took[0]
+
+    client = loop.run_until_complete(make())
+    try:
+        for _ in range(3):  # (stopped: is_running() is False)
+            assert from_another_thread("x" * 200_000) < 0.5 and client._in_flight == 0
+    finally:
+        loop.run_until_complete(client.close())
+        loop.close()
+        theirs.close()
+    assert from_another_thread("after close") < 0.5 and client._in_flight == 0

@@ -420,7 +420,7 @@ def test_the_store_tells_when_it_dropped_a_result_of_the_version_being_made() ->
     store.add((2, 3), desc, [blob])  # drops (2, 0): version 2 can no longer be replayed
     # ... so nothing of it is worth keeping: everything up to (2, 3) is forgotten
     assert store.overflowed == 2 and store.oldest == (2, 4) and store.nbytes == 0
-    store.add((3, 0), desc, [memoryview(bytes(store.limit))])  # never fits (with its objects)
+    store.add((3, 0), desc, [memoryview(bytes(store.limit + 1))])  # never fits
     assert store.overflowed == 3 and store.get((3, 0)) is None
 
 

@@ -228,9 +228,13 @@ def test_taking_a_buffer_of_a_new_size_frees_older_spares_within_the_bound() -> 
 
 def test_results_that_add_up_to_the_bound_are_all_kept_and_one_byte_more_drops_the_oldest(
 ) -> None:
-    """Each result counts its bytes and ``ENTRY_COST`` against the bound."""
+    """Each result counts its bytes and ``ENTRY_COST`` against the bound (one alone may
+    take the whole bound: a 256 MiB result under the default 256 MiB is kept)."""
     store = ResultStore(limit=10_000 + 2 * ENTRY_COST)
-    assert store.fits(10_000 + ENTRY_COST) and not store.fits(10_001 + ENTRY_COST)
+    assert store.fits(store.limit) and not store.fits(store.limit + 1)
+    alone = ResultStore(limit=LARGE)
+    _take_and_keep(alone, (0, 0), LARGE)
+    assert alone.get((0, 0)) is not None and alone.charged == LARGE + ENTRY_COST
     store.add((0, 0), DESC, [memoryview(_result(0, 6000))])
     store.add((1, 0), DESC, [memoryview(_result(1, 4000))])
     assert store.nbytes == 10_000 and store.oldest == (0, 0)

@@ -166,8 +166,9 @@ class ResultStore:
         self._boot: dict[CallId, tuple[CallDescriptor, bytes]] | None = None
 
     def fits(self, size: int) -> bool:
-        """Whether a result of ``size`` bytes can be kept at all (``rabit2_replay_mb``)."""
-        return size + ENTRY_COST <= self.limit
+        """Whether a result of ``size`` bytes can be kept at all (``rabit2_replay_mb``): a
+        result alone in the store may take the whole bound, ``ENTRY_COST`` over it."""
+        return size <= self.limit
 
     @property
     def charged(self) -> int:
