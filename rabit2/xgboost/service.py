@@ -180,7 +180,7 @@ class Endpoint:
             seq = int(request.sequence_number)
             self._take_turn(request, seq)
             try:
-                result = self._execute(method, request)
+                result = self._execute(method, request, request.send_buffer)
             finally:
                 with self._cond:
                     self._busy = False
@@ -237,10 +237,12 @@ class Endpoint:
             rabit2.signal_error(f"rank {self.rank}: {message}")
         raise failure
 
-    def _execute(self, method: str, request: Any) -> bytes:
-        record = self._describe(method, request)
+    def _execute(self, method: str, request: Any, payload: bytes) -> bytes:
+        """Run one call; ``payload``: its ``send_buffer``, read once (each read of a bytes
+        field copies it: 0.24-0.72 ms per 8 MiB)."""
+        record = self._describe(method, request, len(payload))
         self.calls += 1
-        replayed = self._from_log(record, request)
+        replayed = self._from_log(record, payload)
         if replayed is not None:
             logger.debug("call %d: %s answered from the checkpoint", self.calls,
                          record.describe())
@@ -249,20 +251,20 @@ class Endpoint:
         logger.debug("call %d: %s", self.calls, record.describe())
         started = time.perf_counter()
         try:
-            result = _RUN[method](self, request, record)
+            result = _RUN[method](self, payload, record)
         except RabitError as exc:
             self._fail(grpc.StatusCode.ABORTED, f"{type(exc).__name__}: {exc}", exc,
                        job_wide=True)
         except (TypeError, ValueError) as exc:
             self._fail(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self._collective_s += time.perf_counter() - started
-        self._bytes += len(request.send_buffer)
+        self._bytes += len(payload)
         done = dataclasses.replace(record, result=result)
         self._capture(done)
         with self._cond:
             if self._recording is not None:
                 self._recording.append(done)
-                self._digests.append(_digest(request.send_buffer))
+                self._digests.append(_digest(payload))
             elif self._first_round is not None and method == "Broadcast":
                 self._first_round.append(done)
         return result
@@ -280,8 +282,7 @@ class Endpoint:
             if self._captured is not None:
                 self._captured.append(record)
 
-    def _describe(self, method: str, request: Any) -> Record:
-        size = len(request.send_buffer)
+    def _describe(self, method: str, request: Any, size: int) -> Record:
         if method == "Allreduce":
             dtype, op = int(request.data_type), int(request.reduce_operation)
             if dtype not in _DTYPES:
@@ -307,7 +308,7 @@ class Endpoint:
             return Record(method, size=size)
         return Record(method)
 
-    def _from_log(self, record: Record, request: Any) -> bytes | None:
+    def _from_log(self, record: Record, payload: bytes) -> bytes | None:
         """The result of a call a restarted worker makes again, or None to run it."""
         with self._cond:
             if self._replay is not None:
@@ -325,7 +326,7 @@ class Endpoint:
                                f"{expected.describe()} in the original run")
                     self._fail(grpc.StatusCode.FAILED_PRECONDITION, message,
                                MismatchError(message))
-                if sent != _digest(request.send_buffer):
+                if sent != _digest(payload):
                     message = (f"call {self._replayed} before training, "
                                f"{record.describe()}: this rank's input differs from the "
                                "original run's (the program must build the same data, and "
@@ -347,28 +348,28 @@ class Endpoint:
 
     # ------------------------------------------------------------------ the collectives
 
-    def _allreduce(self, request: Any, record: Record) -> bytes:
-        data = bytearray(request.send_buffer)
+    def _allreduce(self, payload: bytes, record: Record) -> bytes:
+        data = bytearray(payload)
         rabit2.allreduce(np.frombuffer(data, dtype=_DTYPES[record.dtype]), _OPS[record.op])
         return bytes(data)
 
-    def _allgather(self, request: Any, record: Record) -> bytes:
-        out = rabit2.allgather(np.frombuffer(request.send_buffer, dtype=np.uint8))
+    def _allgather(self, payload: bytes, record: Record) -> bytes:
+        out = rabit2.allgather(np.frombuffer(payload, dtype=np.uint8))
         if out.nbytes != record.size * self.world:
             raise MismatchError(f"Allgather: ranks sent segments of different sizes "
                                 f"({record.size} B here, {out.nbytes} B in all)")
         return out.tobytes()
 
-    def _allgatherv(self, request: Any, record: Record) -> bytes:
-        return rabit2.allgather(np.frombuffer(request.send_buffer, dtype=np.uint8)).tobytes()
+    def _allgatherv(self, payload: bytes, record: Record) -> bytes:
+        return rabit2.allgather(np.frombuffer(payload, dtype=np.uint8)).tobytes()
 
-    def _broadcast(self, request: Any, record: Record) -> bytes:
+    def _broadcast(self, payload: bytes, record: Record) -> bytes:
         mine = record.root == self.rank
-        data = np.frombuffer(request.send_buffer, dtype=np.uint8) if mine else None
+        data = np.frombuffer(payload, dtype=np.uint8) if mine else None
         out = rabit2.broadcast(data, record.root)
         if not isinstance(out, np.ndarray):
             raise MismatchError(f"Broadcast: the root sent {type(out).__name__}, not bytes")
-        return bytes(request.send_buffer) if mine else out.tobytes()
+        return payload if mine else out.tobytes()
 
     # ------------------------------------------------------------------ the server
 
@@ -401,7 +402,7 @@ class Endpoint:
             self.server = None
 
 
-_RUN: dict[str, Callable[[Endpoint, Any, Record], bytes]] = {
+_RUN: dict[str, Callable[[Endpoint, bytes, Record], bytes]] = {
     "Allreduce": Endpoint._allreduce,
     "Allgather": Endpoint._allgather,
     "AllgatherV": Endpoint._allgatherv,
