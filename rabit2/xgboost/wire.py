@@ -14,7 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from rabit2.xgboost._proto import METHODS
+from google.protobuf.message import DecodeError
+
+from rabit2.xgboost._proto import MESSAGES, METHODS
 
 _VARINT, _FIXED64, _BYTES, _FIXED32 = 0, 1, 2, 5
 
@@ -27,6 +29,10 @@ _FIELDS: dict[str, dict[int, tuple[str, bool]]] = {
     "Broadcast": {1: ("sequence_number", False), 2: ("rank", True), 4: ("root", True)},
 }
 _SEND_BUFFER = 3
+_MOST_FIELDS = 16
+"""XGBoost sends at most five fields: a request with more, or with a field number or tag
+XGBoost never uses, is left to protobuf's parser (in C, bounded), so that no request makes
+this loop run long on gRPC's polling thread."""
 
 
 class Request:
@@ -67,12 +73,27 @@ def reader(method: str) -> Callable[[bytes], Request]:
     if method not in METHODS:
         raise ValueError(f"no federated method {method!r}")
     fields = _FIELDS[method]
+    message = MESSAGES[f"{method}Request"]
+
+    def by_protobuf(raw: bytes) -> Request:
+        try:
+            parsed = message.FromString(raw)
+        except DecodeError as exc:
+            raise ValueError(f"federated request: {exc}") from None
+        request = Request()
+        for name, _ in fields.values():
+            setattr(request, name, getattr(parsed, name))
+        request.send_buffer = memoryview(parsed.send_buffer)
+        return request
 
     def read(raw: bytes) -> Request:
         data = memoryview(raw)
         request = Request()
-        at, end = 0, len(data)
+        at, end, seen = 0, len(data), 0
         while at < end:
+            seen += 1
+            if seen > _MOST_FIELDS or data[at] >= 0x80:  # (a tag past field 15)
+                return by_protobuf(raw)
             key, at = _varint(data, at)
             number, kind = key >> 3, key & 7
             if number == 0:
