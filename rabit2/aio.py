@@ -17,6 +17,7 @@ import asyncio
 import concurrent.futures
 import os
 import queue
+import signal
 import threading
 import weakref
 from collections.abc import Callable, Coroutine, Iterable
@@ -136,11 +137,15 @@ class Communicator:
         as in :class:`rabit2.CommunicatorContext` (every other rank raises
         :class:`~rabit2.errors.JobAbortedError` naming it) and propagates.  That is not
         queued behind a call still under way (an ``await`` that timed out left it running)
-        and needs no thread of the event loop's: ending the job fails that call at once."""
+        and needs no thread of the event loop's: ending the job fails that call at once.
+        Ctrl-C under ``asyncio.run`` reaches the block as ``CancelledError``; the other ranks
+        are told ``KeyboardInterrupt``, as for a blocking program."""
         if api.ends_normally(error):
             await self._issue(api.leave, error, self._owner)
             self._raise_unseen()
         else:
+            if _interrupted(error):
+                error = KeyboardInterrupt()  # (the reason the other ranks are given)
             await asyncio.wrap_future(_on_a_thread_of_its_own(api.leave, error, self._owner))
 
     @property
@@ -255,6 +260,21 @@ def _settle(done: concurrent.futures.Future[T], fn: Callable[..., T],
         done.set_exception(exc)
     else:
         done.set_result(result)
+
+
+def _interrupted(error: BaseException | None) -> bool:
+    """Whether ``error`` is how ``asyncio.run`` (an :class:`asyncio.Runner`) answers Ctrl-C:
+    its SIGINT handler cancels the main task, and the block sees ``CancelledError`` where a
+    blocking program sees ``KeyboardInterrupt``.  Told by the runner's count of interrupts
+    (not public: where a Python lacks it, the ``CancelledError`` is named instead)."""
+    if not isinstance(error, asyncio.CancelledError):
+        return False
+    try:
+        handler = signal.getsignal(signal.SIGINT)
+    except ValueError:
+        return False
+    runner = getattr(getattr(handler, "func", None), "__self__", None)
+    return isinstance(runner, asyncio.Runner) and getattr(runner, "_interrupt_count", 0) > 0
 
 
 def _on_a_thread_of_its_own(fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:

@@ -186,6 +186,14 @@ def test_an_exception_in_an_asyncio_block_ends_the_job_for_every_rank() -> None:
 
 
 @pytest.mark.integration
+def test_ctrl_c_in_an_asyncio_block_is_named_as_in_a_blocking_program() -> None:
+    out = _async_job(2, "interrupt", ok=False, extra=("--max-attempts", "1"))
+    assert re.search(r"ASYNC INTERRUPTED rank=0 JobAbortedError: .*rank 1 raised "
+                     r"KeyboardInterrupt", out), out[-4000:]
+    assert "raised CancelledError" not in out, out[-4000:]
+
+
+@pytest.mark.integration
 def test_an_asyncio_wait_cancelled_while_queued_leaves_its_call_in_place() -> None:
     out = _async_job(2, "cancel", ok=True)
     for rank in range(2):  # (a/b/c: 1, 10, 100 times rank + 1, summed)

@@ -9,6 +9,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -29,6 +30,21 @@ async def fail_in_block() -> None:
     except rabit2.RabitError as exc:
         task = os.environ.get("DMLC_TASK_ID")
         print(f"ASYNC ABORTED task={task} rank={rank} {type(exc).__name__}: {exc}", flush=True)
+
+
+async def interrupted_in_block() -> None:
+    """Rank 1 gets Ctrl-C (SIGINT) inside the block; every other rank reports the error its
+    next collective raises."""
+    async with rabit2.aio.Communicator() as comm:
+        rank = comm.rank
+        if rank == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # (asyncio.run cancels this task)
+            await asyncio.sleep(30)
+        try:
+            await comm.allreduce(np.ones(4), rabit2.Op.SUM)
+        except rabit2.RabitError as exc:
+            print(f"ASYNC INTERRUPTED rank={rank} {type(exc).__name__}: {exc}", flush=True)
+            raise
 
 
 async def cancel_while_queued() -> None:
@@ -177,7 +193,7 @@ async def main() -> None:
         return
     modes = {"exit0": exit_zero_in_block, "nested": context_inside_block,
              "unseen": failure_after_a_cancelled_wait, "busy": leave_with_a_busy_executor,
-             "exit2": exit_after_a_cancelled_wait}
+             "exit2": exit_after_a_cancelled_wait, "interrupt": interrupted_in_block}
     if sys.argv[1:2] and sys.argv[1] in modes:
         await modes[sys.argv[1]]()
         return
