@@ -30,7 +30,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rabit2.core.control import REFUSE_HELLO, FrameDecoder, check_progress, encode_frame
+from rabit2.core.control import (
+    READ_SIZE,
+    REFUSE_HELLO,
+    FrameDecoder,
+    check_progress,
+    encode_frame,
+)
 from rabit2.errors import CollectiveTimeoutError, ProtocolError
 from rabit2.io.handshake import RateLimitedLog, is_loopback
 from tracker.classic import ClassicJob, labelled
@@ -57,7 +63,6 @@ from tracker.status import job_status
 
 logger = logging.getLogger("rabit2.tracker")
 
-_READ_SIZE = 65536
 _WILDCARD_HOSTS = ("", "0.0.0.0", "::")
 CLOSED_BY_WORKER = "connection closed by the worker"
 """Why a worker's connection ended when the worker closed it: its process left (an exit, a
@@ -439,7 +444,7 @@ class Tracker:
             registered = self._registry.task_of(conn) is not None
             timeout = self._heartbeat_timeout if registered else self._handshake_timeout
             try:
-                data = await asyncio.wait_for(reader.read(_READ_SIZE), timeout)
+                data = await asyncio.wait_for(reader.read(READ_SIZE), timeout)
             except TimeoutError as exc:
                 if exc.errno is not None:  # the kernel's ETIMEDOUT, not our deadline
                     return f"connection timed out: {exc}"

@@ -226,6 +226,11 @@ def decode_body(body: bytes) -> dict[str, Any]:
     return msg
 
 
+READ_SIZE = 65536
+"""How many bytes a reader of control frames asks its stream for at a time (what it reads
+goes to a :class:`FrameDecoder`)."""
+
+
 class FrameDecoder:
     """Incremental decoder: feed bytes as they arrive, get whole validated messages back.
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 
 from rabit2.core.agent import Call
 from rabit2.io.express import ExpressIO
-from rabit2.io.waiting import SLICE, yield_cpu
+from rabit2.io.waiting import SLICE, Backoff, yield_cpu
 
 if TYPE_CHECKING:
     from rabit2.io.engine import Engine
@@ -55,8 +55,7 @@ class Driver:
         self.general = general
         self.spin = spin  # seconds of polling (no sleep) before a wait blocks
         self.driven = self.handed = 0
-        self.skip = 0  # calls left that wait without polling (the CPU was contended)
-        self.backoff = 16
+        self.backoff = Backoff()  # (calls that wait without polling: the CPU was contended)
         self._spin_end = 0.0
         self._end = 0.0  # when the call in progress goes to the loop (0: its wait not begun)
         self._epoll: select.epoll | None = None
@@ -90,8 +89,8 @@ class Driver:
                     return False
                 engine.begin_call(call, waiter, kill_after_bytes, reset_peer, damage)
             finished = waiter.finished or (self.general and self._drive(waiter))
-            if not self.skip:
-                self.backoff = 16
+            if not self.backoff.skip:
+                self.backoff.calm()
             if finished:
                 self.driven += 1
             else:
@@ -129,8 +128,8 @@ class Driver:
         if self._end:
             return self._end
         self._spin_end = now + self.spin
-        if self.skip:
-            self.skip -= 1
+        if self.backoff.skip:
+            self.backoff.skip -= 1
             self._spin_end = now
         self._end = now + self.drive
         return self._end
@@ -147,8 +146,7 @@ class Driver:
             if time.monotonic() - now > SLICE:
                 # other threads held this CPU for a time slice (the rank we wait for may
                 # be one of them): sleep instead, for this call and a few more
-                self.skip = self.backoff
-                self.backoff = min(self.backoff * 2, 65536)
+                self.backoff.contended()
                 self._spin_end = now
         return events
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 from rabit2.config import Config
-from rabit2.core.control import FrameDecoder, encode_frame
+from rabit2.core.control import READ_SIZE, FrameDecoder, encode_frame
 from rabit2.errors import (
     CollectiveTimeoutError,
     JobAbortedError,
@@ -35,7 +35,6 @@ from rabit2.io.handshake import connect_authenticated
 
 logger = logging.getLogger("rabit2.tracker_client")
 
-_READ_SIZE = 65536
 # A print is a log line, not a data channel: cap it well below MAX_FRAME so that a huge
 # message is truncated instead of failing the worker.
 _MAX_PRINT_BYTES = 256 * 1024
@@ -499,7 +498,7 @@ class TrackerClient:
         decoder = FrameDecoder()
         try:
             while True:
-                data = await self._reader.read(_READ_SIZE)
+                data = await self._reader.read(READ_SIZE)
                 if not data:
                     return "the tracker closed the connection"
                 for msg in decoder.feed(data):

@@ -6,11 +6,9 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from rabit2.core.control import FrameDecoder, encode_frame
+from rabit2.core.control import READ_SIZE, FrameDecoder, encode_frame
 from rabit2.errors import PeerLostError, ProtocolError, RabitError, TrackerError
 from rabit2.io.handshake import connect_authenticated
-
-_READ_SIZE = 65536
 
 
 async def query_tracker_status(
@@ -50,7 +48,7 @@ async def query_tracker_status(
         decoder = FrameDecoder()
         async with asyncio.timeout(timeout):
             while True:
-                data = await reader.read(_READ_SIZE)
+                data = await reader.read(READ_SIZE)
                 if not data:
                     raise TrackerError("the tracker closed the status connection")
                 for msg in decoder.feed(data):

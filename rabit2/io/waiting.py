@@ -21,35 +21,59 @@ SLICE = 1e-3
 (not the loop thread, which is doing the call's work) = the CPU is contended."""
 
 
+class Backoff:
+    """How many calls in a row wait without polling once polling found the CPU contended:
+    16, doubling while it keeps happening, up to 65536, and 16 again after a call that
+    polled undisturbed (:class:`Poller`, and the driver of calls made on the caller's
+    thread)."""
+
+    __slots__ = ("next", "skip")
+
+    FIRST = 16
+    LAST = 65536
+
+    def __init__(self) -> None:
+        self.skip = 0  # calls left that wait without polling
+        self.next = self.FIRST  # how many the next contention skips
+
+    def contended(self) -> None:
+        """Polling found the CPU contended: the next ``next`` calls do not poll."""
+        self.skip = self.next
+        self.next = min(self.next * 2, self.LAST)
+
+    def calm(self) -> None:
+        """A call polled undisturbed."""
+        self.next = self.FIRST
+
+
 class Poller:
     """How a caller waits for its call (``docs/design.md``, "Waiting"): poll for up to
     ``spin`` seconds, yielding the CPU on every turn, with the loop thread SCHED_BATCH, then
     sleep.  If other threads of this CPU held it for a time slice meanwhile (a compute
     thread, a BLAS pool spinning after its last call), polling hands them the CPU and the
     batch loop thread waits behind them: the caller then sleeps at once and the loop thread
-    goes back to the normal policy for the next ``skip`` calls (16, doubling while it keeps
-    happening, up to 65536), after which polling is tried again."""
+    goes back to the normal policy for the next calls (:class:`Backoff`), after which
+    polling is tried again."""
 
     def __init__(self, spin: float, loop_thread: LoopThread) -> None:
         self.spin = spin
         self.loop_thread = loop_thread
-        self.skip = 0
-        self.backoff = 16
+        self.backoff = Backoff()
 
     def wait(self, waiter: Waiter, timeout: float) -> bool:
         if self.spin > 0.0:
-            if self.skip:
-                self.skip -= 1
-                if not self.skip:
+            backoff = self.backoff
+            if backoff.skip:
+                backoff.skip -= 1
+                if not backoff.skip:
                     self.loop_thread.set_batch(True)
             elif self._poll(waiter):
                 logger.debug("CPU contended while polling: sleeping for the next %d calls",
-                             self.backoff)
+                             backoff.next)
                 self.loop_thread.set_batch(False)
-                self.skip = self.backoff
-                self.backoff = min(self.backoff * 2, 65536)
+                backoff.contended()
             else:
-                self.backoff = 16
+                backoff.calm()
         return waiter.lock.acquire(True, timeout)
 
     def _poll(self, waiter: Waiter) -> bool:

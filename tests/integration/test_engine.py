@@ -540,7 +540,7 @@ def test_a_contended_cpu_stops_the_polling_for_a_while() -> None:
         finisher = threading.Timer(0.3, waiter.finish, (None,))
         finisher.start()
         assert poller.wait(waiter, 5)
-        assert poller.skip == 16 and poller.backoff == 32
+        assert poller.backoff.skip == 16 and poller.backoff.next == 32
         assert loop_thread.run(policy(), 5) == os.SCHED_OTHER
         stop.set()
         burner.join(5)
@@ -549,7 +549,7 @@ def test_a_contended_cpu_stops_the_polling_for_a_while() -> None:
             done = _Waiter()
             done.finish(None)
             assert poller.wait(done, 5)
-        assert poller.skip == 0
+        assert poller.backoff.skip == 0
         assert loop_thread.run(policy(), 5) == os.SCHED_BATCH
         loop_thread.stop()
     finally:
