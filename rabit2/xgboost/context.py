@@ -134,7 +134,8 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
                              "worker's own training state as a local model, which needs "
                              "rabit_local_replica >= 1 (default 2)")
         rank, world = rabit2.get_rank(), rabit2.get_world_size()
-        self.endpoint = Endpoint(rank, world)
+        self.endpoint = Endpoint(rank, world, None if config is None or not config.recover
+                                 else config.replay_mb << 20)
         port = self.endpoint.start()
         version, state, local = rabit2.load_checkpoint(with_local=True)
         self.restored = restored_state(version, state, local)

@@ -52,6 +52,9 @@ _OPS: dict[int, rabit2.Op] = {
 }
 SEQUENCE_WAIT_SEC = 5.0
 """How long a request that arrived ahead of its turn waits for the ones before it."""
+PRELUDE_ENTRY = 512
+"""What each call of the prelude log counts against its bound besides its result: its
+record, its digest and their Python objects (as the replay store counts a kept result)."""
 
 
 class EndpointError(Exception):
@@ -88,7 +91,10 @@ class Endpoint:
     """The ``Federated`` service of one worker.  Thread-safe; requests run one at a time in
     sequence-number order."""
 
-    def __init__(self, rank: int, world: int) -> None:
+    def __init__(self, rank: int, world: int, prelude_limit: int | None = None) -> None:
+        """``prelude_limit``: the bytes of results (and ``PRELUDE_ENTRY`` each) the prelude
+        log may keep, for ``rx.train``'s checkpoints (``rabit2_replay_mb``); None: keep no
+        prelude (recovery off)."""
         self.rank, self.world = rank, world
         self._cond = threading.Condition()
         self._next_seq = 0
@@ -99,8 +105,12 @@ class Endpoint:
         self._collective_s = 0.0  # inside rabit2's collectives
         self._handler_s = 0.0  # inside the gRPC handler, checks and copies included
         # prelude: recorded as it runs (fresh start), or replayed from a checkpoint
-        self._recording: list[Record] | None = []
+        self._recording: list[Record] | None = [] if prelude_limit is not None else None
         self._digests: list[bytes] = []  # of what this rank sent in each prelude call
+        self._prelude_room = prelude_limit or 0  # what the prelude log may still take
+        # the prelude log outgrew its bound (XGBoost training outside rx.train, or a very
+        # large sketch) and was dropped: rx.train takes no checkpoints in this context
+        self.prelude_outgrown = False
         self._replay: collections.deque[Record] | None = None
         self._replay_digests: collections.deque[bytes] = collections.deque()
         self._replayed = 0
@@ -124,10 +134,11 @@ class Endpoint:
             self._replay = collections.deque(records)
             self._replay_digests = collections.deque(digests)
 
-    def end_prelude(self) -> tuple[tuple[Record, ...], tuple[bytes, ...]]:
+    def end_prelude(self) -> tuple[tuple[Record, ...], tuple[bytes, ...]] | None:
         """Training starts: the prelude is complete.  Returns it (for the checkpoints: the
-        results, and the digests of this rank's inputs) on a fresh start; on a restart
-        checks that every recorded call was made again."""
+        results, and the digests of this rank's inputs) on a fresh start, None where none
+        was kept (recovery off, or it outgrew its bound); on a restart checks that every
+        recorded call was made again."""
         with self._cond:
             if self._replay is not None:
                 if self._replay:
@@ -138,7 +149,9 @@ class Endpoint:
                         "make the same calls before training on a restart")
                 self._replay = None
                 return (), ()
-            records = tuple(self._recording or ())
+            if self._recording is None:
+                return None
+            records = tuple(self._recording)
             self._recording = None
             self._first_round = []
             return records, tuple(self._digests)
@@ -263,11 +276,35 @@ class Endpoint:
         self._capture(done)
         with self._cond:
             if self._recording is not None:
-                self._recording.append(done)
-                self._digests.append(_digest(payload))
+                self._keep_in_prelude(done, payload)
             elif self._first_round is not None and method == "Broadcast":
                 self._first_round.append(done)
         return result
+
+    def _keep_in_prelude(self, record: Record, payload: memoryview) -> None:
+        """Log a call of the prelude, within its bound; past it drop the log for good."""
+        assert self._recording is not None
+        cost = len(record.result) + PRELUDE_ENTRY
+        if cost > self._prelude_room:
+            self._recording, self._digests = None, []
+            self.prelude_outgrown = True
+            logger.warning(
+                "rank %d: the results of XGBoost's calls before rabit2.xgboost.train, kept "
+                "for its checkpoints, outgrew rabit2_replay_mb at call %d: none are kept any "
+                "more, and rabit2.xgboost.train in this context takes no checkpoints "
+                "(xgboost.train and the scikit-learn estimators take none anyway)",
+                self.rank, self.calls)
+            return
+        self._prelude_room -= cost
+        self._recording.append(record)
+        self._digests.append(_digest(payload))
+
+    @property
+    def keeps_prelude(self) -> bool:
+        """Whether the prelude log is being kept (recovery on, within its bound), so that
+        ``rx.train`` can checkpoint it."""
+        with self._cond:
+            return self._recording is not None
 
     def statistics(self) -> dict[str, float]:
         """Counters since the start: ``calls`` (XGBoost's requests), ``bytes`` (sent by this

@@ -243,9 +243,18 @@ def _train(restored: TrainingState | None, endpoint: Endpoint, recover: bool,
            checkpoint_every: int) -> xgboost.Booster:
     cache = [dtrain] + [d for d, _ in evals]
     extras: tuple[tuple[int, int], ...] = ()
-    if recover:
+    # (checkpoints hold the prelude: none where it outgrew its bound; a lost worker then
+    # replays from the start, as far as rabit2_replay_mb holds every result)
+    checkpoints = recover and (restored is not None or endpoint.keeps_prelude)
+    if checkpoints:
         extras = _probe(endpoint, params, dtrain)
-    prelude, digests = endpoint.end_prelude()
+    kept = endpoint.end_prelude()
+    if kept is None:
+        checkpoints = False
+        if recover:
+            logger.warning("rank %d: rabit2.xgboost.train takes no checkpoints: the calls "
+                           "before it outgrew rabit2_replay_mb", rabit2.get_rank())
+    prelude, digests = kept or ((), ())
     if restored is not None:
         bst = xgboost.Booster(params, cache, model_file=bytearray(restored.model))
         _restore_params(bst, restored.config)
@@ -273,7 +282,7 @@ def _train(restored: TrainingState | None, endpoint: Endpoint, recover: bool,
         stopped = container.after_iteration(bst, i, dtrain, evals)
         if restored is None and i == start:
             first_round = endpoint.first_round_broadcasts()
-        if recover and ((i + 1) % checkpoint_every == 0 or stopped
+        if checkpoints and ((i + 1) % checkpoint_every == 0 or stopped
                         or i + 1 == num_boost_round):
             # the callbacks' state is this rank's own (a callback may act on one rank only)
             rabit2.lazy_checkpoint(TrainingState(

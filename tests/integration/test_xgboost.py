@@ -5,6 +5,7 @@ a bit-identical model, and typed failures for bad requests."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import socket
@@ -114,12 +115,14 @@ def test_an_xgboost_without_the_federated_communicator_is_refused_at_entry(
 
 
 @pytest.fixture
-def alone(monkeypatch: pytest.MonkeyPatch) -> object:
-    """rabit2 alone (world 1) with an endpoint, and a client for it."""
+def alone(monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> object:
+    """rabit2 alone (world 1) with an endpoint (keeping a prelude of the bytes the test's
+    ``prelude_limit`` mark names, if any), and a client for it."""
     # (an early sequence number's wait for the calls before it, shortened)
     monkeypatch.setattr(service, "SEQUENCE_WAIT_SEC", 1.0)
     rabit2.init()
-    endpoint = Endpoint(0, 1)
+    mark = request.node.get_closest_marker("prelude_limit")
+    endpoint = Endpoint(0, 1, None if mark is None else mark.args[0])
     port = endpoint.start()
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
 
@@ -151,6 +154,29 @@ def test_endpoint_answers_each_collective(alone) -> None:  # type: ignore[no-unt
     assert alone("AllgatherV", sequence_number=3, rank=0, send_buffer=b"z") == b"z"
     assert alone("Allreduce", sequence_number=4, rank=0, send_buffer=b"",
                  data_type=dtype, reduce_operation=op) == b""
+
+
+@pytest.mark.prelude_limit(3 * (1024 + service.PRELUDE_ENTRY))
+def test_the_prelude_is_kept_within_its_bound_then_dropped(alone, caplog) -> None:  # type: ignore[no-untyped-def]
+    endpoint = alone.endpoint
+    caplog.set_level(logging.WARNING, logger="rabit2.xgboost")
+    for seq in range(3):
+        assert alone("Broadcast", sequence_number=seq, rank=0, send_buffer=b"x" * 1024,
+                     root=0) == b"x" * 1024
+    assert endpoint.keeps_prelude and not endpoint.prelude_outgrown
+    for seq in range(3, 6):  # (the fourth outgrows it; the calls go on)
+        assert alone("Broadcast", sequence_number=seq, rank=0, send_buffer=b"y",
+                     root=0) == b"y"
+    assert endpoint.prelude_outgrown and not endpoint.keeps_prelude
+    assert endpoint.end_prelude() is None
+    said = [r for r in caplog.records if "outgrew rabit2_replay_mb at call 4" in r.getMessage()]
+    assert len(said) == 1, caplog.text
+
+
+def test_without_recovery_no_prelude_is_kept(alone) -> None:  # type: ignore[no-untyped-def]
+    assert alone("Broadcast", sequence_number=0, rank=0, send_buffer=b"abc", root=0) == b"abc"
+    assert not alone.endpoint.keeps_prelude and not alone.endpoint.prelude_outgrown
+    assert alone.endpoint.end_prelude() is None
 
 
 @pytest.mark.parametrize(("fields", "message"), [
@@ -393,8 +419,26 @@ def test_params_as_pairs_keep_a_repeated_key() -> None:
     result = submit(2, "pairs", script="xgb_misuse.py", timeout=90)
     out = result.stdout + result.stderr
     assert result.returncode == 0, out[-3000:]
+    for rank in (0, 1):  # (a checkpoint every round: recovery is on)
+        assert f"metrics rank={rank} ['auc', 'logloss'] checkpoint=3" in out, out[-3000:]
+
+
+def test_training_before_rx_train_keeps_a_bounded_prelude_and_no_checkpoints() -> None:
+    """``xgboost.train`` inside the context before ``rx.train``: its calls count as the
+    prelude, which the endpoint keeps for ``rx.train``'s checkpoints only up to
+    ``rabit2_replay_mb``; past it none is kept and ``rx.train`` trains on without
+    checkpoints, on every rank alike."""
+    result = submit(2, "plain-first", script="xgb_misuse.py", timeout=120,
+                    env=("RABIT2_REPLAY_MB=1",))
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
     for rank in (0, 1):
-        assert f"metrics rank={rank} ['auc', 'logloss']" in out, out[-3000:]
+        assert f"metrics rank={rank} ['logloss'] checkpoint=0" in out, out[-3000:]
+        assert f"outcome rank={rank} ok" in out, out[-3000:]
+        said = re.findall(rf"rank {rank}: the results of XGBoost's calls before "
+                          r"rabit2\.xgboost\.train, kept for its checkpoints, outgrew", out)
+        assert len(said) == 1, out[-3000:]
+        assert f"rank {rank}: rabit2.xgboost.train takes no checkpoints" in out, out[-3000:]
 
 
 @pytest.mark.parametrize("mode", ["schedule", "per-host"])

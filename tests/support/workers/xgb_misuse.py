@@ -6,7 +6,8 @@ LearningRateScheduler of a list: its function is code, not checkpointed state),
 ``unpicklable`` (a callback holding an open file), ``outside`` (``rx.train`` after a plain
 ``rabit2.init``), ``per-host`` (nthread and verbosity per rank, eta a numpy float on one),
 ``unbiased`` (``lambdarank_unbiased``, which no restart could go on with), ``no-replica``
-(``rabit_local_replica=0`` with recovery on)."""
+(``rabit_local_replica=0`` with recovery on), ``plain-first`` (``xgboost.train`` inside the
+context before ``rx.train``: the calls before ``rx.train`` grow past ``rabit2_replay_mb``)."""
 
 from __future__ import annotations
 
@@ -69,10 +70,13 @@ def main() -> None:
                 callbacks.append(xgboost.callback.LearningRateScheduler([0.3, 0.2, 0.1]))
             elif mode == "unpicklable":
                 callbacks.append(Holder())
+            if mode == "plain-first":
+                xgboost.train({**params, "max_depth": 6}, dtrain, 60)  # type: ignore[dict-item]
             history: dict[str, dict[str, list[float]]] = {}
             rx.train(params, dtrain, rounds, evals=[(dtrain, "train")],  # type: ignore[arg-type]
                      evals_result=history, verbose_eval=False, callbacks=callbacks)
-            print(f"metrics rank={rank} {sorted(history['train'])}", flush=True)
+            print(f"metrics rank={rank} {sorted(history['train'])} "
+                  f"checkpoint={rabit2.version_number()}", flush=True)
         if mode == "second":
             with rx.CommunicatorContext():
                 pass
