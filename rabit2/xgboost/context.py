@@ -16,6 +16,7 @@ import rabit2
 from rabit2.api import abort_for, current_config, enter, exited, in_context
 from rabit2.config import load_config
 from rabit2.errors import RabitError
+from rabit2.xgboost.memory import keep_payload_buffers
 from rabit2.xgboost.service import Endpoint
 from rabit2.xgboost.training import TrainingState, restored_state
 
@@ -134,6 +135,7 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
                              "worker's own training state as a local model, which needs "
                              "rabit_local_replica >= 1 (default 2)")
         rank, world = rabit2.get_rank(), rabit2.get_world_size()
+        keep_payload_buffers()
         self.endpoint = Endpoint(rank, world, None if config is None or not config.recover
                                  else config.replay_mb << 20)
         port = self.endpoint.start()
