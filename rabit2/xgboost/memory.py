@@ -6,7 +6,7 @@ reply, gRPC's server in the endpoint assembles the request and the reply, and th
 holds the result.  glibc serves each such buffer above its ``mmap`` threshold (128 KiB at
 first, raised by what is freed) with a fresh mapping, and gives memory freed at the top of a
 heap back to the kernel past its trim threshold (128 KiB): so each call of a few MB faults
-in a few thousand fresh pages (measured: 2 MB calls, 2 250-2 460 page faults each), and on
+in a few thousand fresh pages (measured: 2 MiB calls, 700-2 460 page faults each), and on
 a VM a fresh page costs 1-2 us.  Keeping such buffers in the heap, and the heap's freed top,
 lets the next call reuse them (``docs/xgboost.md``, "What it costs").
 
