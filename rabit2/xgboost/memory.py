@@ -10,10 +10,13 @@ in a few thousand fresh pages (measured: 2 MiB calls, 700-2 460 page faults each
 a VM a fresh page costs 1-2 us.  Keeping such buffers in the heap, and the heap's freed top,
 lets the next call reuse them (``docs/xgboost.md``, "What it costs").
 
-Set once per process by :class:`rabit2.xgboost.CommunicatorContext`, on glibc only, and not
-where the program or its environment chose glibc's malloc settings itself
-(``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, or ``glibc.malloc`` tunables in
-``GLIBC_TUNABLES``): those apply then.
+The thresholds set are those glibc's own dynamic ones reach once the process has freed a
+buffer of 32 MiB: buffers up to 32 MiB come from a heap, and a heap's free top goes back to
+the kernel past 64 MiB (so each thread's arena, whose heaps are 64 MiB at most, keeps its
+free top).  Set once per process, for good, by :class:`rabit2.xgboost.CommunicatorContext`,
+on glibc only, and not where the environment set either threshold
+(``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, or their ``glibc.malloc`` tunables
+in ``GLIBC_TUNABLES``): those apply then.
 """
 
 from __future__ import annotations
@@ -28,17 +31,20 @@ logger = logging.getLogger("rabit2.xgboost")
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20
-"""Buffers up to this size come from the heap (glibc's largest allowed threshold on 64-bit)."""
-TRIM_THRESHOLD = 512 << 20
-"""Freed memory at the top of a heap that stays with the process."""
+"""Buffers up to this size come from a heap (glibc's largest threshold on 64-bit)."""
+TRIM_THRESHOLD = 2 * MMAP_THRESHOLD
+"""Freed memory at the top of a heap that stays with the process (what glibc's dynamic
+threshold sets with the ``mmap`` threshold above)."""
+_TUNABLES = ("glibc.malloc.mmap_threshold=", "glibc.malloc.trim_threshold=")
 
 _done: list[bool] = []
 
 
 def chosen_by_the_environment(environ: os._Environ[str] | dict[str, str]) -> bool:
-    """Whether glibc's malloc thresholds were set for this process by its environment."""
+    """Whether the environment set glibc's ``mmap`` or trim threshold for this process."""
+    tunables = environ.get("GLIBC_TUNABLES", "")
     return ("MALLOC_MMAP_THRESHOLD_" in environ or "MALLOC_TRIM_THRESHOLD_" in environ
-            or "glibc.malloc." in environ.get("GLIBC_TUNABLES", ""))
+            or any(name in tunables for name in _TUNABLES))
 
 
 def keep_payload_buffers() -> bool:

@@ -108,6 +108,7 @@ class Endpoint:
         self._recording: list[Record] | None = [] if prelude_limit is not None else None
         self._digests: list[bytes] = []  # of what this rank sent in each prelude call
         self._prelude_room = prelude_limit or 0  # what the prelude log may still take
+        self._prelude_held = False  # kept whole from rx.train's agreement on (hold_prelude)
         # the prelude log outgrew its bound (XGBoost training outside rx.train, or a very
         # large sketch) and was dropped: rx.train takes no checkpoints in this context
         self.prelude_outgrown = False
@@ -285,7 +286,7 @@ class Endpoint:
         """Log a call of the prelude, within its bound; past it drop the log for good."""
         assert self._recording is not None
         cost = len(record.result) + PRELUDE_ENTRY
-        if cost > self._prelude_room:
+        if cost > self._prelude_room and not self._prelude_held:
             self._recording, self._digests = None, []
             self.prelude_outgrown = True
             logger.warning(
@@ -298,6 +299,21 @@ class Endpoint:
         self._prelude_room -= cost
         self._recording.append(record)
         self._digests.append(_digest(payload))
+
+    def hold_prelude(self) -> bool:
+        """Whether the prelude log is still kept; if so it is kept whole from now on, bound
+        or not (the calls left before training: ``rx.train``'s agreement on checkpoints, its
+        probe), so that what the ranks agree on holds on each of them."""
+        with self._cond:
+            self._prelude_held = self._recording is not None
+            return self._prelude_held
+
+    def drop_prelude(self) -> None:
+        """Keep no prelude log (``rx.train`` takes no checkpoints: another rank's log
+        outgrew its bound); :meth:`end_prelude` returns None."""
+        with self._cond:
+            if self._recording is not None:
+                self._recording, self._digests = None, []
 
     @property
     def keeps_prelude(self) -> bool:

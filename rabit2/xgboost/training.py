@@ -87,24 +87,29 @@ def _items(params: Params) -> list[tuple[str, Any]]:
     return list(params.items()) if isinstance(params, Mapping) else list(params)
 
 
-def _agree_on(params: Params, num_boost_round: int, checkpoint_every: int) -> None:
+def _agree_on(params: Params, num_boost_round: int, checkpoint_every: int, keep: bool) -> bool:
     """Every rank trains the same model: a digest of the parameters and the rounds, reduced
     (MIN and MAX) through XGBoost's own collectives, so that a restarted worker's replay of
     the calls before training covers it too.  Raises ``MismatchError`` on every rank where
     they differ (XGBoost checks only what changes a call's size; the rest trains a different
-    model on each rank, silently)."""
+    model on each rank, silently).  Whether training checkpoints is agreed in the same
+    calls: only if every rank can (``keep``: each bounds its log of the calls before
+    training by its own ``rabit2_replay_mb``, and a checkpoint some ranks take and others
+    do not would mismatch every later call)."""
     # (by key, a repeated key's values in their order; numpy scalars as Python's; the keys
     # that do not change the model left out, so that each host may set its own)
     items = sorted(((key, _plain(key, value)) for key, value in _items(params)
                     if key not in _PER_HOST), key=operator.itemgetter(0))
     text = repr((items, num_boost_round, checkpoint_every)).encode()
-    digest = np.array([int.from_bytes(hashlib.sha256(text).digest()[:7], "little")], np.int64)
+    digest = np.array([int.from_bytes(hashlib.sha256(text).digest()[:7], "little"),
+                       1 if keep else 0], np.int64)
     low = xgboost.collective.allreduce(digest, xgboost.collective.Op.MIN)
     high = xgboost.collective.allreduce(digest, xgboost.collective.Op.MAX)
     if low[0] != high[0]:
         raise MismatchError("rabit2.xgboost.train: the ranks passed different params, "
                             "num_boost_round or checkpoint_every: every rank must train the "
                             "same model")
+    return bool(low[1])
 
 
 _PER_HOST = frozenset({"nthread", "n_jobs", "verbosity", "silent", "validate_parameters"})
@@ -201,11 +206,14 @@ def train(
     if recover:
         _snapshot(callbacks)  # a TypeError now, not at the first checkpoint
     endpoint = active.endpoint
+    # (checkpoints hold the calls before training, a restarted worker's log: not where a
+    # rank's log outgrew its bound; a restarted worker's log is the checkpoint's)
+    keep = recover and (endpoint.hold_prelude() or active.restored is not None)
     try:
-        _agree_on(given, num_boost_round, checkpoint_every)
-        return _train(active.restored, endpoint, recover, given, dtrain, num_boost_round,
-                      evals, obj, evals_result, xgb_model, callbacks, custom_metric,
-                      checkpoint_every)
+        checkpoints = _agree_on(given, num_boost_round, checkpoint_every, keep)
+        return _train(active.restored, endpoint, recover, checkpoints, given, dtrain,
+                      num_boost_round, evals, obj, evals_result, xgb_model, callbacks,
+                      custom_metric, checkpoint_every)
     except xgboost.core.XGBoostError as exc:
         failure = endpoint.failure
         if failure is not None and failure.error is not None:
@@ -235,25 +243,25 @@ def _refuse_what_cannot_recover(lookup: Mapping[str, Any]) -> None:
 
 
 def _train(restored: TrainingState | None, endpoint: Endpoint, recover: bool,
-           params: dict[str, Any] | list[tuple[str, Any]], dtrain: xgboost.DMatrix,
-           num_boost_round: int,
+           checkpoints: bool, params: dict[str, Any] | list[tuple[str, Any]],
+           dtrain: xgboost.DMatrix, num_boost_round: int,
            evals: list[tuple[xgboost.DMatrix, str]], obj: Any,
            evals_result: dict[str, Any] | None, xgb_model: Any,
            callbacks: list[TrainingCallback], custom_metric: Any,
            checkpoint_every: int) -> xgboost.Booster:
     cache = [dtrain] + [d for d, _ in evals]
     extras: tuple[tuple[int, int], ...] = ()
-    # (checkpoints hold the prelude: none where it outgrew its bound; a lost worker then
-    # replays from the start, as far as rabit2_replay_mb holds every result)
-    checkpoints = recover and (restored is not None or endpoint.keeps_prelude)
     if checkpoints:
         extras = _probe(endpoint, params, dtrain)
+    elif recover:
+        # (rabit2's replay store, bounded by the same rabit2_replay_mb, has outgrown it by
+        # now too: a worker lost from here on cannot be recovered)
+        endpoint.drop_prelude()
+        logger.warning("rank %d: rabit2.xgboost.train takes no checkpoints: the calls "
+                       "before it outgrew rabit2_replay_mb%s", rabit2.get_rank(),
+                       "" if endpoint.prelude_outgrown else " on another rank")
     kept = endpoint.end_prelude()
-    if kept is None:
-        checkpoints = False
-        if recover:
-            logger.warning("rank %d: rabit2.xgboost.train takes no checkpoints: the calls "
-                           "before it outgrew rabit2_replay_mb", rabit2.get_rank())
+    assert kept is not None or not checkpoints  # (hold_prelude kept it whole)
     prelude, digests = kept or ((), ())
     if restored is not None:
         bst = xgboost.Booster(params, cache, model_file=bytearray(restored.model))

@@ -441,6 +441,20 @@ def test_training_before_rx_train_keeps_a_bounded_prelude_and_no_checkpoints() -
         assert f"rank {rank}: rabit2.xgboost.train takes no checkpoints" in out, out[-3000:]
 
 
+def test_ranks_of_different_bounds_agree_whether_rx_train_checkpoints() -> None:
+    """``rabit2_replay_mb`` is each rank's own: only rank 0's prelude outgrows it (1 MiB),
+    and no rank checkpoints (a checkpoint on rank 1 alone would mismatch every later
+    call)."""
+    result = submit(2, "uneven-bound", script="xgb_misuse.py", timeout=120)
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    for rank in (0, 1):
+        assert f"metrics rank={rank} ['logloss'] checkpoint=0" in out, out[-3000:]
+        assert f"outcome rank={rank} ok" in out, out[-3000:]
+    assert ("rank 1: rabit2.xgboost.train takes no checkpoints: the calls before it outgrew "
+            "rabit2_replay_mb on another rank") in out, out[-3000:]
+
+
 @pytest.mark.parametrize("mode", ["schedule", "per-host"])
 def test_what_needs_no_checkpoint_or_agreement_trains(mode: str) -> None:
     """A LearningRateScheduler of a list (its schedule is a function: code a restarted

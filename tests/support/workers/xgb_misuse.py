@@ -7,7 +7,9 @@ LearningRateScheduler of a list: its function is code, not checkpointed state),
 ``rabit2.init``), ``per-host`` (nthread and verbosity per rank, eta a numpy float on one),
 ``unbiased`` (``lambdarank_unbiased``, which no restart could go on with), ``no-replica``
 (``rabit_local_replica=0`` with recovery on), ``plain-first`` (``xgboost.train`` inside the
-context before ``rx.train``: the calls before ``rx.train`` grow past ``rabit2_replay_mb``)."""
+context before ``rx.train``: the calls before ``rx.train`` grow past ``rabit2_replay_mb``),
+``uneven-bound`` (the same with ``rabit2_replay_mb=1`` on rank 0 only: the ranks still agree
+whether ``rx.train`` checkpoints)."""
 
 from __future__ import annotations
 
@@ -46,8 +48,10 @@ def main() -> None:
             rabit2.finalize()
             sys.exit(3)
     try:
+        bound = ({"rabit2_replay_mb": 1} if mode == "uneven-bound"
+                 and os.environ.get("DMLC_TASK_ID") == "0" else {})
         with rx.CommunicatorContext(
-                rabit_local_replica=0 if mode == "no-replica" else None):
+                rabit_local_replica=0 if mode == "no-replica" else None, **bound):
             rank = rabit2.get_rank()
             dtrain = xgboost.DMatrix(x[rank::2], y[rank::2])
             rounds = 3
@@ -70,7 +74,7 @@ def main() -> None:
                 callbacks.append(xgboost.callback.LearningRateScheduler([0.3, 0.2, 0.1]))
             elif mode == "unpicklable":
                 callbacks.append(Holder())
-            if mode == "plain-first":
+            if mode in ("plain-first", "uneven-bound"):
                 xgboost.train({**params, "max_depth": 6}, dtrain, 60)  # type: ignore[dict-item]
             history: dict[str, dict[str, list[float]]] = {}
             rx.train(params, dtrain, rounds, evals=[(dtrain, "train")],  # type: ignore[arg-type]
