@@ -103,6 +103,9 @@ class Config:
     checksum: str = "auto"
     # elastic mode (docs/elastic.md): steps run in live sets; no recovery
     elastic: bool = False
+    # rabit2.xgboost sets glibc's malloc thresholds for its payload-sized buffers
+    # (rabit2/xgboost/memory.py)
+    xgboost_heap: bool = True
 
     @property
     def distributed(self) -> bool:
@@ -147,6 +150,7 @@ _ALIASES: dict[str, str] = {
     "rabit2_tcp_congestion": "tcp_congestion",
     "rabit2_checksum": "checksum",
     "rabit2_elastic": "elastic",
+    "rabit2_xgboost_heap": "xgboost_heap",
 }
 # the least value of each integer setting (named as users know it)
 _LEAST = {
@@ -203,6 +207,7 @@ _ENV_KEYS = (
     "RABIT2_TCP_CONGESTION",
     "RABIT2_CHECKSUM",
     "RABIT2_ELASTIC",
+    "RABIT2_XGBOOST_HEAP",
 )
 _OTHER_ENV_KEYS = ("RABIT2_BIND_CPU", "RABIT2_LAUNCHER_PID", "RABIT2_RUN_DIR")
 """Read where they are used (the engine's start, the launcher), not by :func:`load_config`."""
@@ -257,7 +262,7 @@ def secret_bytes(text: str) -> bytes:
 def _convert(field: str, value: Any) -> Any:  # noqa: C901, PLR0911, PLR0912
     if field == "secret":
         return value if isinstance(value, bytes) else secret_bytes(str(value))
-    if field in ("recover", "elastic", "express", "drive_general"):
+    if field in ("recover", "elastic", "express", "drive_general", "xgboost_heap"):
         text = str(value).strip().lower()
         if text in ("1", "true", "yes", "on"):
             return True

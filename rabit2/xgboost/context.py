@@ -7,7 +7,7 @@ import hashlib
 import logging
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import xgboost
@@ -16,7 +16,7 @@ import rabit2
 from rabit2.api import abort_for, current_config, enter, exited, in_context
 from rabit2.config import load_config
 from rabit2.errors import RabitError
-from rabit2.xgboost.memory import keep_payload_buffers
+from rabit2.xgboost.memory import raise_thresholds
 from rabit2.xgboost.service import Endpoint
 from rabit2.xgboost.training import TrainingState, restored_state
 
@@ -94,6 +94,8 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
         self.restored: TrainingState | None = None
         self.trained = False
         self._xgb = False  # xgboost.collective initialised by this context
+        # puts back the malloc thresholds the environment set (rabit2.xgboost.memory)
+        self._put_back: Callable[[], None] | None = None
         self._counted = False  # among the process's open contexts (rabit2.api.enter)
 
     def __enter__(self) -> CommunicatorContext:
@@ -135,7 +137,8 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
                              "worker's own training state as a local model, which needs "
                              "rabit_local_replica >= 1 (default 2)")
         rank, world = rabit2.get_rank(), rabit2.get_world_size()
-        keep_payload_buffers()
+        if config is None or config.xgboost_heap:
+            self._put_back = raise_thresholds()
         self.endpoint = Endpoint(rank, world, None if config is None or not config.recover
                                  else config.replay_mb << 20)
         port = self.endpoint.start()
@@ -169,6 +172,9 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
         finally:
             if self.endpoint is not None:
                 self.endpoint.stop()
+            if self._put_back is not None:
+                self._put_back()
+                self._put_back = None
             if self._counted:
                 self._counted = False
                 exited()

@@ -5,18 +5,21 @@ payload's size in one process: XGBoost's gRPC client serialises the request and 
 reply, gRPC's server in the endpoint assembles the request and the reply, and the endpoint
 holds the result.  glibc serves each such buffer above its ``mmap`` threshold (128 KiB at
 first, raised by what is freed) with a fresh mapping, and gives memory freed at the top of a
-heap back to the kernel past its trim threshold (128 KiB): so each call of a few MB faults
-in a few thousand fresh pages (measured: 2 MiB calls, 700-2 460 page faults each), and on
-a VM a fresh page costs 1-2 us.  Keeping such buffers in the heap, and the heap's freed top,
-lets the next call reuse them (``docs/xgboost.md``, "What it costs").
+heap back to the kernel past its trim threshold (128 KiB at first): so each call of a few MB
+faults in a few thousand fresh pages (measured: 2 MiB calls, 700-2 460 page faults each; with
+the trim threshold of Dask's workers, 3 600-4 300), and on a VM a fresh page costs 1-2 us.
+Keeping such buffers in the heap, and the heap's freed top, lets the next call reuse them
+(``docs/xgboost.md``, "What it costs").
 
 The thresholds set are those glibc's own dynamic ones reach once the process has freed a
 buffer of 32 MiB: buffers up to 32 MiB come from a heap, and a heap's free top goes back to
 the kernel past 64 MiB (so each thread's arena, whose heaps are 64 MiB at most, keeps its
-free top).  Set once per process, for good, by :class:`rabit2.xgboost.CommunicatorContext`,
-on glibc only, and not where the environment set either threshold
-(``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, or their ``glibc.malloc`` tunables
-in ``GLIBC_TUNABLES``): those apply then.
+free top).  :class:`rabit2.xgboost.CommunicatorContext` sets them when it joins (glibc only;
+``rabit2_xgboost_heap=0`` leaves glibc alone).  Where the environment had set either
+threshold (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, or their ``glibc.malloc``
+tunables in ``GLIBC_TUNABLES``, as Dask's nanny does), the context puts the environment's
+values back when it ends and hands the freed memory back to the kernel; otherwise they stay
+(glibc's dynamic thresholds cannot be put back, and these are what they become).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import ctypes
 import logging
 import os
 import platform
+from collections.abc import Callable, Mapping
 
 logger = logging.getLogger("rabit2.xgboost")
 
@@ -35,33 +39,60 @@ MMAP_THRESHOLD = 32 << 20
 TRIM_THRESHOLD = 2 * MMAP_THRESHOLD
 """Freed memory at the top of a heap that stays with the process (what glibc's dynamic
 threshold sets with the ``mmap`` threshold above)."""
-_TUNABLES = ("glibc.malloc.mmap_threshold=", "glibc.malloc.trim_threshold=")
-
-_done: list[bool] = []
-
-
-def chosen_by_the_environment(environ: os._Environ[str] | dict[str, str]) -> bool:
-    """Whether the environment set glibc's ``mmap`` or trim threshold for this process."""
-    tunables = environ.get("GLIBC_TUNABLES", "")
-    return ("MALLOC_MMAP_THRESHOLD_" in environ or "MALLOC_TRIM_THRESHOLD_" in environ
-            or any(name in tunables for name in _TUNABLES))
+GLIBC_FIRST = 128 << 10
+"""Either threshold where the environment set only the other (glibc's dynamic thresholds are
+off then)."""
+_TUNABLES = {"glibc.malloc.mmap_threshold": M_MMAP_THRESHOLD,
+             "glibc.malloc.trim_threshold": M_TRIM_THRESHOLD}
+_VARIABLES = {"MALLOC_MMAP_THRESHOLD_": M_MMAP_THRESHOLD,
+              "MALLOC_TRIM_THRESHOLD_": M_TRIM_THRESHOLD}
 
 
-def keep_payload_buffers() -> bool:
-    """Raise glibc's ``mmap`` and trim thresholds (once per process); whether they are set
-    (False: not glibc, or the environment chose them)."""
-    if _done:
-        return _done[0]
-    libc_name, _ = platform.libc_ver()
-    ok = False
-    if libc_name == "glibc" and not chosen_by_the_environment(os.environ):
+def environments_thresholds(environ: Mapping[str, str]) -> dict[int, int] | None:
+    """The thresholds the environment set for this process, by ``mallopt`` parameter (empty:
+    none); None where it set one in a way this cannot read (then glibc is left alone)."""
+    found: dict[int, int] = {}
+    settings = [(name, environ[name]) for name in _VARIABLES if name in environ]
+    for item in environ.get("GLIBC_TUNABLES", "").split(":"):
+        name, _, value = item.partition("=")
+        if name in _TUNABLES:
+            settings.append((name, value))
+    for name, value in settings:
+        param = _VARIABLES.get(name, _TUNABLES.get(name))
+        assert param is not None
         try:
-            libc = ctypes.CDLL(None)
-            ok = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-                      and libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
-        except (OSError, AttributeError):
-            ok = False
-        if not ok:
-            logger.debug("glibc's mallopt refused the thresholds: left as they were")
-    _done.append(ok)
-    return ok
+            number = int(value.strip(), 0)
+        except ValueError:
+            return None
+        if found.get(param, number) != number or not 0 <= number < 1 << 31:
+            return None
+        found[param] = number
+    return found
+
+
+def raise_thresholds(environ: Mapping[str, str] | None = None) -> Callable[[], None] | None:
+    """Set the two thresholds; returns what puts the environment's own back (None: nothing
+    to put back, or nothing was set: not glibc, or an environment this cannot read)."""
+    environ = os.environ if environ is None else environ
+    if platform.libc_ver()[0] != "glibc":
+        return None
+    own = environments_thresholds(environ)
+    if own is None:
+        logger.debug("glibc's malloc thresholds left as the environment set them")
+        return None
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return None
+    if not (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD,
+                                                                  TRIM_THRESHOLD)):
+        logger.debug("glibc's mallopt refused the thresholds")
+    if not own:
+        return None
+
+    def put_back() -> None:
+        for param in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD):
+            mallopt(param, own.get(param, GLIBC_FIRST))
+        ctypes.CDLL(None).malloc_trim(0)
+
+    return put_back

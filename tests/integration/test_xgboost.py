@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
 import re
 import socket
 import subprocess
@@ -439,6 +440,25 @@ def test_training_before_rx_train_keeps_a_bounded_prelude_and_no_checkpoints() -
                           r"rabit2\.xgboost\.train, kept for its checkpoints, outgrew", out)
         assert len(said) == 1, out[-3000:]
         assert f"rank {rank}: rabit2.xgboost.train takes no checkpoints" in out, out[-3000:]
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's malloc thresholds")
+@pytest.mark.parametrize(("args", "raised"), [((), True), (("rabit2_xgboost_heap=0",), False)])
+def test_the_context_keeps_payload_sized_buffers_and_puts_dasks_thresholds_back(
+        args: tuple[str, ...], raised: bool) -> None:
+    """With Dask's trim threshold in the environment every 2 MiB buffer is faulted in afresh
+    (about 1024 pages per iteration); inside the context they are reused, and after it the
+    environment's threshold holds again.  ``rabit2_xgboost_heap=0`` leaves glibc alone."""
+    result = submit(2, "heap", *args, script="xgb_misuse.py", timeout=90,
+                    env=("MALLOC_TRIM_THRESHOLD_=65536",))
+    out = result.stdout + result.stderr
+    assert result.returncode == 0, out[-3000:]
+    for rank in (0, 1):
+        found = re.search(rf"outcome rank={rank} heap inside=(\d+) after=(\d+)", out)
+        assert found, out[-3000:]
+        inside, after = int(found.group(1)), int(found.group(2))
+        assert after > 900, out[-3000:]
+        assert (inside < 100) if raised else (inside > 900), out[-3000:]
 
 
 def test_ranks_of_different_bounds_agree_whether_rx_train_checkpoints() -> None:

@@ -9,11 +9,13 @@ LearningRateScheduler of a list: its function is code, not checkpointed state),
 (``rabit_local_replica=0`` with recovery on), ``plain-first`` (``xgboost.train`` inside the
 context before ``rx.train``: the calls before ``rx.train`` grow past ``rabit2_replay_mb``),
 ``uneven-bound`` (the same with ``rabit2_replay_mb=1`` on rank 0 only: the ranks still agree
-whether ``rx.train`` checkpoints)."""
+whether ``rx.train`` checkpoints), ``heap`` (page faults of freeing and allocating 2 MiB
+buffers again, inside the context and after it)."""
 
 from __future__ import annotations
 
 import os
+import resource
 import sys
 
 import numpy as np
@@ -31,8 +33,24 @@ class Holder(xgboost.callback.TrainingCallback):
         self.log = open(os.devnull, "w")  # noqa: SIM115 - held for the whole training
 
 
+def faults() -> float:
+    """Page faults per iteration of allocating and freeing two 2 MiB buffers."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(50):
+        a = bytearray(2 << 20)
+        b = bytes(a)
+        del a, b
+    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 50
+
+
 def main() -> None:
     mode = sys.argv[1]
+    if mode == "heap":
+        with rx.CommunicatorContext(sys.argv[2:]):
+            inside = faults()
+        print(f"outcome rank={os.environ['DMLC_TASK_ID']} heap inside={inside:.0f} "
+              f"after={faults():.0f}", flush=True)
+        return
     rng = np.random.default_rng(7)
     x = rng.normal(size=(200, 4)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.float32)
