@@ -25,16 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # request and reply): page faults per iteration before raise_thresholds(), while raised,
 # and after what it returned put the environment's back
 PROBE = """
-import resource
+import sys
 from rabit2.xgboost import memory
-
-def faults():
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(50):
-        a = bytearray(2 << 20)
-        b = bytes(a)
-        del a, b
-    return (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 50
+sys.path.insert(0, "tests/support/workers")
+from xgb_misuse import faults
 
 first = faults()
 put_back = memory.raise_thresholds()
