@@ -170,11 +170,13 @@ class CommunicatorContext(contextlib.AbstractContextManager["CommunicatorContext
             else:
                 rabit2.finalize()
         finally:
-            if self.endpoint is not None:
-                self.endpoint.stop()
-            if self._put_back is not None:
-                self._put_back()
-                self._put_back = None
+            put_back, self._put_back = self._put_back, None
+            try:
+                if self.endpoint is not None:
+                    self.endpoint.stop()
+            finally:
+                if put_back is not None:
+                    put_back()
             if self._counted:
                 self._counted = False
                 exited()

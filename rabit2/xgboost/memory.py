@@ -28,6 +28,7 @@ import ctypes
 import logging
 import os
 import platform
+import re
 from collections.abc import Callable, Mapping
 
 logger = logging.getLogger("rabit2.xgboost")
@@ -48,22 +49,45 @@ _VARIABLES = {"MALLOC_MMAP_THRESHOLD_": M_MMAP_THRESHOLD,
               "MALLOC_TRIM_THRESHOLD_": M_TRIM_THRESHOLD}
 
 
+_NUMBER = re.compile(r"[ \t]*\+?([1-9][0-9]*|0|0[xX][0-9a-fA-F]+)")
+"""A value every glibc reads alike (no octal, no trailing characters: 2.39 rejects those)."""
+
+
+def startup_environ() -> Mapping[str, str]:
+    """The environment this process was started with, which is what glibc read (a later
+    ``os.environ`` change, e.g. Dask's ``distributed.nanny.environ`` or a forked child's,
+    never reached glibc); ``os.environ`` where ``/proc`` cannot tell."""
+    try:
+        with open("/proc/self/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return os.environ
+    found: dict[str, str] = {}
+    for entry in raw.split(b"\0"):
+        name, eq, value = entry.partition(b"=")
+        if eq:
+            found.setdefault(os.fsdecode(name), os.fsdecode(value))
+    return found
+
+
 def environments_thresholds(environ: Mapping[str, str]) -> dict[int, int] | None:
     """The thresholds the environment set for this process, by ``mallopt`` parameter (empty:
     none); None where it set one in a way this cannot read (then glibc is left alone)."""
     found: dict[int, int] = {}
     settings = [(name, environ[name]) for name in _VARIABLES if name in environ]
-    for item in environ.get("GLIBC_TUNABLES", "").split(":"):
+    items = environ.get("GLIBC_TUNABLES", "").split(":")
+    if items != [""] and ("=" not in items[-1] or any(i.count("=") > 1 for i in items)):
+        return None  # (glibc 2.39 and later ignore the whole string then; 2.36 not)
+    for item in items:
         name, _, value = item.partition("=")
         if name in _TUNABLES:
             settings.append((name, value))
     for name, value in settings:
         param = _VARIABLES.get(name, _TUNABLES.get(name))
         assert param is not None
-        try:
-            number = int(value.strip(), 0)
-        except ValueError:
+        if not _NUMBER.fullmatch(value):
             return None
+        number = int(value.strip(" \t"), 0)
         if found.get(param, number) != number or not 0 <= number < 1 << 31:
             return None
         found[param] = number
@@ -73,7 +97,7 @@ def environments_thresholds(environ: Mapping[str, str]) -> dict[int, int] | None
 def raise_thresholds(environ: Mapping[str, str] | None = None) -> Callable[[], None] | None:
     """Set the two thresholds; returns what puts the environment's own back (None: nothing
     to put back, or nothing was set: not glibc, or an environment this cannot read)."""
-    environ = os.environ if environ is None else environ
+    environ = startup_environ() if environ is None else environ
     if platform.libc_ver()[0] != "glibc":
         return None
     own = environments_thresholds(environ)
@@ -81,9 +105,12 @@ def raise_thresholds(environ: Mapping[str, str] | None = None) -> Callable[[], N
         logger.debug("glibc's malloc thresholds left as the environment set them")
         return None
     try:
-        mallopt = ctypes.CDLL(None).mallopt
+        libc = ctypes.CDLL(None)
+        mallopt, malloc_trim = libc.mallopt, libc.malloc_trim
     except (OSError, AttributeError):
         return None
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    malloc_trim.argtypes, malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
     if not (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD,
                                                                   TRIM_THRESHOLD)):
         logger.debug("glibc's mallopt refused the thresholds")
@@ -93,6 +120,6 @@ def raise_thresholds(environ: Mapping[str, str] | None = None) -> Callable[[], N
     def put_back() -> None:
         for param in (M_MMAP_THRESHOLD, M_TRIM_THRESHOLD):
             mallopt(param, own.get(param, GLIBC_FIRST))
-        ctypes.CDLL(None).malloc_trim(0)
+        malloc_trim(0)
 
     return put_back

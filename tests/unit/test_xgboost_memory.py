@@ -25,8 +25,10 @@ ROOT = Path(__file__).resolve().parents[2]
 # request and reply): page faults per iteration before raise_thresholds(), while raised,
 # and after what it returned put the environment's back
 PROBE = """
-import sys
+import os, sys
 from rabit2.xgboost import memory
+if os.environ.get("RABIT2_PROBE_LATE"):
+    os.environ["MALLOC_TRIM_THRESHOLD_"] = "65536"  # (after start: glibc never reads it)
 sys.path.insert(0, "tests/support/workers")
 from xgb_misuse import faults
 
@@ -85,3 +87,18 @@ def test_what_the_environment_set_is_read() -> None:
                  "glibc.malloc.trim_threshold=2"}):
         assert environments_thresholds(env) is None
     assert GLIBC_FIRST == 128 << 10
+
+
+@glibc_only
+def test_a_threshold_set_in_os_environ_after_start_is_not_put_back() -> None:
+    """glibc read the environment at exec: a variable set later (Dask's
+    ``distributed.nanny.environ``, a forked child) never applied, so nothing is put back."""
+    put_back, _, raised, after = _probe(RABIT2_PROBE_LATE="1")
+    assert not put_back and raised < 100 and after < 100
+
+
+def test_values_glibc_versions_read_differently_leave_glibc_alone() -> None:
+    for env in ({"MALLOC_TRIM_THRESHOLD_": "65536 "}, {"MALLOC_TRIM_THRESHOLD_": "010"},
+                {"MALLOC_TRIM_THRESHOLD_": "1_000"},
+                {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=65536:"}):
+        assert environments_thresholds(env) is None
