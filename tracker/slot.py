@@ -21,7 +21,10 @@ it tells the tracker (``give_up``, ``docs/protocol.md``), which aborts the job a
 ``rabit2-submit`` would: the other workers raise ``JobAbortedError`` at once instead of
 waiting for a replacement. While a worker runs, the slot asks the tracker every ``--watch``
 seconds whether it declared that worker lost (paused or wedged past the heartbeat
-deadline): then it kills it, and the usual restart follows. SIGTERM, SIGINT or SIGHUP (the
+deadline): then it kills it, and the usual restart follows. It also checks then that the
+process that started it (srun's step, mpirun) is still there: once it is gone (killed before
+it could pass a signal on), the slot stops the command and ends, as on SIGTERM, so that no
+worker outlives its launcher. SIGTERM, SIGINT or SIGHUP (the
 launcher cancelling the job) stop the command (SIGTERM, then SIGKILL after
 ``--kill-grace``; it runs in this program's process group, which the launcher tracks) and
 end the supervisor without a restart. A worker that had a rank in a job without recovery
@@ -35,13 +38,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import functools
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import FrameType
 from typing import Any
 
@@ -152,13 +157,15 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901
     stopped = threading.Event()
     current: list[ChildGroup] = []
 
-    def on_signal(signum: int, frame: FrameType | None) -> None:
+    def stop(signum: int = 0, frame: FrameType | None = None) -> None:
+        """Stop the worker and end without a restart (a signal's handler too)."""
         stopped.set()
         if current:
             current[0].stop()
+    orphaned = functools.partial(_orphaned, os.getppid(), task, stop)
 
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, on_signal)
+        signal.signal(signum, stop)
 
     code = 0
     for run in range(args.max_attempts):
@@ -177,7 +184,8 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: C901
         ended = threading.Event()
         if args.watch > 0:
             threading.Thread(target=_watch,
-                             args=(env, task, first_attempt + run, proc, args.watch, ended),
+                             args=(env, task, first_attempt + run, proc, args.watch, ended,
+                                   orphaned),
                              daemon=True, name="rabit2-slot-watch").start()
         code = exit_status(proc.wait())
         ended.set()
@@ -262,20 +270,26 @@ def _left_early(env: Mapping[str, str], task: str) -> str | None:
 
 
 def _watch(env: Mapping[str, str], task: str, attempt: int, proc: subprocess.Popen[bytes],
-           interval: float, ended: threading.Event) -> None:
+           interval: float, ended: threading.Event, orphaned: Callable[[], bool]) -> None:
     """Kill the running worker (SIGKILL: a stopped process too) once the tracker has
     declared it lost, e.g. silent past its heartbeat deadline, so that the usual restart
     runs, as ``rabit2-submit`` does for its own workers.  "Lost" is: the tracker knows this
     run (its attempt number), no longer has a connection from it, and it did not shut down.
-    A tracker that cannot be asked is asked again later."""
+    A tracker that cannot be asked is asked again later; once the job is over it is not
+    asked again.  Until the worker ends, ``orphaned()`` is checked each time (the slot's
+    launcher gone: it stops the worker)."""
+    asking = True  # (no tracker in the environment, or a job over: nothing more to ask)
     while not ended.wait(interval):
+        if orphaned():
+            return
+        if not asking:
+            continue
         status = _ask_tracker(env, task)
-        if status is None:
-            return  # no tracker in the environment: nothing to watch
+        if status is None or (isinstance(status, dict) and status.get("done")):
+            asking = False
+            continue
         if isinstance(status, str):
             continue
-        if status.get("done"):
-            return
         entry = next((e for e in status.get("tasks", []) if e.get("task_id") == task), None)
         if (entry is not None and entry.get("attempt") == attempt
                 and not entry.get("connected") and not entry.get("finished")):
@@ -289,8 +303,21 @@ def _watch(env: Mapping[str, str], task: str, attempt: int, proc: subprocess.Pop
             return
 
 
+def _orphaned(parent: int, task: str, stop: Callable[[], None]) -> bool:
+    """Whether the launcher that started this slot (``parent``) is gone, taking its signals
+    with it; if so, stop the worker as on SIGTERM."""
+    if os.getppid() == parent:
+        return False
+    _note(task, "the process that started this slot is gone; stopping the worker")
+    stop()
+    return True
+
+
 def _note(task: str, message: str) -> None:
-    print(f"[rabit2 slot {task}] {message}", file=sys.stderr, flush=True)
+    """Say ``message`` on stderr, if anyone still reads it (a launcher killed outright took
+    the other end of the pipe with it)."""
+    with contextlib.suppress(OSError):
+        print(f"[rabit2 slot {task}] {message}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
