@@ -12,7 +12,6 @@ runs the same loop with nothing kept.  Alternate the two with ``--rounds``.
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from run import CHECKOUT_ENV
 
 import rabit2
 
@@ -32,7 +32,7 @@ def worker(size: int, calls: int, window: int) -> None:
     data = np.ones(size // 4, dtype=np.float32)
     one = np.zeros(1, dtype=np.float32)
     spent = []
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for i in range(calls):
         rabit2.allreduce(one, rabit2.Op.SUM)
         data.fill(i % 13)
@@ -41,7 +41,7 @@ def worker(size: int, calls: int, window: int) -> None:
         spent.append(time.perf_counter() - start)
         if data[0] != (i % 13) * rabit2.get_world_size():
             raise SystemExit(f"rank {rank}: wrong result at call {i}")
-    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / calls
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / calls
     medians = " ".join(f"{np.median(spent[at:at + window]) * 1e6:.0f}"
                        for at in range(0, calls, window))
     print(f"FILL rank {rank}: {faults:.1f} faults/call; us per window of {window}: {medians}",
@@ -62,8 +62,6 @@ def main() -> None:
     if args.worker:
         worker(args.size, args.calls, args.window)
         return
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (CHECKOUT, os.environ.get("PYTHONPATH", "")) if p)}
     settings = ("on", "off") if args.recover == "both" else (args.recover,)
     for rnd in range(1, args.rounds + 1):
         for recover in settings:
@@ -72,7 +70,8 @@ def main() -> None:
                  str(args.n), *(() if recover == "on" else ("--env", "RABIT2_RECOVER=0")),
                  "--", sys.executable, __file__, "--worker", "--size", str(args.size), "--calls",
                  str(args.calls), "--window", str(args.window)],
-                capture_output=True, text=True, check=False, timeout=900, env=env, cwd=CHECKOUT)
+                capture_output=True, text=True, check=False, timeout=900, env=CHECKOUT_ENV,
+                cwd=CHECKOUT)
             lines = sorted(line.split("FILL ", 1)[1] for line in
                            (out.stdout + out.stderr).splitlines() if "FILL rank" in line)
             print(f"round {rnd}, recovery {recover}:", flush=True)

@@ -43,10 +43,10 @@ threshold sets with the ``mmap`` threshold above)."""
 GLIBC_FIRST = 128 << 10
 """Either threshold where the environment set only the other (glibc's dynamic thresholds are
 off then)."""
-_TUNABLES = {"glibc.malloc.mmap_threshold": M_MMAP_THRESHOLD,
-             "glibc.malloc.trim_threshold": M_TRIM_THRESHOLD}
 _VARIABLES = {"MALLOC_MMAP_THRESHOLD_": M_MMAP_THRESHOLD,
               "MALLOC_TRIM_THRESHOLD_": M_TRIM_THRESHOLD}
+_TUNABLES = {"glibc.malloc.mmap_threshold": M_MMAP_THRESHOLD,
+             "glibc.malloc.trim_threshold": M_TRIM_THRESHOLD}
 
 
 _NUMBER = re.compile(r"[ \t]*\+?([1-9][0-9]*|0|0[xX][0-9a-fA-F]+)")
@@ -74,17 +74,16 @@ def environments_thresholds(environ: Mapping[str, str]) -> dict[int, int] | None
     """The thresholds the environment set for this process, by ``mallopt`` parameter (empty:
     none); None where it set one in a way this cannot read (then glibc is left alone)."""
     found: dict[int, int] = {}
-    settings = [(name, environ[name]) for name in _VARIABLES if name in environ]
+    settings = [(param, environ[name]) for name, param in _VARIABLES.items()
+                if name in environ]
     items = environ.get("GLIBC_TUNABLES", "").split(":")
     if items != [""] and ("=" not in items[-1] or any(i.count("=") > 1 for i in items)):
         return None  # (glibc 2.39 and later ignore the whole string then; 2.36 not)
     for item in items:
         name, _, value = item.partition("=")
         if name in _TUNABLES:
-            settings.append((name, value))
-    for name, value in settings:
-        param = _VARIABLES.get(name, _TUNABLES.get(name))
-        assert param is not None
+            settings.append((_TUNABLES[name], value))
+    for param, value in settings:
         if not _NUMBER.fullmatch(value):
             return None
         number = int(value.strip(" \t"), 0)
@@ -97,10 +96,9 @@ def environments_thresholds(environ: Mapping[str, str]) -> dict[int, int] | None
 def raise_thresholds(environ: Mapping[str, str] | None = None) -> Callable[[], None] | None:
     """Set the two thresholds; returns what puts the environment's own back (None: nothing
     to put back, or nothing was set: not glibc, or an environment this cannot read)."""
-    environ = startup_environ() if environ is None else environ
     if platform.libc_ver()[0] != "glibc":
         return None
-    own = environments_thresholds(environ)
+    own = environments_thresholds(startup_environ() if environ is None else environ)
     if own is None:
         logger.debug("glibc's malloc thresholds left as the environment set them")
         return None
